@@ -1,0 +1,1 @@
+"""Subcommands of `odb-pipeline`, one module each."""

@@ -1,0 +1,229 @@
+"""The one typed configuration: file (YAML/JSON) < environment (ODB_*) < flags, validated at start.
+
+Environment names are derived from the model (`ODB_` + field path joined by `__`, upper case,
+e.g. `ODB_GRPC__PORT`), so deploy manifests and docs can be checked against `env_var_names()`
+instead of a second hand-written list. Jobs are a list and come from the file only; a job's
+secret token comes from the environment variable its `token_env` names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.errors import UserError
+
+ENV_PREFIX = "ODB_"
+
+
+class ConfigError(UserError):
+    """A config value is wrong; the message names the field path and the value."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class SourceConfig(_Model):
+    paths: list[str] = Field(min_length=1, description="JSONL/Parquet files, dirs or URIs")
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+
+
+class AugmentConfig(_Model):
+    """Cost-changing augmentation, seeded by (job seed, epoch, sample_id)."""
+
+    enabled: bool = True
+    system_prompts: list[str] = Field(default_factory=list)
+    system_prompt_prob: float = Field(0.0, ge=0.0, le=1.0)
+    turn_subsample_prob: float = Field(0.0, ge=0.0, le=1.0)
+    image_scale_min: float = Field(1.0, gt=0.0, le=4.0)
+    image_scale_max: float = Field(1.0, gt=0.0, le=4.0)
+
+    @model_validator(mode="after")
+    def _scale_range(self) -> AugmentConfig:
+        if self.image_scale_min > self.image_scale_max:
+            raise ValueError(
+                f"image_scale_min ({self.image_scale_min}) > image_scale_max "
+                f"({self.image_scale_max})"
+            )
+        return self
+
+
+class PreprocessConfig(_Model):
+    tokenizer_dir: str | None = Field(None, description="local tokenizer dir; None = bundled Qwen")
+    chat_template: str | None = Field(None, description="'qwen2' | 'qwen3' | a Jinja file path")
+    max_seq_len: int = Field(4096, gt=0)
+    truncation: Literal["truncate", "quarantine"] = "truncate"
+    image_min_pixels: int = Field(56 * 56, gt=0)
+    image_max_pixels: int = Field(1024 * 1024, gt=0)
+    augment: AugmentConfig = AugmentConfig()
+
+
+class BatchingConfig(_Model):
+    token_budget: int = Field(16384, gt=0)
+    collate: Literal["padded", "packed"] = "padded"
+    attn_a: float = Field(1.0, ge=0.0, description="compute cost a*L + b*L^2 per sample")
+    attn_b: float = Field(0.0, ge=0.0)
+    max_visual_tokens: int | None = Field(None, gt=0)
+    buffer_size: int = Field(1024, gt=0)
+    over_budget: Literal["truncate", "alone", "quarantine"] = "truncate"
+
+
+class JobConfig(_Model):
+    job_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    token_env: str | None = Field(None, description="env var holding the job's bearer token")
+    world_size: int = Field(ge=1, le=65536)
+    mode: Literal["join", "quota"] = "join"
+    seed: int = 0
+    epochs: int = Field(1, ge=1)
+    source: SourceConfig
+    preprocess: PreprocessConfig = PreprocessConfig()
+    batching: BatchingConfig = BatchingConfig()
+
+    def token(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The bearer token, read from the environment at use (never stored in the config)."""
+        if self.token_env is None:
+            return None
+        env = os.environ if environ is None else environ
+        value = env.get(self.token_env)
+        if not value:
+            raise ConfigError(f"jobs[{self.job_id}].token_env: environment variable "
+                              f"{self.token_env} is unset or empty")
+        return value
+
+
+class GrpcConfig(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535, description="0 = pick a free port")
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    max_message_mb: int = Field(64, gt=0)
+    prefetch_steps: int = Field(4, gt=0, description="steps in flight per rank (flow control)")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GrpcConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be set together")
+        return self
+
+
+class RayConfig(_Model):
+    address: str | None = Field(None, description="None = start a private local Ray")
+    num_cpus: int | None = Field(None, gt=0)
+    object_store_mb: int = Field(512, gt=0)
+
+
+class ServiceConfig(_Model):
+    redis_url: str | None = Field(None, description="None = start an embedded local Redis")
+    lease_seconds: float = Field(10.0, gt=0)
+    rank_timeout_seconds: float = Field(60.0, gt=0)
+    metrics_port: int | None = Field(9464, ge=0, le=65535)
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    grpc: GrpcConfig = GrpcConfig()
+    ray: RayConfig = RayConfig()
+    jobs: list[JobConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_jobs(self) -> ServiceConfig:
+        seen: set[str] = set()
+        for job in self.jobs:
+            if job.job_id in seen:
+                raise ValueError(f"duplicate job_id {job.job_id!r}")
+            seen.add(job.job_id)
+        return self
+
+    def job(self, job_id: str) -> JobConfig:
+        for job in self.jobs:
+            if job.job_id == job_id:
+                return job
+        raise KeyError(job_id)
+
+
+def env_var_names(model: type[BaseModel] = ServiceConfig, prefix: str = ENV_PREFIX) -> list[str]:
+    """Every environment variable the config reads (scalar fields of nested models, not lists)."""
+    names: list[str] = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            names += env_var_names(ann, f"{prefix}{name.upper()}__")
+        elif name != "jobs":
+            names.append(f"{prefix}{name.upper()}")
+    return names
+
+
+def _env_overrides(environ: Mapping[str, str], model: type[BaseModel], prefix: str) -> dict:
+    out: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            nested = _env_overrides(environ, ann, f"{prefix}{name.upper()}__")
+            if nested:
+                out[name] = nested
+        elif name != "jobs" and f"{prefix}{name.upper()}" in environ:
+            raw = environ[f"{prefix}{name.upper()}"]
+            # Empty string means "unset" (None) for optional fields, as in k8s env blocks.
+            out[name] = None if raw == "" else raw
+    return out
+
+
+def _deep_merge(base: dict, top: Mapping) -> dict:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_config_file(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # noqa: BLE001 - parse errors of either format
+        raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.')}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping at top level")
+    return data
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) if not isinstance(x, int) else f"[{x}]" for x in err["loc"])
+        loc = loc.replace(".[", "[")
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        parts.append(f"{loc or '<root>'}{shown}: {err['msg']}")
+    return "invalid config: " + "; ".join(parts)
+
+
+def load_config(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServiceConfig:
+    """File, then ODB_* environment, then explicit overrides (CLI flags); validated once."""
+    data = read_config_file(path) if path is not None else {}
+    data = _deep_merge(data, _env_overrides(os.environ if environ is None else environ,
+                                            ServiceConfig, ENV_PREFIX))
+    data = _deep_merge(data, overrides or {})
+    try:
+        return ServiceConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None

@@ -1,0 +1,1 @@
+"""Pure planning logic: cost model, online batch forming, DGAP step planning."""

@@ -1,0 +1,116 @@
+"""Plain data classes the planner consumes and produces.
+
+These are the vocabulary of DESIGN.md (sample, batch, step, plan) as values: no I/O, no Ray, no
+gRPC. Every other part of the service (preprocessing, gRPC data plane, Redis coordinator) speaks
+in these types, so field names here are a contract; add fields, do not rename them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+# Opaque and hashable. The service uses "<source>:<row>" strings; the `plan` CLI uses the
+# line number of a lengths file (int) or whatever the JSONL file names.
+SampleId = int | str
+
+
+class DgapMode(str, Enum):
+    JOIN = "join"  # ranks may end at different steps; every sample exactly once
+    QUOTA = "quota"  # every rank the same number of steps; leftovers carried to next epoch
+
+
+class Collate(str, Enum):
+    PADDED = "padded"  # cost = len(batch) * max_len(batch)
+    PACKED = "packed"  # cost = sum(len)
+
+
+class OverBudgetPolicy(str, Enum):
+    TRUNCATE = "truncate"  # cut the sample to fit the budget alone, flag it
+    ALONE = "alone"  # emit it as a batch of its own, flagged as over budget
+    QUARANTINE = "quarantine"  # set it aside with a reason, never emitted
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredSample:
+    """What the planner knows of a sample: its id and its true, post-preprocessing size."""
+
+    sample_id: SampleId
+    num_tokens: int
+    num_visual_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The samples one rank runs at one step."""
+
+    rank: int
+    samples: tuple[MeasuredSample, ...]
+    cost: int
+    # Set when the batch exists only because of the over-budget policy (`alone`/`truncate`).
+    over_budget: bool = False
+    # For `truncate`: sample_id -> tokens kept (the payload must be cut to this length).
+    truncated_to: dict[SampleId, int] = field(default_factory=dict)
+
+    @property
+    def sample_ids(self) -> tuple[SampleId, ...]:
+        return tuple(s.sample_id for s in self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.truncated_to.get(s.sample_id, s.num_tokens) for s in self.samples)
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """All-rank totals of one step, carried on every batch for exact loss scaling (Guarantee 6)."""
+
+    step_samples: int
+    step_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """The batches (at most one per rank) that run together. Once published it never changes.
+
+    `step` is global and monotonic across the job's epochs (epoch e+1 starts after every rank's
+    last step of epoch e), so a single integer identifies a resume point.
+    A rank that has no batch at a step (join mode, after its final step) is absent from `batches`.
+    """
+
+    epoch: int
+    step: int
+    batches: tuple[Batch, ...]
+    info: StepInfo
+
+    def batch_for(self, rank: int) -> Batch | None:
+        for b in self.batches:
+            if b.rank == rank:
+                return b
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """A sample the planner set aside (over-budget policy `quarantine`), with its reason."""
+
+    sample: MeasuredSample
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EpochEnd:
+    """Closes an epoch. `final_step[r]` is rank r's last step in this epoch (None: it got none).
+
+    In quota mode every rank has the same final step and `carried_over` holds the samples that
+    could not fill the last aligned step; they open the next epoch (or, after the last epoch, are
+    reported, never silently dropped).
+    """
+
+    epoch: int
+    final_step: tuple[int | None, ...]
+    steps: int
+    carried_over: tuple[MeasuredSample, ...] = ()
+
+
+PlanEvent = Step | Quarantined | EpochEnd

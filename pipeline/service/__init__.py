@@ -1,0 +1,1 @@
+"""The data plane: job runtime, collation, gRPC server."""

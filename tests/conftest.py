@@ -1,0 +1,70 @@
+"""Session-wide real services: one redis-server and (lazily) one local Ray for the whole run.
+
+Ray costs 5-11 s and ~900 MB to start on these machines, so every test that needs it shares the
+one instance from `ray_session`; Redis is cheap but shared too, each test gets a clean db via
+`redis_client`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from pipeline.redis_server import LocalRedis
+
+# Private Ray: no token auth files in ~/.ray, workers not starved by nice 15 (NOTES.md).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    server = LocalRedis().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def redis_url(redis_server: LocalRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_server: LocalRedis):
+    from pipeline.redis_client import connect
+
+    client = connect(redis_server.url)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray for the whole test session (started on first use)."""
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="odb-ray-", dir="/tmp")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        object_store_memory=512 * 1024 * 1024,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    try:
+        yield None
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""What runs inside the trainer: the per-rank batch stream and its helpers."""
