@@ -195,7 +195,7 @@ def read_config_file(path: str | Path) -> dict:
             data = yaml.safe_load(text) or {}
         else:
             data = json.loads(text)
-    except Exception as exc:  # noqa: BLE001 - parse errors of either format
+    except Exception as exc:  # YAML and JSON raise different error types
         raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.')}: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping at top level")

@@ -1,4 +1,4 @@
-"""The generated gRPC stubs under pipeline/wire/ must match proto/ (regenerate: proto/generate.py)."""
+"""Generated gRPC stubs under pipeline/wire/ must match proto/ (regenerate: proto/generate.py)."""
 
 import subprocess
 import sys

@@ -1,0 +1,31 @@
+# One obvious way: `make demo` (sets up, then runs the demo) and `make test`.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint proto bench clean
+
+$(BIN)/odb-pipeline: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: this machine carries the CPU build; unpinned pulls multi-GB CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	@touch $@
+
+setup: $(BIN)/odb-pipeline
+
+demo: setup
+	$(BIN)/odb-pipeline demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+
+proto: setup
+	$(BIN)/python proto/generate.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

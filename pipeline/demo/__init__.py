@@ -1,0 +1,1 @@
+"""`odb-pipeline demo`: the whole system on one machine, with real trainer ranks."""

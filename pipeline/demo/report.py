@@ -1,0 +1,171 @@
+"""The demo's summary, computed from the trainer ranks' own per-step logs.
+
+Nothing here trusts the service's counters: coverage is checked from the sample ids the ranks
+actually trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def read_rank_logs(log_dir: Path) -> list[list[dict]]:
+    logs = []
+    for path in sorted(log_dir.glob("rank*.jsonl"), key=lambda p: int(p.stem[4:])):
+        logs.append([json.loads(line) for line in path.read_text().splitlines() if line])
+    return logs
+
+
+def summarize_run(name: str, run: dict[str, Any]) -> dict[str, Any]:
+    logs = read_rank_logs(run["logs"])
+    rows = [r for rank in logs for r in rank]
+    ids = Counter(sid for r in rows for sid in r["sample_ids"])
+    real = sum(r["real_tokens"] for r in rows)
+    padded = sum(r["padded_tokens"] for r in rows)
+    # Training wall time: from the first batch request of any rank to the last step's end.
+    start = min(r["t"] - r["wait_s"] - r["compute_s"] for r in rows) if rows else 0.0
+    end = max(r["t"] for r in rows) if rows else 0.0
+    train_s = max(end - start, 1e-9)
+    per_step: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for r in rows:
+        per_step[(r["epoch"], r["step"])].append(r["padded_tokens"])
+    balance = [max(v) / (sum(v) / len(v)) for v in per_step.values() if len(v) > 1]
+    stall = [sum(r["wait_s"] for r in rank) / max(1e-9, sum(r["wait_s"] + r["compute_s"]
+             for r in rank)) for rank in logs if rank]
+    epochs = run.get("epochs", 1)
+    duplicates = sum(c - epochs for c in ids.values() if c > epochs)
+    expected = run["expected_samples"]
+    return {
+        "run": name,
+        "ranks": len(logs),
+        "steps": len(per_step),
+        "steps_per_rank": [len(rank) for rank in logs],
+        "samples": sum(ids.values()),
+        "unique_samples": len(ids),
+        "expected_samples": expected,
+        "duplicates": duplicates,
+        # Identity coverage: every sample exactly once per epoch, across all ranks.
+        "coverage_exact": len(ids) == expected and all(c == epochs for c in ids.values()),
+        "train_s": train_s,
+        "samples_per_s": sum(ids.values()) / train_s,
+        "tokens_per_s": real / train_s,
+        "real_tokens": real,
+        "padded_tokens": padded,
+        "padding_efficiency": real / padded if padded else 0.0,
+        "rank_balance_p50": float(np.percentile(balance, 50)) if balance else 1.0,
+        "rank_balance_p95": float(np.percentile(balance, 95)) if balance else 1.0,
+        "data_stall": float(np.mean(stall)) if stall else 0.0,
+        "quarantined": len(run["quarantined"]),
+        "final_loss": float(np.mean([rank[-1]["loss"] for rank in logs if rank])) if rows else None,
+        **({"batch_size": run["batch_size"]} if "batch_size" in run else {}),
+    }
+
+
+def build_report(runs: dict[str, dict], opts) -> dict[str, Any]:
+    summaries = {name: summarize_run(name, run) for name, run in runs.items()}
+    odb = summaries["odb"]
+    report = {
+        "ranks": opts.ranks, "token_budget": opts.token_budget, "collate": opts.collate,
+        "epochs": opts.epochs, "runs": summaries,
+        "coverage_ok": odb["coverage_exact"],
+        "quarantine": runs["odb"]["quarantined"],
+    }
+    if "standard" in summaries:
+        std = summaries["standard"]
+        report["speedup_samples_per_s"] = odb["samples_per_s"] / max(std["samples_per_s"], 1e-9)
+    return report
+
+
+_ROWS = [
+    ("steps", "steps", "{:d}"),
+    ("steps per rank", "steps_per_rank", "{}"),
+    ("samples trained", "samples", "{:d}"),
+    ("samples / s", "samples_per_s", "{:.1f}"),
+    ("real tokens / s", "tokens_per_s", "{:.0f}"),
+    ("padding efficiency", "padding_efficiency", "{:.3f}"),
+    ("rank balance p50 / p95", None, None),
+    ("data stall", "data_stall", "{:.1%}"),
+    ("quarantined records", "quarantined", "{:d}"),
+    ("duplicated samples", "duplicates", "{:d}"),
+    ("final loss", "final_loss", "{:.3f}"),
+]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    runs = report["runs"]
+    names = list(runs)
+    header = ["", *(("odb-pipeline" if n == "odb" else
+                     f"standard (B={runs[n].get('batch_size')})") for n in names)]
+    lines = []
+    for label, key, fmt in _ROWS:
+        cells = [label]
+        for n in names:
+            s = runs[n]
+            if key is None:
+                cells.append(f"{s['rank_balance_p50']:.3f} / {s['rank_balance_p95']:.3f}")
+            else:
+                cells.append(fmt.format(s[key]) if s[key] is not None else "-")
+        lines.append(cells)
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+
+    def fmt_row(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+
+    out = [fmt_row(header), "  ".join("-" * w for w in widths), *map(fmt_row, lines)]
+    odb = runs["odb"]
+    out.append("")
+    verdict = "PASS" if report["coverage_ok"] else "FAIL"
+    out.append(f"identity coverage: {verdict} ({odb['unique_samples']} unique of "
+               f"{odb['expected_samples']} expected, {odb['duplicates']} duplicated)")
+    if "speedup_samples_per_s" in report:
+        out.append(f"odb-pipeline vs standard: {report['speedup_samples_per_s']:.2f}x samples/s")
+    return "\n".join(out)
+
+
+def plot(runs: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 7), squeeze=False,
+                             sharey="row")
+    for col, (name, run) in enumerate(runs.items()):
+        logs = read_rank_logs(run["logs"])
+        ax = axes[0][col]
+        for rank, rows in enumerate(logs):
+            ax.plot([r["step"] for r in rows], [r["padded_tokens"] for r in rows], lw=1,
+                    label=f"rank {rank} padded")
+            ax.plot([r["step"] for r in rows], [r["real_tokens"] for r in rows], lw=1, ls="--",
+                    label=f"rank {rank} real")
+        ax.set_title(f"{name}: tokens per step per rank")
+        ax.set_xlabel("step")
+        ax.set_ylabel("tokens")
+        ax.legend(fontsize=7)
+        ax = axes[1][col]
+        steps: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        for rows in logs:
+            for r in rows:
+                steps[r["step"]][0] += r["real_tokens"]
+                steps[r["step"]][1] += r["padded_tokens"]
+        xs = sorted(steps)
+        ax.plot(xs, [steps[x][0] / max(1, steps[x][1]) for x in xs], color="tab:green")
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{name}: padding efficiency per step")
+        ax.set_xlabel("step")
+        ax.set_ylabel("real / padded tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(report: dict[str, Any], runs: dict[str, dict], out_dir: Path) -> None:
+    (out_dir / "summary.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "summary.txt").write_text(format_table(report) + "\n")
+    plot(runs, out_dir / "demo.png")

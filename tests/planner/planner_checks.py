@@ -1,0 +1,114 @@
+"""Shared invariant checks for planner tests: every plan the tests make goes through these."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pipeline.planner.policy import BatchingPolicy
+from pipeline.planner.step_planner import StepPlanner
+from pipeline.planner.types import DgapMode, EpochEnd, MeasuredSample, Quarantined, Step
+
+
+def run_epochs(
+    epochs: list[list[MeasuredSample]],
+    policy: BatchingPolicy,
+    world_size: int,
+    mode: DgapMode | str = DgapMode.JOIN,
+    seed: int = 0,
+) -> list:
+    planner = StepPlanner(policy, world_size, mode, seed)
+    events: list = []
+    for samples in epochs:
+        for s in samples:
+            events.extend(planner.feed(s))
+        events.extend(planner.end_epoch())
+    return events
+
+
+def check_plan(
+    events: list,
+    epochs: list[list[MeasuredSample]],
+    policy: BatchingPolicy,
+    world_size: int,
+    mode: DgapMode | str,
+) -> dict:
+    """Assert every guarantee the planner gives; returns a few counts for extra asserts."""
+    mode = DgapMode(mode)
+    cm = policy.cost_model
+    budget = policy.token_budget
+    vcap = policy.max_visual_tokens
+    expected_step = 0
+    epoch = 0
+    carry_in: list[MeasuredSample] = []
+    emitted: Counter = Counter()
+    quarantined: Counter = Counter()
+    last_step: list[int | None] = [None] * world_size
+    steps_this_epoch = 0
+    partial_this_epoch = 0
+    ends: list[EpochEnd] = []
+    for ev in events:
+        if isinstance(ev, Step):
+            assert ev.epoch == epoch
+            assert ev.step == expected_step, "steps are global, monotonic and contiguous"
+            expected_step += 1
+            steps_this_epoch += 1
+            ranks = [b.rank for b in ev.batches]
+            assert ranks == sorted(set(ranks)), "at most one batch per rank, sorted by rank"
+            assert all(0 <= r < world_size for r in ranks)
+            assert ev.batches, "a step has at least one batch"
+            if mode is DgapMode.QUOTA:
+                assert len(ev.batches) == world_size, "quota: every step is full"
+            elif len(ev.batches) < world_size:
+                partial_this_epoch += 1
+            tokens = 0
+            for b in ev.batches:
+                assert b.samples, "no empty batches"
+                lens = [b.truncated_to.get(s.sample_id, s.num_tokens) for s in b.samples]
+                assert b.cost == cm.token_cost(lens)
+                if b.over_budget:
+                    assert len(b.samples) == 1, "over-budget batches hold one sample"
+                    s = b.samples[0]
+                    over = s.num_tokens > budget or (
+                        vcap is not None and s.num_visual_tokens > vcap
+                    )
+                    assert over
+                    if b.truncated_to:
+                        assert b.truncated_to == {s.sample_id: budget}
+                        assert b.cost <= budget
+                else:
+                    assert b.cost <= budget, f"budget violated: {b.cost} > {budget}"
+                    if vcap is not None:
+                        assert sum(s.num_visual_tokens for s in b.samples) <= vcap
+                tokens += sum(lens)
+                emitted.update(s.sample_id for s in b.samples)
+                last_step[b.rank] = ev.step
+            assert ev.info.step_samples == sum(len(b.samples) for b in ev.batches)
+            assert ev.info.step_tokens == tokens
+        elif isinstance(ev, Quarantined):
+            assert ev.reason
+            quarantined[ev.sample.sample_id] += 1
+        elif isinstance(ev, EpochEnd):
+            assert ev.epoch == epoch
+            assert ev.steps == steps_this_epoch
+            assert len(ev.final_step) == world_size
+            assert ev.final_step == tuple(last_step), "final_step is each rank's last step"
+            if mode is DgapMode.QUOTA:
+                assert len(set(ev.final_step)) <= 1, "quota: every rank ends on the same step"
+            else:
+                assert ev.carried_over == ()
+                assert partial_this_epoch <= 1, "bounded termination: at most one partial step"
+            fed = Counter(s.sample_id for s in carry_in) + Counter(
+                s.sample_id for s in epochs[epoch]
+            )
+            out = emitted + quarantined + Counter(s.sample_id for s in ev.carried_over)
+            assert out == fed, "every sample exactly once (or carried, in quota mode)"
+            carry_in = list(ev.carried_over)
+            ends.append(ev)
+            epoch += 1
+            emitted, quarantined = Counter(), Counter()
+            last_step = [None] * world_size
+            steps_this_epoch = partial_this_epoch = 0
+        else:  # pragma: no cover
+            raise AssertionError(f"unknown event {ev!r}")
+    assert epoch == len(epochs), "one EpochEnd per epoch"
+    return {"steps": expected_step, "ends": ends}
