@@ -1,0 +1,135 @@
+"""Example trainer for Kubernetes: torchrun ranks that read batches from the odb-pipeline service.
+
+Run by k8s/trainer-example (an Indexed Job, one torchrun node per pod):
+
+    torchrun --nnodes=2 --nproc-per-node=1 --node-rank=$IDX --master-addr=... \
+        /opt/odb/trainer/train_example.py --max-steps=200
+
+Environment: PIPELINE_ENDPOINT (host:port of the service), PIPELINE_JOB (job id),
+PIPELINE_TOKEN (the job's bearer token, from a Secret); RANK/WORLD_SIZE/LOCAL_RANK from torchrun.
+
+The model is a toy (token embedding + linear head over token ids folded into a small vocabulary);
+what the example shows is the data-plane wiring: one BatchStream per rank, DDP under
+`torch.distributed.algorithms.Join` so ranks may end an epoch at different steps (join mode),
+exact cross-rank loss scaling with `loss_scale`, and the stream position in checkpoints so a
+restarted pod resumes at its first unacknowledged step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer_client import BatchStream, loss_scale
+
+IGNORE_INDEX = -100
+
+
+class ToyLM(torch.nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(input_ids % self.vocab)))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--endpoint", default=os.environ.get("PIPELINE_ENDPOINT", "localhost:50051"))
+    p.add_argument("--job", default=os.environ.get("PIPELINE_JOB", "example-job"))
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after global step N (0 = run the job to its end)")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="file for model + stream position (per rank); resumed from if present")
+    return p.parse_args()
+
+
+def token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token loss over this rank's loss tokens (labels != -100)."""
+    logits = model(batch["input_ids"].long())
+    labels = batch["labels"].long()
+    logits, labels = logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
+    if not (labels != IGNORE_INDEX).any():
+        return logits.sum() * 0.0  # keep the graph (DDP needs a backward on every rank)
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+
+
+def main() -> int:
+    args = parse_args()
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
+
+    model = ToyLM(args.vocab, args.dim).to(device or "cpu")
+    ddp = DDP(model, device_ids=[device.index] if device is not None else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    stream = BatchStream(args.endpoint, args.job, rank, world,
+                         token=os.environ.get("PIPELINE_TOKEN") or None)
+
+    ckpt = args.checkpoint.with_suffix(f".rank{rank}.pt") if args.checkpoint else None
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        stream.load_state_dict(state["data"])
+        print(f"rank {rank}: resumed at step {state['data']['next_step']}", flush=True)
+
+    steps, t0 = 0, time.monotonic()
+    with stream:
+        while not stream.done:
+            seen_end = stream.last_end
+            # Join: a rank that runs out of batches first shadows the others' all-reduces.
+            with Join([ddp]):
+                for batch in stream:
+                    tensors = {k: v.to(device) if device is not None else v
+                               for k, v in batch.items()}
+                    loss = token_loss(ddp, tensors) * loss_scale(batch)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    steps += 1
+                    if steps % 20 == 0:
+                        print(f"rank {rank} epoch {batch.info.epoch} step {batch.info.step} "
+                              f"loss {loss.item():.4f} tokens {batch.info.rank_tokens}",
+                              flush=True)
+                    if ckpt is not None and steps % 50 == 0:
+                        torch.save({"model": model.state_dict(), "optim": opt.state_dict(),
+                                    "data": stream.state_dict()}, ckpt)
+                    if args.max_steps and batch.info.step + 1 >= args.max_steps:
+                        break  # global step index: the same cut on every rank
+            end = stream.last_end
+            if end is not None and end is not seen_end:
+                print(f"rank {rank}: epoch {end.epoch} ended at step {end.final_step}",
+                      flush=True)
+            # Outside Join all ranks are in step again: agree on stopping, so no rank starts
+            # another epoch's collectives alone.
+            next_step = stream.state_dict()["next_step"]
+            stop = torch.tensor([int(bool(args.max_steps) and next_step >= args.max_steps)],
+                                device=device)
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
+    print(f"rank {rank}: {steps} steps in {time.monotonic() - t0:.1f}s", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

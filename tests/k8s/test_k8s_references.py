@@ -1,0 +1,74 @@
+"""Every Secret, ConfigMap (and key) and ServiceAccount a pod refers to exists in the render;
+in prod, the only missing ones are the Secrets the operator creates per docs/deploy.md."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from k8s_support import OVERLAYS, REPO, Obj, of_kind, overlay, pods
+
+# Created by the operator before `kubectl apply -k k8s/overlays/prod` (never committed).
+OPERATOR_SECRETS = {"odb-redis-auth", "odb-job-tokens"}
+
+
+def references(spec: Obj) -> set[tuple[str, str, str | None]]:
+    """(kind, name, key or None) for every ConfigMap/Secret a pod spec refers to."""
+    refs: set[tuple[str, str, str | None]] = set()
+    for c in spec.get("containers", []) + spec.get("initContainers", []):
+        for e in c.get("env", []):
+            src = e.get("valueFrom", {})
+            if "secretKeyRef" in src:
+                refs.add(("Secret", src["secretKeyRef"]["name"], src["secretKeyRef"]["key"]))
+            if "configMapKeyRef" in src:
+                refs.add(("ConfigMap", src["configMapKeyRef"]["name"],
+                          src["configMapKeyRef"]["key"]))
+        for e in c.get("envFrom", []):
+            if "secretRef" in e:
+                refs.add(("Secret", e["secretRef"]["name"], None))
+            if "configMapRef" in e:
+                refs.add(("ConfigMap", e["configMapRef"]["name"], None))
+    for v in spec.get("volumes", []):
+        if "configMap" in v:
+            for item in v["configMap"].get("items") or [{"key": None}]:
+                refs.add(("ConfigMap", v["configMap"]["name"], item["key"]))
+        if "secret" in v:
+            for item in v["secret"].get("items") or [{"key": None}]:
+                refs.add(("Secret", v["secret"]["secretName"], item["key"]))
+    return refs
+
+
+def _missing(objs) -> set[tuple[str, str, str | None]]:
+    have = {(o["kind"], o["metadata"]["name"]): {**(o.get("data") or {}),
+                                                  **(o.get("stringData") or {})}
+            for o in objs if o["kind"] in ("Secret", "ConfigMap")}
+    missing = set()
+    for pod in pods(objs):
+        for kind, name, key in references(pod.spec):
+            if (kind, name) not in have or (key is not None and key not in have[(kind, name)]):
+                missing.add((kind, name, key))
+    return missing
+
+
+def test_dev_has_everything_it_refers_to():
+    assert not _missing(overlay("dev"))
+
+
+def test_prod_lacks_only_the_operator_secrets_and_docs_create_them():
+    missing = _missing(overlay("prod"))
+    assert {name for kind, name, _ in missing if kind == "Secret"} == OPERATOR_SECRETS
+    assert all(kind == "Secret" for kind, _, _ in missing), missing
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    for _, name, key in missing:
+        create = re.search(rf"kubectl .*create secret generic {name}\b[^\n]*(\\\n[^\n]*)*", docs)
+        assert create, f"docs/deploy.md does not show how to create Secret {name}"
+        assert f"--from-literal={key}=" in create[0], f"docs: Secret {name} needs key {key}"
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_service_accounts_exist(name):
+    objs = overlay(name)
+    have = {o["metadata"]["name"] for o in of_kind(objs, "ServiceAccount")}
+    for pod in pods(objs):
+        sa = pod.spec.get("serviceAccountName")
+        assert sa is None or sa in have, f"{pod.owner}: ServiceAccount {sa} missing"

@@ -1,0 +1,128 @@
+"""The service's configuration as the cluster hands it over: the ConfigMap's file plus the
+container's env validate with pipeline.config.load_config, ODB_* names are ones the config reads,
+and the ports, Redis URL, Ray address and job tokens line up with the other objects."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from urllib.parse import urlsplit
+
+import pytest
+from k8s_support import (
+    OVERLAYS,
+    REPO,
+    container,
+    containers,
+    env_values,
+    of_kind,
+    one,
+    overlay,
+    pods,
+    secret_data,
+    selects,
+    service_pod,
+)
+
+from pipeline.config import ServiceConfig, env_var_names, load_config
+
+
+def _config_file(objs, pod) -> tuple[str, str]:
+    """(path given to --config, the file's text from the mounted ConfigMap)."""
+    c = container(pod, "odb-pipeline")
+    args = c["args"]
+    path = PurePosixPath(args[args.index("--config") + 1])
+    mount = next(m for m in c["volumeMounts"] if PurePosixPath(m["mountPath"]) == path.parent)
+    volume = next(v for v in pod.spec["volumes"] if v["name"] == mount["name"])
+    cm = one(objs, "ConfigMap", volume["configMap"]["name"])
+    return str(path), cm["data"][path.name]
+
+
+def service_config(name: str, tmp_path) -> tuple[ServiceConfig, dict[str, str]]:
+    objs = overlay(name)
+    pod = service_pod(objs)
+    _, text = _config_file(objs, pod)
+    file = tmp_path / "pipeline.yaml"
+    file.write_text(text)
+    env = env_values(container(pod, "odb-pipeline"), secret_data(objs))
+    return load_config(file, environ=env), env
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_config_file_and_env_validate(name, tmp_path):
+    cfg, _ = service_config(name, tmp_path)
+    assert cfg.jobs, "no job configured"
+
+
+def test_odb_env_names_are_ones_the_config_reads():
+    known = set(env_var_names())
+    for name in OVERLAYS:
+        for pod, c in containers(overlay(name)):
+            odb = {e["name"] for e in c.get("env", []) if e["name"].startswith("ODB_")}
+            assert odb <= known, f"{pod.owner}/{c['name']}: unknown {sorted(odb - known)}"
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_job_tokens_come_from_secrets(name, tmp_path):
+    cfg, _ = service_config(name, tmp_path)
+    env = {e["name"]: e for e in container(service_pod(overlay(name)), "odb-pipeline")["env"]}
+    for job in cfg.jobs:
+        assert job.token_env, f"job {job.job_id} has no token: anyone in the namespace could read"
+        assert "secretKeyRef" in env[job.token_env].get("valueFrom", {}), job.token_env
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_grpc_and_metrics_ports_line_up(name, tmp_path):
+    cfg, _ = service_config(name, tmp_path)
+    objs = overlay(name)
+    pod = service_pod(objs)
+    c = container(pod, "odb-pipeline")
+    assert cfg.grpc.host in ("0.0.0.0", "::", "[::]"), "must listen on the pod IP"
+    assert pod.port("grpc") == cfg.grpc.port
+    assert pod.port("metrics") == cfg.metrics_port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == cfg.grpc.port, probe
+    svc = one(objs, "Service", "odb-pipeline")
+    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["grpc"]
+
+
+def _service_port(objs, host: str) -> set[int]:
+    """Container ports behind Service `host` (the ones a client reaches)."""
+    svc = one(objs, "Service", host)
+    selected = [p for p in pods(objs)
+                if selects({"matchLabels": svc["spec"]["selector"]}, p.labels)]
+    assert selected, f"Service {host} selects nothing"
+    return {p["port"] for p in svc["spec"]["ports"]}
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_redis_url_points_at_the_redis_service_with_its_password(name, tmp_path):
+    cfg, _ = service_config(name, tmp_path)
+    objs = overlay(name)
+    url = urlsplit(cfg.redis_url)
+    assert url.scheme == "redis"
+    assert url.port in _service_port(objs, url.hostname)
+    svc_env = {e["name"]: e for e in container(service_pod(objs), "odb-pipeline")["env"]}
+    redis_env = {e["name"]: e for e in one(objs, "StatefulSet", "odb-redis")["spec"]["template"]
+                 ["spec"]["containers"][0]["env"]}
+    raw = svc_env["ODB_REDIS_URL"]["value"]
+    var = raw.split(":", 2)[2].split("@")[0].strip("$()")
+    assert svc_env[var]["valueFrom"] == redis_env["REDIS_PASSWORD"]["valueFrom"]
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_ray_address_is_the_kuberay_head_client_port(name, tmp_path):
+    cfg, _ = service_config(name, tmp_path)
+    objs = overlay(name)
+    (ray,) = of_kind(objs, "RayCluster")
+    url = urlsplit(cfg.ray.address)
+    assert url.scheme == "ray"  # Ray Client: the service runs in its own pod, not on a Ray node
+    assert url.hostname == f"{ray['metadata']['name']}-head-svc"  # the Service KubeRay creates
+    head = next(p for p in pods(objs) if p.labels.get("ray.io/node-type") == "head")
+    assert head.port("client") == url.port
+
+
+def test_config_path_is_the_entrypoint_default():
+    objs = overlay("dev")
+    path, _ = _config_file(objs, service_pod(objs))
+    assert path in (REPO / "deploy" / "docker" / "entrypoint.sh").read_text()
+    assert path in (REPO / "deploy" / "docker" / "Dockerfile").read_text()
