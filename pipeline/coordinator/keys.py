@@ -1,0 +1,73 @@
+"""The key schema (docs/redis-schema.md), in one place, with its version.
+
+Every key of a job carries the job id in a hash tag (`{job}`), so a job's keys share one Redis
+Cluster slot and its multi-key Lua scripts would stay legal there (REGISTER aside, which also
+touches the two global keys; the supported deployment is one Redis). The `v1` in the prefix is
+the schema version: a future incompatible layout gets `odb:v2:` keys and a migration that reads
+`v1`; `odb:schema_version` says which one a Redis holds, checked when a job registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+ROOT = "odb"
+PREFIX = f"{ROOT}:v{SCHEMA_VERSION}"
+SCHEMA_VERSION_KEY = f"{ROOT}:schema_version"  # string "1"
+JOBS_KEY = f"{PREFIX}:jobs"  # set of job ids (the registry index)
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """The keys of one job. Step keys are derived from `base` inside Lua (`<base>step:<n>`)."""
+
+    job_id: str
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{{{self.job_id}}}:"
+
+    @property
+    def meta(self) -> str:  # hash: config and progress scalars
+        return self.base + "meta"
+
+    def step(self, n: int) -> str:  # hash: "h" -> header, "<rank>" -> that rank's batch
+        return f"{self.base}step:{n}"
+
+    @property
+    def digests(self) -> str:  # hash: step -> sha1 of the encoded step (kept after trimming)
+        return self.base + "digests"
+
+    @property
+    def ends(self) -> str:  # hash: epoch -> encoded EpochEnd
+        return self.base + "ends"
+
+    @property
+    def checkpoint(self) -> str:  # string: encoded PlannerCheckpoint
+        return self.base + "ckpt"
+
+    @property
+    def acked(self) -> str:  # zset: rank -> last acknowledged step (-1 = none)
+        return self.base + "acked"
+
+    @property
+    def lease_exp(self) -> str:  # zset: rank -> lease expiry (ms, Redis clock)
+        return self.base + "lease_exp"
+
+    @property
+    def lease(self) -> str:  # hash: rank -> "<last heartbeat ms>:<client_id>"
+        return self.base + "lease"
+
+    @property
+    def lapsed(self) -> str:  # set: ranks whose lease lapsed and was then taken over
+        return self.base + "lapsed"
+
+    @property
+    def counters(self) -> str:  # hash: counter name -> integer
+        return self.base + "counters"
+
+    def fixed(self) -> list[str]:
+        """All keys except the per-step ones (those are found from meta's step range)."""
+        return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
+                self.lease_exp, self.lease, self.lapsed, self.counters]

@@ -1,0 +1,50 @@
+"""Operator reads for `odb-pipeline status`: which jobs exist and where each one stands.
+
+Read-only and cheap: a handful of commands per job (the per-rank part is one script, O(W)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from pipeline.coordinator import registry
+from pipeline.coordinator.connection import unavailable_as_error
+from pipeline.coordinator.redis_job_state import RankHealth, RedisJobState
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    job: registry.JobRecord
+    retained_steps: int  # steps still readable in Redis (unacked + history)
+    min_acked: int
+    ranks: list[RankHealth]
+    lapsed_ranks: list[int]
+    counters: dict[str, int]
+    epoch_ends: int  # END records published
+
+
+def list_jobs(client: redis.Redis) -> list[str]:
+    with unavailable_as_error("redis"):
+        return registry.list_jobs(client)
+
+
+def job_summary(client: redis.Redis, job_id: str) -> JobSummary | None:
+    """None when the job does not exist (or expired)."""
+    with unavailable_as_error("redis"):
+        rec = registry.read_job(client, job_id)
+        if rec is None:
+            return None
+        st = RedisJobState.attach(client, job_id)  # a view never creates or alters the job
+        ranks = st.rank_health()
+        n_ends = client.hlen(st.keys.ends)
+    return JobSummary(
+        job=rec,
+        retained_steps=rec.published_through - rec.trimmed_through,
+        min_acked=min((r.acked for r in ranks), default=-1),
+        ranks=ranks,
+        lapsed_ranks=[r.rank for r in ranks if r.lapsed],
+        counters=st.counters(),
+        epoch_ends=n_ends,
+    )

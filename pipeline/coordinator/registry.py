@@ -1,0 +1,139 @@
+"""The job registry: which jobs exist, with what config, and where each one stands.
+
+A job id is bound to its config hash, world size and mode the first time it registers. A
+restart with the same three resumes; anything else is refused with a message that says what
+differs, because silently serving a stale plan to a different config (or world size) would
+break coverage and alignment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import redis
+
+from pipeline.coordinator import keys, scripts
+from pipeline.coordinator.errors import JobMismatch, SchemaMismatch
+
+if TYPE_CHECKING:
+    from pipeline.config import JobConfig
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job_id: str
+    config_hash: str
+    world_size: int
+    mode: str
+    seed: int
+    state: str  # "planning" | "done"
+    epoch: int  # highest epoch with a published step or END
+    published_through: int
+    trimmed_through: int  # steps <= this are dropped (their digests stay, for write-once)
+    history_steps: int
+    checkpoint_next_step: int
+    created_at: float  # unix seconds, Redis clock
+
+
+def config_hash(job: JobConfig) -> str:
+    """What a job's plan depends on, hashed: everything in its config but the auth token's env
+    var name. Same hash = the stored plan is valid for this config."""
+    data = job.model_dump(mode="json", exclude={"token_env"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def register_job(client: redis.Redis, job_id: str, *, config_hash: str, world_size: int,
+                 mode: str, seed: int = 0, history_steps: int = 64) -> bool:
+    """Create the job, or verify a resume matches it. True if created, False if resumed."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if history_steps < 0:
+        raise ValueError(f"history_steps must be >= 0, got {history_steps}")
+    k = keys.JobKeys(job_id)
+    try:
+        created = scripts.register(
+            client, [keys.SCHEMA_VERSION_KEY, keys.JOBS_KEY, k.meta, k.acked],
+            [keys.SCHEMA_VERSION, job_id, config_hash, world_size, mode, seed, history_steps])
+    except redis.ResponseError as exc:
+        msg = str(exc)
+        if msg.startswith("ODB_SCHEMA"):
+            raise SchemaMismatch(
+                f"Redis holds coordinator schema v{msg.split()[1]}, this build speaks "
+                f"v{keys.SCHEMA_VERSION}: migrate it or use another Redis/db") from None
+        if msg.startswith("ODB_JOB"):
+            _, field, stored = msg.split(maxsplit=2)
+            mine = {"config_hash": config_hash, "world_size": world_size, "mode": mode}[field]
+            hint = ("a resume must use the world size the job started with"
+                    if field == "world_size" else
+                    "the job id is stale or belongs to another job; pick a new job_id or "
+                    "delete the old job")
+            raise JobMismatch(
+                f"job {job_id!r} exists in Redis with {field}={stored}, this server has "
+                f"{field}={mine}: refused ({hint})") from None
+        raise
+    return bool(created)
+
+
+def _int(v: bytes | None, default: int = 0) -> int:
+    return int(v) if v is not None else default
+
+
+def read_job(client: redis.Redis, job_id: str) -> JobRecord | None:
+    m = client.hgetall(keys.JobKeys(job_id).meta)
+    if not m:
+        return None
+    g = {k.decode(): v for k, v in m.items()}
+    return JobRecord(
+        job_id=job_id,
+        config_hash=g["config_hash"].decode(),
+        world_size=_int(g["world_size"]),
+        mode=g["mode"].decode(),
+        seed=_int(g.get("seed")),
+        state=g["state"].decode(),
+        epoch=_int(g.get("epoch")),
+        published_through=_int(g.get("published_through"), -1),
+        trimmed_through=_int(g.get("trimmed_through"), -1),
+        history_steps=_int(g.get("history_steps")),
+        checkpoint_next_step=_int(g.get("ckpt_next_step")),
+        created_at=_int(g.get("created_ms")) / 1000.0,
+    )
+
+
+def list_jobs(client: redis.Redis) -> list[str]:
+    """Registered jobs whose state still exists (a job given a TTL drops out once it expires)."""
+    ids = sorted(j.decode() for j in client.smembers(keys.JOBS_KEY))
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.exists(keys.JobKeys(job_id).meta)
+    return [j for j, alive in zip(ids, pipe.execute(), strict=True) if alive]
+
+
+def _job_keys(client: redis.Redis, job_id: str) -> list[str]:
+    k = keys.JobKeys(job_id)
+    rec = read_job(client, job_id)
+    steps = []
+    if rec is not None:
+        steps = [k.step(n) for n in range(rec.trimmed_through + 1, rec.published_through + 1)]
+    return k.fixed() + steps
+
+
+def delete_job(client: redis.Redis, job_id: str) -> None:
+    """Remove every key of the job (operator action; a running server would re-create it)."""
+    ks = _job_keys(client, job_id)
+    pipe = client.pipeline(transaction=True)
+    for i in range(0, len(ks), 1000):
+        pipe.unlink(*ks[i:i + 1000])
+    pipe.srem(keys.JOBS_KEY, job_id)
+    pipe.execute()
+
+
+def expire_job(client: redis.Redis, job_id: str, seconds: int) -> None:
+    """Give a finished job a TTL: its state is transient once every rank is done with it."""
+    ks = _job_keys(client, job_id)
+    pipe = client.pipeline(transaction=True)
+    for key in ks:
+        pipe.expire(key, seconds)
+    pipe.execute()

@@ -1,0 +1,115 @@
+"""Step, EpochEnd and PlannerCheckpoint <-> compact bytes (JSON, short keys; msgpack is absent).
+
+A step is stored as one header plus one blob per rank, so a server replica fetches only the
+batches of the ranks it serves (one HMGET) instead of the whole W-rank step. The encoding is
+canonical (equal values give equal bytes) because write-once compares digests of these bytes:
+`truncated_to` is written as sorted pairs (its keys may be ints, and dict order is not value).
+Sample ids keep their type (int or str) through JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
+from pipeline.service.job_state import PlannerCheckpoint
+
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
+
+
+def _sid(sample_id: Any) -> int | str:
+    # numpy ints and bools would otherwise break JSON or change type on the way back.
+    return sample_id if isinstance(sample_id, str) else int(sample_id)
+
+
+def _sid_key(sample_id: int | str) -> tuple[bool, int | str]:
+    return (isinstance(sample_id, str), sample_id)
+
+
+def _sample(s: MeasuredSample) -> list:
+    if s.num_visual_tokens:
+        return [_sid(s.sample_id), int(s.num_tokens), int(s.num_visual_tokens)]
+    return [_sid(s.sample_id), int(s.num_tokens)]
+
+
+def _unsample(v: list) -> MeasuredSample:
+    return MeasuredSample(v[0], v[1], v[2] if len(v) > 2 else 0)
+
+
+def encode_batch(b: Batch) -> bytes:
+    d: dict[str, Any] = {"s": [_sample(s) for s in b.samples], "c": int(b.cost)}
+    if b.over_budget:
+        d["o"] = 1
+    if b.truncated_to:
+        pairs = sorted(((_sid(k), int(v)) for k, v in b.truncated_to.items()),
+                       key=lambda kv: _sid_key(kv[0]))
+        d["t"] = [list(p) for p in pairs]
+    return _dumps(d).encode()
+
+
+def decode_batch(data: bytes, rank: int) -> Batch:
+    d = json.loads(data)
+    return Batch(
+        rank=rank,
+        samples=tuple(_unsample(v) for v in d["s"]),
+        cost=d["c"],
+        over_budget=bool(d.get("o", 0)),
+        truncated_to={k: v for k, v in d.get("t", ())},
+    )
+
+
+def encode_header(step: Step) -> bytes:
+    # "r": rank order of `batches` as published, so decoding rebuilds an equal tuple.
+    return _dumps({
+        "e": int(step.epoch), "n": int(step.step),
+        "i": [int(step.info.step_samples), int(step.info.step_tokens)],
+        "r": [int(b.rank) for b in step.batches],
+    }).encode()
+
+
+def decode_header(data: bytes) -> dict:
+    return json.loads(data)
+
+
+def encode_step(step: Step) -> tuple[bytes, list[tuple[int, bytes]]]:
+    """(header, [(rank, batch blob), ...] in the step's batch order)."""
+    ranks = [b.rank for b in step.batches]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"step {step.step}: a rank appears twice in batches: {ranks}")
+    return encode_header(step), [(int(b.rank), encode_batch(b)) for b in step.batches]
+
+
+def decode_step(header: bytes, blobs: dict[int, bytes]) -> Step:
+    h = decode_header(header)
+    return Step(
+        epoch=h["e"], step=h["n"],
+        batches=tuple(decode_batch(blobs[r], r) for r in h["r"]),
+        info=StepInfo(h["i"][0], h["i"][1]),
+    )
+
+
+def encode_epoch_end(end: EpochEnd) -> bytes:
+    return _dumps({
+        "e": int(end.epoch), "n": int(end.steps),
+        "f": [None if s is None else int(s) for s in end.final_step],
+        "c": [_sample(s) for s in end.carried_over],
+    }).encode()
+
+
+def decode_epoch_end(data: bytes) -> EpochEnd:
+    d = json.loads(data)
+    return EpochEnd(epoch=d["e"], final_step=tuple(d["f"]), steps=d["n"],
+                    carried_over=tuple(_unsample(v) for v in d["c"]))
+
+
+def encode_checkpoint(c: PlannerCheckpoint) -> bytes:
+    # The opaque state is bytes (planner JSON); latin-1 maps every byte to one code point.
+    return _dumps({"e": int(c.epoch), "c": int(c.samples_consumed), "n": int(c.next_step),
+                   "s": c.state.decode("latin-1")}).encode()
+
+
+def decode_checkpoint(data: bytes) -> PlannerCheckpoint:
+    d = json.loads(data)
+    return PlannerCheckpoint(epoch=d["e"], samples_consumed=d["c"], next_step=d["n"],
+                             state=d["s"].encode("latin-1"))
