@@ -1,0 +1,124 @@
+"""Emission counters derived from the published plan, so the data plane keeps no second ledger.
+
+A step is write-once and every rank's delivered step is known (`RankInfo.delivered`), so "what
+was emitted to rank r" is exactly "r's batches in published steps up to the highest step sent to
+r". `PlanTotals` scans each newly published step once (incrementally, on scrape), keeps per-step
+per-rank figures only until every rank present in the step has been counted, and sums them.
+
+Counting starts at the lowest acknowledged step seen when the tracker is created: a restarted
+server (plan kept in Redis) reports what *it* emitted, and Prometheus treats the fresh counters as
+a reset. Steps trimmed from Redis before they were scanned are skipped (counted in `steps_missing`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipeline.planner.types import Batch, Step
+
+if TYPE_CHECKING:
+    from pipeline.service.job_runtime import JobRuntime
+
+STALL_AFTER_S = 30.0  # a rank with waiting work and no ack progress this long is "stalled"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFigures:
+    samples: int
+    tokens: int  # input tokens after truncation
+    padded_tokens: int  # pad positions the collate adds (padded: B*Lmax - sum L; packed: 0)
+    cost: int  # the planner's cost of the batch (what the token budget bounds)
+
+
+@dataclass
+class RankTotals:
+    counted_through: int = -1  # highest step whose batch for this rank is in the totals
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    cost: int = 0
+    last_acked: int = -1
+    progress_at: float = field(default_factory=time.time)  # when last_acked last moved
+
+
+def batch_figures(batch: Batch, collate: str) -> BatchFigures:
+    lengths = [batch.truncated_to.get(s.sample_id, s.num_tokens) for s in batch.samples]
+    tokens = sum(lengths)
+    padded = len(lengths) * max(lengths, default=0) - tokens if collate == "padded" else 0
+    return BatchFigures(len(lengths), tokens, padded, batch.cost)
+
+
+class PlanTotals:
+    """Per-job totals; `update()` is cheap when nothing new was published or delivered."""
+
+    def __init__(self, rt: JobRuntime) -> None:
+        self.rt = rt
+        self.started_at = time.time()
+        self._lock = threading.Lock()
+        w = rt.world_size
+        acked = [rt.state.acked(r) for r in range(w)]
+        start = min(acked, default=-1)
+        self.scanned_through = start  # highest published step already scanned
+        self.published_samples = 0  # all-rank samples of scanned steps (for the planner buffer)
+        self.steps_missing = 0
+        self.ranks = [RankTotals(counted_through=start, last_acked=a) for a in acked]
+        self._pending: dict[int, dict[int, BatchFigures]] = {}  # step -> rank -> figures
+        self._unacked: list[list[int]] = [[] for _ in range(w)]  # rank -> its steps > acked
+
+    def update(self, acked: list[int] | None = None) -> None:
+        """Catch up with the plan and the ranks; `acked` (index = rank) saves W reads."""
+        if acked is None:
+            acked = [self.rt.state.acked(r) for r in range(len(self.ranks))]
+        with self._lock:
+            self._scan_published()
+            now = time.time()
+            for r, tot in enumerate(self.ranks):
+                self._count_rank(r, tot)
+                if acked[r] != tot.last_acked:
+                    tot.last_acked, tot.progress_at = acked[r], now
+                steps = self._unacked[r]
+                del steps[:bisect.bisect_right(steps, acked[r])]
+            # Drop steps every present rank has counted (join mode: absent ranks never count).
+            done = [n for n, per in self._pending.items()
+                    if all(self.ranks[r].counted_through >= n for r in per)]
+            for n in done:
+                del self._pending[n]
+
+    def _scan_published(self) -> None:
+        through = self.rt.state.published_through()
+        for n in range(self.scanned_through + 1, through + 1):
+            step: Step | None = self.rt.state.get_step(n)
+            self.scanned_through = n
+            if step is None:  # trimmed before we saw it
+                self.steps_missing += 1
+                continue
+            self.published_samples += step.info.step_samples
+            self._pending[n] = {b.rank: batch_figures(b, self.rt.collate) for b in step.batches}
+            for b in step.batches:
+                self._unacked[b.rank].append(n)
+
+    def _count_rank(self, rank: int, tot: RankTotals) -> None:
+        delivered = self.rt.ranks[rank].delivered
+        if delivered <= tot.counted_through:
+            return
+        for n in sorted(k for k in self._pending if tot.counted_through < k <= delivered):
+            fig = self._pending[n].get(rank)
+            if fig is not None:
+                tot.batches += 1
+                tot.samples += fig.samples
+                tot.tokens += fig.tokens
+                tot.padded_tokens += fig.padded_tokens
+                tot.cost += fig.cost
+        tot.counted_through = delivered
+
+    def lag(self, rank: int) -> int:
+        """Published steps of `rank` after its last ack (as of the last update)."""
+        return len(self._unacked[rank])
+
+    def seconds_since_progress(self, rank: int, now: float | None = None) -> float:
+        return (now or time.time()) - self.ranks[rank].progress_at

@@ -1,0 +1,75 @@
+"""The human-readable rendering of a `status_query.collect()` object (the default output)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _v(x: Any, fmt: str = "{}") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    return fmt.format(x)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _job(job: dict[str, Any], show_records: bool) -> list[str]:
+    lines = [
+        f"job {job['job_id']}  state={job.get('state')}  mode={job.get('mode', '-')}  "
+        f"world_size={job.get('world_size', '-')}  published_through="
+        f"{job.get('published_through', '-')}  samples_in={_v(job.get('samples_in'))}"
+    ]
+    if job.get("error"):
+        lines.append(f"  ERROR: {job['error']}")
+    t = job.get("throughput")
+    if t:
+        extra = f"  {t['steps_per_s']:.2f} steps/s" if "steps_per_s" in t else ""
+        lines.append(f"  throughput ({t['basis']}, {t['window_s']:.1f} s): "
+                     f"{t['samples_per_s']:.1f} samples/s  {t['tokens_per_s']:.0f} tokens/s  "
+                     f"{t['batches_per_s']:.2f} batches/s{extra}")
+    if job.get("totals"):
+        lines.append(f"  padding efficiency {_pct(job.get('padding_efficiency'))}  "
+                     f"budget utilisation {_pct(job.get('budget_utilisation'))}  "
+                     f"(token budget {_v(job.get('token_budget'))})")
+    if "planner_buffer_samples" in job:
+        lines.append(f"  planner buffer {job['planner_buffer_samples']} samples  "
+                     f"payload cache {job['payload_cache_samples']} samples  "
+                     f"source backlog {_v(job.get('source_backlog_samples'))}")
+    header = ("rank", "delivered", "acked", "lag", "connected", "heartbeat", "stalled",
+              "lapsed", "client")
+    rows = [header] + [(
+        str(r["rank"]), _v(r.get("delivered_step")), _v(r.get("acked_step")),
+        _v(r.get("lag_steps")), _v(r.get("connected")),
+        _v(r.get("heartbeat_age_s"), "{:.1f}s"), _v(r.get("stalled")), _v(r.get("lapsed")),
+        r.get("client_id") or "-",
+    ) for r in job.get("ranks", [])]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    q = job.get("quarantine") or {}
+    reasons = q.get("by_reason")
+    lines.append(f"  quarantined {q.get('total', 0)}"
+                 + (": " + ", ".join(f"{k}={n}" for k, n in reasons.items()) if reasons else ""))
+    if show_records:
+        records = q.get("records")
+        if records is None:
+            lines.append("    (records are listed by the service's metrics endpoint: "
+                         "give --metrics-endpoint)")
+        for rec in records or []:
+            detail = "" if rec["detail"] == rec["reason"] else f"  {rec['detail']}"
+            lines.append(f"    {rec['sample_id']}  {rec['reason']}{detail}")
+    if "redis" in job:
+        rd = job["redis"]
+        lines.append(f"  redis: state={rd['state']}  retained_steps={rd['retained_steps']}  "
+                     f"min_acked={rd['min_acked']}  counters={rd['counters'] or {}}")
+    return lines
+
+
+def render(status: dict[str, Any], show_records: bool = False) -> str:
+    if not status["jobs"]:
+        return "no jobs"
+    return "\n\n".join("\n".join(_job(j, show_records)) for j in status["jobs"])
