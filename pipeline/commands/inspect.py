@@ -1,15 +1,162 @@
-"""`odb-pipeline inspect` (not built yet)."""
+"""`odb-pipeline inspect DATA`: run the real Ray preprocessing on a dataset and show the result.
+
+Per sample: id, row, tokens, visual tokens and cost; quarantined records with their reason;
+counts. `--json` prints one JSON object; otherwise a table and the first sample decoded (image
+token runs collapsed). Starts a private local Ray (unless one is already up) and stops it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from typing import Any
 
+from pipeline.config import ConfigError, JobConfig, read_config_file
 from pipeline.errors import UserError
+
+_TABLE_ROWS = 25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("data", nargs="?", default=None, metavar="DATA",
+                        help="JSONL/Parquet file, folder or URI (default: the shipped sample "
+                             "dataset)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML/JSON: a service config (a job's preprocess/batching/seed are "
+                             "used; see --job) or a single job mapping")
+    parser.add_argument("--job", metavar="ID", help="job of the config file to take settings from")
+    parser.add_argument("--limit", type=int, default=None, metavar="N",
+                        help="only the first N records")
+    parser.add_argument("--epoch", type=int, default=0, help="epoch (augmentation seed)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _job(args: argparse.Namespace, data: str) -> JobConfig:
+    from pydantic import ValidationError
+
+    base: dict[str, Any] = {}
+    if args.config:
+        raw = read_config_file(args.config)
+        if "jobs" in raw:
+            jobs = raw.get("jobs") or []
+            chosen = next((j for j in jobs if j.get("job_id") == args.job), None) if args.job \
+                else (jobs[0] if jobs else None)
+            if args.job and chosen is None:
+                raise ConfigError(f"--job {args.job}: no such job in {args.config}")
+            base = dict(chosen or {})
+        else:
+            base = dict(raw)
+    elif args.job:
+        raise UserError("--job needs --config")
+    job = {**base, "job_id": base.get("job_id", "inspect"), "world_size":
+           base.get("world_size", 1), "source": {**(base.get("source") or {}), "paths": [data]}}
+    try:
+        return JobConfig.model_validate(job)
+    except ValidationError as exc:
+        from pipeline.config import _format_validation_error
+
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+class _PrivateRay:
+    """A local Ray for this command only (reuses one that is already initialized)."""
+
+    def __enter__(self) -> _PrivateRay:
+        import ray
+
+        self.owned = not ray.is_initialized()
+        if self.owned:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            os.environ.setdefault("RAY_worker_niceness", "0")
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            self.tmp = tempfile.mkdtemp(prefix="odb-inspect-ray-", dir="/tmp")
+            ray.init(include_dashboard=False, _temp_dir=self.tmp, log_to_driver=False,
+                     configure_logging=False, object_store_memory=256 * 1024 * 1024)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.owned:
+            import ray
+
+            ray.shutdown()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def collect(job: JobConfig, epoch: int, limit: int | None) -> tuple[list, dict]:
+    from pipeline.preprocess.pipeline import PreprocessStats, iter_samples
+
+    stats = PreprocessStats()
+    items = list(iter_samples(job, epoch, limit=limit, stats=stats))
+    return items, stats.to_dict()
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UserError("'inspect' is not implemented yet")
+    from pipeline.preprocess.sample import QuarantinedRecord
+    from pipeline.preprocess.sources import expand_sources
+
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    if args.data is None:
+        from pipeline.sample_data import sample_chats_path
+
+        args.data = sample_chats_path()
+    job = _job(args, args.data)
+    expand_sources(job.source)  # missing input: fail in one line before starting Ray
+    with _PrivateRay():
+        items, counts = collect(job, args.epoch, args.limit)
+    samples = [i for i in items if not isinstance(i, QuarantinedRecord)]
+    quarantined = [i for i in items if isinstance(i, QuarantinedRecord)]
+    if args.json:
+        out = {
+            "samples": [{"sample_id": s.sample_id, "row": s.row, "num_tokens": s.num_tokens,
+                         "num_visual_tokens": s.num_visual_tokens, "cost": s.cost}
+                        for s in samples],
+            "quarantined": [{"sample_id": q.sample_id, "row": q.row, "reason": q.reason,
+                             "detail": q.detail} for q in quarantined],
+            "counts": counts,
+        }
+        json.dump(out, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    _print_table(items, counts)
+    if samples:
+        from pipeline.preprocess.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(job.preprocess)
+        first = samples[0]
+        text = tok.decode(first.input_ids.tolist(), skip_special_tokens=False)
+        text = re.sub(r"(?:<\|image_pad\|>)+",
+                      lambda m: f"<|image_pad|>x{m.group(0).count('<|image_pad|>')}", text)
+        trained = int((first.labels != -100).sum())
+        print(f"\nfirst sample {first.sample_id} decoded ({first.num_tokens} tokens, "
+              f"{trained} trained):\n{text}")
+    return 0
+
+
+def _print_table(items: list, counts: dict) -> None:
+    from pipeline.preprocess.sample import QuarantinedRecord
+
+    print(f"{'row':>6}  {'tokens':>7}  {'visual':>6}  {'cost':>8}  status")
+    for it in items[:_TABLE_ROWS]:
+        if isinstance(it, QuarantinedRecord):
+            print(f"{it.row:>6}  {'-':>7}  {'-':>6}  {'-':>8}  quarantined: {it.reason}: "
+                  f"{it.detail[:60]}")
+        else:
+            flag = " (truncated)" if it.truncated else ""
+            print(f"{it.row:>6}  {it.num_tokens:>7}  {it.num_visual_tokens:>6}  {it.cost:>8}  "
+                  f"ok{flag}")
+    if len(items) > _TABLE_ROWS:
+        print(f"   ... {len(items) - _TABLE_ROWS} more rows")
+    hidden = [it for it in items[_TABLE_ROWS:] if isinstance(it, QuarantinedRecord)]
+    for q in hidden:
+        print(f"{q.row:>6}  {'-':>7}  {'-':>6}  {'-':>8}  quarantined: {q.reason}: "
+              f"{q.detail[:60]}")
+    reasons = ", ".join(f"{k}={v}" for k, v in counts["quarantined_by_reason"].items())
+    print(f"\n{counts['rows']} rows: {counts['samples']} samples, {counts['quarantined']} "
+          f"quarantined{f' ({reasons})' if reasons else ''}; {counts['num_tokens']} tokens, "
+          f"{counts['num_visual_tokens']} visual, {counts['truncated']} truncated")

@@ -1,1 +1,16 @@
-"""Preprocessing on Ray Data: read, template, augment, tokenize, expand images, measure cost."""
+"""Preprocessing on Ray Data: read, template, augment, tokenize, expand images, measure cost.
+
+Modules (one idea each; nothing is imported here so `import pipeline.preprocess.sample` stays
+light):
+- sources.py       source files, exact row numbering, read plans (chunks), random row reads
+- records.py       raw record -> normalized Conversation (OpenAI / ShareGPT), failure reasons
+- augment.py       cost-changing augmentation seeded by (job seed, epoch, sample_id)
+- vision.py        image decoding, Qwen2-VL pixel patches, visual-token counts
+- chat_template.py template choice (tokenizer's / qwen2 / qwen3 / file) and rendering
+- tokenizer.py     `load_tokenizer(cfg)`, cached per process
+- labels.py        assistant-only label masks from character spans
+- process.py       `Processor`: one chunk of raw rows -> ProcessedSample | QuarantinedRecord
+- rows.py          samples <-> Arrow rows (the Ray block schema)
+- pipeline.py      Ray wiring: `build_dataset`, `iter_samples`, `SampleStore`, `PreprocessStats`
+- sample.py        the output types others code against
+"""

@@ -5,6 +5,7 @@ The planner sees only `ProcessedSample.measured()`; the payload stays with the d
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ class ProcessedSample:
     cost: int = 0  # under the job's cost model, alone
     pixel_values: np.ndarray | None = None  # float32 [num_patches, C*T*P*P] (Qwen2-VL layout)
     image_grid_thw: np.ndarray | None = None  # int64 [num_images, 3]
+    truncated: bool = False  # cut to max_seq_len (truncation policy "truncate")
 
     @property
     def num_tokens(self) -> int:
@@ -30,6 +32,18 @@ class ProcessedSample:
 
     def measured(self) -> MeasuredSample:
         return MeasuredSample(self.sample_id, self.num_tokens, self.num_visual_tokens)
+
+    def digest(self) -> str:
+        """Hash of every field's exact bytes: equal digests = byte-identical samples."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{self.sample_id}|{self.num_visual_tokens}|{self.cost}|{self.truncated}".encode())
+        for arr in (self.input_ids, self.labels, self.pixel_values, self.image_grid_thw):
+            if arr is None:
+                h.update(b"<none>")
+            else:
+                h.update(f"{arr.dtype.str}{arr.shape}".encode())
+                h.update(np.ascontiguousarray(arr).tobytes())
+        return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -40,3 +54,7 @@ class QuarantinedRecord:
     row: int
     reason: str  # short machine-readable kind: bad_json, missing_roles, bad_utf8, bad_image, ...
     detail: str = ""  # the human-readable message
+
+    @property
+    def sample_id(self) -> str:
+        return f"{self.source}:{self.row}"

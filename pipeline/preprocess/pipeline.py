@@ -1,0 +1,237 @@
+"""Ray Data wiring: the preprocessing plan, the ordered sample stream, and random access by id.
+
+Plan: the driver indexes the sources and cuts them into chunks of whole rows (sources.py); the
+chunks become a Ray dataset (one chunk per block) mapped by a pool of Ray workers. Each worker
+builds the tokenizer/template/image processor once (per-process cache in task mode, the
+default, which Ray keeps warm across datasets/epochs; or once per actor with `_ChunkActor`)
+and processes a chunk per call with one batched tokenizer call. JSONL is not read with
+`read_json`/`read_text` on purpose: they would fail on a bad line or lose exact line numbers.
+Order is preserved (file order, then row order) and the object-store budget is capped so a
+paused consumer stops the producers (backpressure).
+
+Random access (`SampleStore`) runs the very same `Processor` in-process on one row re-read from
+the source by its cached byte offset, so it returns byte-identical samples to the stream.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.config import JobConfig
+from pipeline.preprocess.process import Processor, split_sample_id
+from pipeline.preprocess.rows import SCHEMA, from_row, to_table
+from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
+from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk, read_row
+
+Item = ProcessedSample | QuarantinedRecord
+
+DEFAULT_CHUNK_ROWS = 256
+DEFAULT_COMPUTE = "tasks"
+# Object-store budget of the preprocessing stream. Ray's default (unbounded for this op)
+# produced the whole epoch while the consumer was paused; a cap makes producers wait. It must
+# hold a few blocks: Qwen2-VL pixel patches are ~1.5 MB per 256x256 image, so a 256-row block
+# with 15% images is ~50 MB, and a 64 MB cap halved throughput (bench/preprocess_bench.py).
+OBJECT_STORE_LIMIT_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class PreprocessStats:
+    """Running counts of a stream: rows seen, samples, quarantined by reason, tokens."""
+
+    rows: int = 0
+    samples: int = 0
+    quarantined: int = 0
+    quarantined_by_reason: Counter = field(default_factory=Counter)
+    num_tokens: int = 0
+    num_visual_tokens: int = 0
+    truncated: int = 0
+
+    def add(self, item: Item) -> None:
+        self.rows += 1
+        if isinstance(item, QuarantinedRecord):
+            self.quarantined += 1
+            self.quarantined_by_reason[item.reason] += 1
+        else:
+            self.samples += 1
+            self.num_tokens += item.num_tokens
+            self.num_visual_tokens += item.num_visual_tokens
+            self.truncated += int(item.truncated)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows, "samples": self.samples, "quarantined": self.quarantined,
+            "quarantined_by_reason": dict(sorted(self.quarantined_by_reason.items())),
+            "num_tokens": self.num_tokens, "num_visual_tokens": self.num_visual_tokens,
+            "truncated": self.truncated,
+        }
+
+
+def _one_thread_tokenizer() -> None:
+    # A Ray worker holds one CPU; the Rust tokenizer's own thread pool would oversubscribe it.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _process_chunks(processor: Processor, batch: pa.Table) -> pa.Table:
+    items: list[Item] = []
+    for blob in batch.column("chunk").to_pylist():
+        chunk = pickle.loads(blob)
+        items += processor.process(chunk.file, read_chunk(chunk))
+    return to_table(items)
+
+
+class _ChunkActor:
+    """Ray Data callable class: one per actor, so the ~1-4 s of setup is paid once."""
+
+    def __init__(self, job_json: str, epoch: int) -> None:
+        _one_thread_tokenizer()
+        self.processor = Processor(JobConfig.model_validate_json(job_json), epoch)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return _process_chunks(self.processor, batch)
+
+
+_task_processors: OrderedDict[tuple[str, int], Processor] = OrderedDict()
+
+
+def _chunk_task(batch: pa.Table, job_json: str, epoch: int) -> pa.Table:
+    """Task mode: Ray reuses worker processes across tasks and datasets, so a per-process
+    cache gives the same once-per-worker setup as actors and stays warm between epochs."""
+    key = (job_json, epoch)
+    proc = _task_processors.get(key)
+    if proc is None:
+        _one_thread_tokenizer()
+        proc = _task_processors[key] = Processor(JobConfig.model_validate_json(job_json), epoch)
+        while len(_task_processors) > 4:
+            _task_processors.popitem(last=False)
+    return _process_chunks(proc, batch)
+
+
+def _default_concurrency() -> int:
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
+                  limit: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                  concurrency: int | None = None, compute: str = DEFAULT_COMPUTE,
+                  object_store_limit: int = OBJECT_STORE_LIMIT_BYTES) -> Any:
+    """The Ray Data plan of one epoch (lazy `ray.data.Dataset`; rows follow `rows.SCHEMA`).
+
+    Columns: sample_id, source, row, num_tokens, num_visual_tokens, cost, truncated, input_ids,
+    labels, pixel_values (+pixel_dim), image_grid_thw, quarantine_reason, quarantine_detail;
+    arrays are little-endian bytes (see rows.py; `rows.from_row` turns a row into a sample).
+    `start_row` leaves out the first rows of the stream (all sources, in order), `limit` keeps
+    at most that many rows after it. `concurrency` = parallel workers (default: the cluster's
+    CPUs); `compute` = "tasks" (pooled workers, warm across epochs) or "actors" (actor pool).
+    Ray must be initialized by the caller.
+    """
+    import ray
+    from ray.data import ExecutionResources
+
+    if not ray.is_initialized():
+        # Ray Data would silently start a default local cluster (token auth, workers at nice
+        # 15); the service and the CLI start Ray with the settings they need.
+        raise RuntimeError("Ray is not initialized: call ray.init(...) before preprocessing")
+    files = expand_sources(job.source)
+    chunks = plan_chunks(files, chunk_rows, start_row, limit)
+    if not chunks:
+        return ray.data.from_arrow(SCHEMA.empty_table())
+    ds = ray.data.from_items([{"chunk": pickle.dumps(c)} for c in chunks],
+                             override_num_blocks=len(chunks))
+    ctx = ds.context  # this dataset's own copy: the caller's global DataContext is untouched
+    ctx.execution_options.preserve_order = True  # deterministic stream order
+    ctx.execution_options.resource_limits = ExecutionResources(
+        object_store_memory=object_store_limit)
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    n = min(concurrency or _default_concurrency(), len(chunks))
+    common = {"batch_size": 1,  # one chunk per call; a chunk is already `chunk_rows` records
+              "batch_format": "pyarrow", "num_cpus": 1}
+    if compute == "actors":
+        return ds.map_batches(_ChunkActor, fn_constructor_args=(job.model_dump_json(), epoch),
+                              compute=ray.data.ActorPoolStrategy(size=n), **common)
+    if compute != "tasks":
+        raise ValueError(f"compute must be 'tasks' or 'actors', got {compute!r}")
+    return ds.map_batches(_chunk_task, fn_args=(job.model_dump_json(), epoch),
+                          compute=ray.data.TaskPoolStrategy(size=n), **common)
+
+
+def iter_samples(job: JobConfig, epoch: int, *, start_row: int = 0,
+                 limit: int | None = None, stats: PreprocessStats | None = None,
+                 chunk_rows: int = DEFAULT_CHUNK_ROWS, concurrency: int | None = None,
+                 compute: str = DEFAULT_COMPUTE,
+                 object_store_limit: int = OBJECT_STORE_LIMIT_BYTES) -> Iterator[Item]:
+    """Every record of the epoch in source order (file, then row), as a sample or quarantined.
+
+    Exactly one item per source row, so a consumer that has taken k items restarts with
+    `start_row=k`. Streams through Ray Data with bounded memory; Ray must be initialized.
+    """
+    ds = build_dataset(job, epoch, start_row=start_row, limit=limit, chunk_rows=chunk_rows,
+                       concurrency=concurrency, compute=compute,
+                       object_store_limit=object_store_limit)
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+        for row in batch.to_pylist():
+            item = from_row(row)
+            if stats is not None:
+                stats.add(item)
+            yield item
+
+
+class SampleQuarantined(LookupError):
+    """`SampleStore.get` of a record that is quarantined (it never was a sample)."""
+
+    def __init__(self, record: QuarantinedRecord) -> None:
+        super().__init__(f"{record.sample_id} is quarantined: {record.reason}: {record.detail}")
+        self.record = record
+
+
+class SampleStore:
+    """Random access by sample id: re-read the source row, reprocess with the same seed.
+
+    Line offsets and Parquet row groups are cached, the tokenizer is loaded once per process,
+    so a lookup costs one small read plus one sample's preprocessing. Thread-safe.
+    """
+
+    def __init__(self, job: JobConfig, max_epochs_cached: int = 2) -> None:
+        self.job = job
+        self.files = {f.source: f for f in expand_sources(job.source)}
+        self._processors: OrderedDict[int, Processor] = OrderedDict()
+        self._max = max_epochs_cached
+        self._lock = threading.Lock()  # fast tokenizers refuse concurrent use ("borrowed")
+
+    def _processor(self, epoch: int) -> Processor:
+        p = self._processors.get(epoch)
+        if p is None:
+            p = self._processors[epoch] = Processor(self.job, epoch)
+            if len(self._processors) > self._max:
+                self._processors.popitem(last=False)
+        self._processors.move_to_end(epoch)
+        return p
+
+    def get_item(self, sample_id: str, epoch: int) -> Item:
+        source, row = split_sample_id(sample_id)
+        f = self.files.get(source)
+        if f is None:
+            raise KeyError(f"unknown source in sample id {sample_id!r}")
+        with self._lock:
+            raw = read_row(f, row)
+            return self._processor(epoch).process_one(f, row, raw)
+
+    def get(self, sample_id: str, epoch: int) -> ProcessedSample:
+        item = self.get_item(sample_id, epoch)
+        if isinstance(item, QuarantinedRecord):
+            raise SampleQuarantined(item)
+        return item
+
+    def close(self) -> None:
+        with self._lock:
+            self._processors.clear()

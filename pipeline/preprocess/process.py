@@ -1,0 +1,225 @@
+"""One chunk of raw records -> ProcessedSample | QuarantinedRecord, the same code everywhere.
+
+Ray actors (pipeline.py), the plain/multiprocessing benchmark baselines and `SampleStore`'s random
+access all call `Processor.process`, so a sample rebuilt by id is byte-identical to the streamed
+one. Work per chunk: parse -> augment -> decode images -> render template (per record), then ONE
+batched tokenizer call for the chunk (the per-call overhead dominated short chats), then labels,
+visual-token expansion, truncation and cost (per record, numpy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import BatchingConfig, JobConfig
+from pipeline.preprocess import augment
+from pipeline.preprocess.chat_template import (
+    IMAGE_PAD,
+    VISION_END,
+    VISION_START,
+    render,
+    template_text,
+)
+from pipeline.preprocess.labels import IGNORE, assistant_spans, label_tokens
+from pipeline.preprocess.records import (
+    BAD_RECORD,
+    PREPROCESS_ERROR,
+    TEMPLATE_ERROR,
+    TOKENIZE_ERROR,
+    TOO_LONG,
+    Conversation,
+    RecordError,
+    decode_line,
+    parse_record,
+)
+from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
+from pipeline.preprocess.sources import SourceFile
+from pipeline.preprocess.tokenizer import load_tokenizer
+from pipeline.preprocess.vision import VisionProcessor, decode_image
+
+Item = ProcessedSample | QuarantinedRecord
+
+
+def sample_cost(num_tokens: int, batching: BatchingConfig) -> int:
+    """A sample's cost alone: its tokens (padded or packed), or a*L + b*L^2 when b > 0."""
+    if batching.attn_b > 0:
+        return math.ceil(batching.attn_a * num_tokens + batching.attn_b * num_tokens**2)
+    return num_tokens
+
+
+def make_sample_id(source: str, row: int) -> str:
+    return f"{source}:{row}"
+
+
+def split_sample_id(sample_id: str) -> tuple[str, int]:
+    source, sep, row = sample_id.rpartition(":")
+    if not sep or not row.isdigit():
+        raise KeyError(f"not a sample id (<source>:<row>): {sample_id!r}")
+    return source, int(row)
+
+
+@dataclass
+class _Prepared:
+    row: int
+    text: str
+    spans: list[tuple[int, int]]
+    pixel_values: np.ndarray | None
+    grid: np.ndarray | None
+
+
+class Processor:
+    """Everything needed to preprocess records of one job and epoch; build once per process."""
+
+    def __init__(self, job: JobConfig, epoch: int) -> None:
+        self.job = job
+        self.epoch = epoch
+        self.cfg = job.preprocess
+        self.tokenizer = load_tokenizer(self.cfg)
+        self.template = template_text(self.cfg, self.tokenizer)
+        self.eos = self.tokenizer.eos_token
+        ids = self.tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END])
+        self.image_pad_id, self.vision_start_id, self.vision_end_id = ids
+        self._vision: VisionProcessor | None = None
+
+    @property
+    def vision(self) -> VisionProcessor:
+        if self._vision is None:  # text-only jobs never build the image processor
+            self._vision = VisionProcessor(self.cfg)
+        return self._vision
+
+    # -- per record -------------------------------------------------------------------------
+
+    def _prepare(self, file: SourceFile, row: int, raw: Any) -> _Prepared:
+        rec = decode_line(raw) if isinstance(raw, (bytes, bytearray)) else raw
+        if not isinstance(rec, dict):
+            raise RecordError(BAD_RECORD, f"expected a record, got {type(rec).__name__}")
+        conv = parse_record(rec)
+        sid = make_sample_id(file.source, row)
+        # Decode every image (even ones augmentation drops this epoch) so whether a record is
+        # quarantined never depends on the epoch.
+        images = [decode_image(ref, file.path) for ref in conv.images]
+        aplan = augment.plan(self.cfg.augment, conv, self.job.seed, self.epoch, sid)
+        conv, scales = augment.apply(conv, aplan)
+        images = images[: len(scales)]
+        pixel_values = grid = None
+        if images:
+            pixel_values, grid = self.vision.process(images, scales)
+        try:
+            text = render(conv, self.tokenizer, self.template)
+        except Exception as exc:  # any Jinja/template failure quarantines the record
+            raise RecordError(TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
+        spans = assistant_spans(text, _assistant_texts(conv), self.eos)
+        return _Prepared(row, text, spans, pixel_values, grid)
+
+    def _finish(self, file: SourceFile, p: _Prepared, ids: Sequence[int],
+                offsets: Sequence[Sequence[int]]) -> Item:
+        input_ids = np.asarray(ids, dtype=np.int32)
+        offs = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        labels = label_tokens(input_ids, offs, p.spans)
+        n_images = 0 if p.grid is None else len(p.grid)
+        pads = np.flatnonzero(input_ids == self.image_pad_id)
+        if len(pads) != n_images:
+            raise RecordError(BAD_RECORD, f"{len(pads)} image placeholders for {n_images} images "
+                                          "(text containing <|image_pad|>?)")
+        pixel_values, grid = p.pixel_values, p.grid
+        if n_images:
+            per_image = self.vision.visual_tokens(grid)
+            reps = np.ones(len(input_ids), dtype=np.int64)
+            reps[pads] = per_image
+            input_ids = np.repeat(input_ids, reps)
+            labels = np.repeat(labels, reps)
+            labels[input_ids == self.image_pad_id] = IGNORE  # never train on image positions
+        truncated = False
+        max_len = self.cfg.max_seq_len
+        if len(input_ids) > max_len:
+            if self.cfg.truncation == "quarantine":
+                raise RecordError(TOO_LONG, f"{len(input_ids)} tokens > max_seq_len {max_len}")
+            input_ids, labels, pixel_values, grid = self._truncate(
+                input_ids, labels, pixel_values, grid, max_len)
+            truncated = True
+            if not (labels != IGNORE).any():
+                raise RecordError(TOO_LONG, f"no assistant token within max_seq_len {max_len}")
+        n_visual = int((input_ids == self.image_pad_id).sum())
+        return ProcessedSample(
+            sample_id=make_sample_id(file.source, p.row), source=file.source, row=p.row,
+            input_ids=np.ascontiguousarray(input_ids, dtype=np.int32),
+            labels=np.ascontiguousarray(labels, dtype=np.int32),
+            num_visual_tokens=n_visual,
+            cost=sample_cost(len(input_ids), self.job.batching),
+            pixel_values=pixel_values, image_grid_thw=grid, truncated=truncated,
+        )
+
+    def _truncate(self, ids, labels, pixel_values, grid, max_len):
+        """Cut to max_len without splitting an image: an image cut off is dropped whole."""
+        cut = max_len
+        if grid is not None:
+            starts = np.flatnonzero(ids == self.vision_start_id)
+            ends = np.flatnonzero(ids == self.vision_end_id)
+            keep = 0
+            for s, e in zip(starts, ends, strict=False):
+                if e < cut:
+                    keep += 1
+                    continue
+                cut = min(cut, int(s))
+                break
+            if keep:
+                patches = int(np.prod(grid[:keep], axis=1).sum())
+                pixel_values, grid = pixel_values[:patches], grid[:keep]
+            else:
+                pixel_values = grid = None
+        return ids[:cut], labels[:cut], pixel_values, grid
+
+    # -- per chunk --------------------------------------------------------------------------
+
+    def process(self, file: SourceFile, rows: Sequence[tuple[int, Any]]) -> list[Item]:
+        out: list[Item | None] = [None] * len(rows)
+        prepared: list[tuple[int, _Prepared]] = []
+        for i, (row, raw) in enumerate(rows):
+            try:
+                prepared.append((i, self._prepare(file, row, raw)))
+            except RecordError as exc:
+                out[i] = QuarantinedRecord(file.source, row, exc.reason, exc.detail)
+            except Exception as exc:  # a failure we did not foresee: keep the stream going
+                out[i] = QuarantinedRecord(file.source, row, PREPROCESS_ERROR,
+                                           f"{type(exc).__name__}: {exc}")
+        texts = [p.text for _, p in prepared]
+        try:
+            enc = self._tokenize(texts)
+            encoded = list(zip(enc["input_ids"], enc["offset_mapping"], strict=True))
+        except Exception:  # one bad text fails the batch call: find which
+            encoded = []
+            for t in texts:
+                try:
+                    e = self._tokenize([t])
+                    encoded.append((e["input_ids"][0], e["offset_mapping"][0]))
+                except Exception as exc:  # that record is quarantined
+                    encoded.append(exc)
+        for (i, p), enc_i in zip(prepared, encoded, strict=True):
+            try:
+                if isinstance(enc_i, Exception):
+                    raise RecordError(TOKENIZE_ERROR, f"{type(enc_i).__name__}: {enc_i}")
+                out[i] = self._finish(file, p, enc_i[0], enc_i[1])
+            except RecordError as exc:
+                out[i] = QuarantinedRecord(file.source, p.row, exc.reason, exc.detail)
+            except Exception as exc:  # see above
+                out[i] = QuarantinedRecord(file.source, p.row, PREPROCESS_ERROR,
+                                           f"{type(exc).__name__}: {exc}")
+        return out  # type: ignore[return-value]
+
+    def _tokenize(self, texts: list[str]):
+        if not texts:
+            return {"input_ids": [], "offset_mapping": []}
+        return self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
+                              return_attention_mask=False)
+
+    def process_one(self, file: SourceFile, row: int, raw: Any) -> Item:
+        return self.process(file, [(row, raw)])[0]
+
+
+def _assistant_texts(conv: Conversation) -> list[str]:
+    return ["".join(s.text for s in t.segments) for t in conv.turns if t.role == "assistant"]

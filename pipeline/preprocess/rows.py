@@ -1,0 +1,94 @@
+"""ProcessedSample / QuarantinedRecord <-> one Arrow table row (the Ray Data block format).
+
+One fixed schema for every block, so blocks with and without images, or made only of
+quarantined rows, always concatenate. Arrays travel as raw little-endian bytes (binary columns,
+zero-copy on the way back): ragged numpy columns would otherwise become Ray tensor or pickled
+extension types whose exact type depends on what happens to be in a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
+
+Item = ProcessedSample | QuarantinedRecord
+
+SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("source", pa.string()),
+    ("row", pa.int64()),
+    ("num_tokens", pa.int64()),
+    ("num_visual_tokens", pa.int64()),
+    ("cost", pa.int64()),
+    ("truncated", pa.bool_()),
+    ("input_ids", pa.binary()),  # int32 LE
+    ("labels", pa.binary()),  # int32 LE
+    ("pixel_values", pa.binary()),  # float32 LE, [patches, pixel_dim]; empty = no images
+    ("pixel_dim", pa.int64()),
+    ("image_grid_thw", pa.binary()),  # int64 LE, [num_images, 3]
+    ("quarantine_reason", pa.string()),  # "" for a sample
+    ("quarantine_detail", pa.string()),
+])
+
+# What the planner needs, and nothing else (no payload columns).
+MEASURE_COLUMNS = ["sample_id", "source", "row", "num_tokens", "num_visual_tokens", "cost",
+                   "quarantine_reason"]
+
+
+def _b(arr: np.ndarray | None, dtype: str) -> bytes:
+    return b"" if arr is None else np.ascontiguousarray(arr, dtype=dtype).tobytes()
+
+
+def to_table(items: Sequence[Item]) -> pa.Table:
+    cols: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
+    for it in items:
+        cols["source"].append(it.source)
+        cols["row"].append(it.row)
+        cols["sample_id"].append(it.sample_id)
+        if isinstance(it, QuarantinedRecord):
+            for name, v in (("num_tokens", 0), ("num_visual_tokens", 0), ("cost", 0),
+                            ("truncated", False), ("input_ids", b""), ("labels", b""),
+                            ("pixel_values", b""), ("pixel_dim", 0), ("image_grid_thw", b""),
+                            ("quarantine_reason", it.reason), ("quarantine_detail", it.detail)):
+                cols[name].append(v)
+            continue
+        pv = it.pixel_values
+        cols["num_tokens"].append(it.num_tokens)
+        cols["num_visual_tokens"].append(it.num_visual_tokens)
+        cols["cost"].append(it.cost)
+        cols["truncated"].append(it.truncated)
+        cols["input_ids"].append(_b(it.input_ids, "<i4"))
+        cols["labels"].append(_b(it.labels, "<i4"))
+        cols["pixel_values"].append(_b(pv, "<f4"))
+        cols["pixel_dim"].append(0 if pv is None else int(pv.shape[1]))
+        cols["image_grid_thw"].append(_b(it.image_grid_thw, "<i8"))
+        cols["quarantine_reason"].append("")
+        cols["quarantine_detail"].append("")
+    return pa.Table.from_pydict(cols, schema=SCHEMA)
+
+
+def from_row(row: dict[str, Any]) -> Item:
+    if row["quarantine_reason"]:
+        return QuarantinedRecord(row["source"], int(row["row"]), row["quarantine_reason"],
+                                 row["quarantine_detail"] or "")
+    pv = grid = None
+    if row["image_grid_thw"]:
+        grid = np.frombuffer(row["image_grid_thw"], dtype="<i8").reshape(-1, 3).astype(np.int64)
+        pv = np.frombuffer(row["pixel_values"], dtype="<f4").reshape(-1, int(row["pixel_dim"]))
+        pv = pv.astype(np.float32)
+    return ProcessedSample(
+        sample_id=row["sample_id"], source=row["source"], row=int(row["row"]),
+        input_ids=np.frombuffer(row["input_ids"], dtype="<i4").astype(np.int32),
+        labels=np.frombuffer(row["labels"], dtype="<i4").astype(np.int32),
+        num_visual_tokens=int(row["num_visual_tokens"]), cost=int(row["cost"]),
+        pixel_values=pv, image_grid_thw=grid, truncated=bool(row["truncated"]),
+    )
+
+
+def from_table(table: pa.Table) -> list[Item]:
+    return [from_row(r) for r in table.to_pylist()]

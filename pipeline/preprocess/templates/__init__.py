@@ -1,0 +1,1 @@
+"""Chat templates shipped as package data (Qwen2-VL, Qwen3)."""

@@ -1,0 +1,1 @@
+"""Sample pictures (scikit-image test images, BSD) shipped as package data."""

@@ -1,0 +1,52 @@
+"""Every bad-record kind is quarantined with its reason, in the same chunk as good records."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
+
+from .conftest import chat, make_job, processor_for, src
+
+BAD = [
+    (b'{"messages": [{"role": "user"', "bad_json"),
+    (b'{"messages": [{"role": "user", "content": "\xff"}]}', "bad_utf8"),
+    (json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode(), "missing_roles"),
+    (json.dumps({"conversations": [{"from": "human", "value": "<image>x"},
+                                   {"from": "gpt", "value": "y"}],
+                 "images": ["broken.jpg"]}).encode(), "bad_image"),
+    (json.dumps({"conversations": [{"from": "human", "value": "<image>x"},
+                                   {"from": "gpt", "value": "y"}],
+                 "images": ["not_an_image.png"]}).encode(), "bad_image"),
+    (json.dumps({"conversations": [{"from": "human", "value": "<image>x"},
+                                   {"from": "gpt", "value": "y"}],
+                 "images": ["nowhere/gone.png"]}).encode(), "missing_image"),
+    (json.dumps(chat(user="literal <|image_pad|> in text")).encode(), "bad_record"),
+]
+
+
+def test_bad_records_quarantined_good_ones_flow(image_dir):
+    good = json.dumps(chat()).encode()
+    rows = []
+    for line, _ in BAD:
+        rows += [good, line]
+    rows.append(good)
+    f = src(image_dir / "data.jsonl")
+    out = processor_for(make_job()).process(f, list(enumerate(rows)))
+    assert len(out) == len(rows)
+    assert [o.row for o in out] == list(range(len(rows)))
+    q = [o for o in out if isinstance(o, QuarantinedRecord)]
+    assert [(o.row, o.reason) for o in q] == [(2 * i + 1, r) for i, (_, r) in enumerate(BAD)]
+    assert all(o.detail for o in q) and all(o.source == f.source for o in q)
+    assert sum(isinstance(o, ProcessedSample) for o in out) == len(BAD) + 1
+
+
+def test_template_error_is_quarantined(tmp_path):
+    path = tmp_path / "strict.jinja"
+    path.write_text("{% for m in messages %}{% if m.content == 'boom' %}"
+                    "{{ raise_exception('no boom allowed') }}{% endif %}"
+                    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    out = processor_for(make_job(chat_template=str(path))).process(
+        src(), [(0, json.dumps(chat(user="boom")).encode()), (1, json.dumps(chat()).encode())])
+    assert out[0].reason == "template_error" and "no boom" in out[0].detail
+    assert isinstance(out[1], ProcessedSample)

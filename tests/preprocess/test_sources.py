@@ -1,0 +1,75 @@
+"""Exact row numbering and read plans, independent of chunk sizes; random access reads."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import SourceConfig
+from pipeline.preprocess.sources import (
+    SourceNotFound,
+    expand_sources,
+    line_index,
+    num_rows,
+    plan_chunks,
+    read_chunk,
+    read_row,
+)
+
+
+def _rows(files, chunk_rows, start=0, limit=None):
+    out = []
+    for c in plan_chunks(files, chunk_rows, start, limit):
+        out += [(c.file.source, r, raw) for r, raw in read_chunk(c)]
+    return out
+
+
+@pytest.mark.parametrize("ending", [b"\n", b""])
+def test_jsonl_rows_exact_for_any_chunk_size(tmp_path, ending):
+    lines = [b"a", b"", b"bb", b"c\r", b"  ", b"dd"]
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(b"\n".join(lines) + ending)
+    (f,) = expand_sources(SourceConfig(paths=[str(p)]))
+    assert num_rows(f) == 6 and line_index(str(p))[-1] == p.stat().st_size
+    want = [(str(p), i, ln.removesuffix(b"\r")) for i, ln in enumerate(lines)]
+    for k in (1, 2, 4, 6, 100):
+        assert _rows([f], k) == want
+        assert _rows([f], k, start=3) == want[3:]
+        assert _rows([f], k, start=1, limit=3) == want[1:4]
+    assert [read_row(f, i) for i in range(6)] == [w[2] for w in want]
+    with pytest.raises(KeyError):
+        read_row(f, 6)
+
+
+def test_directory_order_multiple_files_and_start_row_across_files(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "b.jsonl").write_bytes(b"b0\nb1\nb2\n")
+    (d / "a.jsonl").write_bytes(b"a0\na1\n")
+    (d / "notes.txt").write_text("ignored")
+    files = expand_sources(SourceConfig(paths=[str(d)]))
+    assert [f.source.rsplit("/", 1)[1] for f in files] == ["a.jsonl", "b.jsonl"]
+    got = [(s.rsplit("/", 1)[1], r, raw) for s, r, raw in _rows(files, 2, start=1)]
+    assert got == [("a.jsonl", 1, b"a1"), ("b.jsonl", 0, b"b0"), ("b.jsonl", 1, b"b1"),
+                   ("b.jsonl", 2, b"b2")]
+
+
+def test_parquet_rows_across_row_groups(tmp_path):
+    p = tmp_path / "x.parquet"
+    table = pa.table({"k": list(range(10))})
+    pq.write_table(table, p, row_group_size=3)
+    (f,) = expand_sources(SourceConfig(paths=[str(p)]))
+    assert f.kind == "parquet" and num_rows(f) == 10
+    for k in (1, 2, 5):
+        assert [(r, raw["k"]) for _, r, raw in _rows([f], k)] == [(i, i) for i in range(10)]
+        assert [r for _, r, _ in _rows([f], k, start=4, limit=4)] == [4, 5, 6, 7]
+    assert [read_row(f, i)["k"] for i in (9, 0, 4)] == [9, 0, 4]
+
+
+def test_missing_source_is_a_user_error(tmp_path):
+    with pytest.raises(SourceNotFound, match="source not found"):
+        expand_sources(SourceConfig(paths=[str(tmp_path / "nope.jsonl")]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceNotFound, match=r"no \.jsonl"):
+        expand_sources(SourceConfig(paths=[str(tmp_path / "empty")]))

@@ -1,0 +1,139 @@
+"""Templating + tokenization + label masks against hand-checked Qwen token ids.
+
+Ids (Qwen2.5/Qwen3 vocabulary): 151644 <|im_start|>, 151645 <|im_end|>, 872 'user',
+77091 'assistant', 8948 'system', 198 '\\n', 271 '\\n\\n', 151667 <think>, 151668 </think>,
+13048 'Hi', 9707 'Hello', 0 '!', and 'You are a helpful assistant.' = 2610 525 264 10950 17847 13.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.errors import UserError
+from pipeline.preprocess.chat_template import IMAGE_PLACEHOLDER, template_text
+from pipeline.preprocess.labels import IGNORE, assistant_spans
+from pipeline.preprocess.sample import ProcessedSample
+from pipeline.preprocess.tokenizer import load_tokenizer
+
+from .conftest import chat, make_job, processor_for, src
+
+M = -100
+IM_START, IM_END, NL = 151644, 151645, 198
+
+
+def _one(job, rec) -> ProcessedSample:
+    import json
+
+    item = processor_for(job).process_one(src(), 0, json.dumps(rec).encode())
+    assert isinstance(item, ProcessedSample), item
+    return item
+
+
+def test_qwen3_bundled_template_ids_and_labels():
+    s = _one(make_job(), chat())
+    assert s.input_ids.tolist() == [
+        IM_START, 872, NL, 13048, IM_END, NL,
+        IM_START, 77091, NL, 151667, 271, 151668, 271, 9707, 0, IM_END, NL]
+    # Trained: the assistant's answer incl. Qwen3's empty think block and <|im_end|>.
+    assert s.labels.tolist() == [M] * 9 + [151667, 271, 151668, 271, 9707, 0, IM_END, M]
+    assert s.input_ids.dtype == np.int32 and s.labels.dtype == np.int32
+    assert s.num_tokens == s.cost == 17 and s.num_visual_tokens == 0
+
+
+def test_qwen2_template_adds_default_system_and_no_think():
+    s = _one(make_job(chat_template="qwen2"), chat())
+    system = [IM_START, 8948, NL, 2610, 525, 264, 10950, 17847, 13, IM_END, NL]
+    assert s.input_ids.tolist() == [
+        *system, IM_START, 872, NL, 13048, IM_END, NL, IM_START, 77091, NL, 9707, 0, IM_END, NL]
+    assert s.labels.tolist() == [M] * (len(system) + 9) + [9707, 0, IM_END, M]
+
+
+def test_multi_turn_masks_every_assistant_turn_and_no_user_turn():
+    rec = {"messages": [{"role": "system", "content": "S"},
+                        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"},
+                        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "B"}]}
+    s = _one(make_job(chat_template="qwen2"), rec)
+    tok = load_tokenizer(make_job().preprocess)
+    trained = tok.decode(s.labels[s.labels != IGNORE].tolist())
+    assert trained == "A<|im_end|>B<|im_end|>"
+    # Every labelled token equals its input id (no shift here; the trainer shifts).
+    lab = s.labels != IGNORE
+    assert (s.labels[lab] == s.input_ids[lab]).all()
+
+
+def test_content_starting_with_newlines_keeps_turn_boundaries():
+    # "\n\n..." after the header BPE-merges with the header's "\n"; masks follow characters.
+    s = _one(make_job(chat_template="qwen2"), chat(assistant="\n\nAnswer"))
+    tok = load_tokenizer(make_job().preprocess)
+    trained = tok.decode(s.labels[s.labels != IGNORE].tolist())
+    assert trained.endswith("Answer<|im_end|>") and "assistant" not in trained
+
+
+def test_qwen2_template_image_parts_match_inline_placeholder():
+    cfg = make_job(chat_template="qwen2").preprocess
+    tok = load_tokenizer(cfg)
+    tmpl = template_text(cfg, tok)
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
+             {"role": "assistant", "content": "Hello!"}]
+    inline = [{"role": "user", "content": IMAGE_PLACEHOLDER + "Hi"},
+              {"role": "assistant", "content": "Hello!"}]
+    a = tok.apply_chat_template(parts, chat_template=tmpl, tokenize=False)
+    b = tok.apply_chat_template(inline, chat_template=tmpl, tokenize=False)
+    assert a == b and "<|vision_start|><|image_pad|><|vision_end|>Hi" in a
+
+
+def test_custom_jinja_file_non_chatml(tmp_path):
+    path = tmp_path / "plain.jinja"
+    path.write_text("{% for m in messages %}{% if m.role == 'user' %}User: {{ m.content }}\n"
+                    "{% else %}Bot: {{ m.content }}{{ eos_token }}\n{% endif %}{% endfor %}")
+    s = _one(make_job(chat_template=str(path)), chat("Hi", "Hello there"))
+    tok = load_tokenizer(make_job().preprocess)
+    assert tok.decode(s.input_ids.tolist()) == "User: Hi\nBot: Hello there<|im_end|>\n"
+    assert tok.decode(s.labels[s.labels != IGNORE].tolist()) == " Hello there<|im_end|>"
+
+
+def test_assistant_spans_chatml_text():
+    text = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\nans<|im_end|>\n"
+    (start, end), = assistant_spans(text)
+    assert text[start:end] == "ans<|im_end|>"
+
+
+def test_bad_template_setting_is_a_user_error():
+    with pytest.raises(UserError, match="chat_template"):
+        template_text(make_job(chat_template="/no/such.jinja").preprocess,
+                      load_tokenizer(make_job().preprocess))
+
+
+def test_other_tokenizer_dir_loads(tmp_path):
+    import shutil
+
+    from pipeline.preprocess.tokenizer import bundled_tokenizer_dir
+
+    copy = tmp_path / "tok"
+    shutil.copytree(bundled_tokenizer_dir(), copy)
+    s = _one(make_job(tokenizer_dir=str(copy)), chat())
+    assert s.input_ids.tolist()[:4] == [IM_START, 872, NL, 13048]
+    with pytest.raises(UserError, match="tokenizer_dir"):
+        load_tokenizer(make_job(tokenizer_dir=str(tmp_path / "nope")).preprocess)
+
+
+def test_max_seq_len_truncate_and_quarantine():
+    long = chat(assistant="word " * 200)
+    s = _one(make_job(max_seq_len=64), long)
+    assert s.num_tokens == 64 and s.truncated and (s.labels != IGNORE).any()
+    import json
+
+    q = processor_for(make_job(max_seq_len=64, truncation="quarantine")).process_one(
+        src(), 3, json.dumps(long).encode())
+    assert q.reason == "too_long" and q.row == 3
+    # Truncation that leaves no assistant token quarantines too: nothing to learn from.
+    q = processor_for(make_job(max_seq_len=4)).process_one(src(), 4, json.dumps(long).encode())
+    assert q.reason == "too_long"
+
+
+def test_cost_uses_attention_model_only_when_b_positive():
+    s = _one(make_job(batching={"attn_a": 2.0, "attn_b": 0.5}), chat())
+    assert s.cost == 2 * 17 + 0.5 * 17 * 17 + 0.5  # ceil(178.5)
+    s = _one(make_job(batching={"attn_a": 3.0, "attn_b": 0.0}), chat())
+    assert s.cost == 17
