@@ -24,21 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'pipeline/wire/odb/v1/data_service.proto\x12\x06odb.v1\"Q\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x05\x64type\x18\x02 \x01(\x0e\x32\r.odb.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x06\n\x04Ping\"\x1e\n\x04Pong\x12\x16\n\x0eserver_version\x18\x01 \x01(\t*q\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05INT32\x10\x01\x12\t\n\x05INT64\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\x0b\n\x07\x46LOAT16\x10\x05\x12\t\n\x05UINT8\x10\x06\x12\x08\n\x04\x42OOL\x10\x07\x32\x33\n\x0b\x44\x61taService\x12$\n\x06Health\x12\x0c.odb.v1.Ping\x1a\x0c.odb.v1.Pongb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'pipeline/wire/odb/v1/data_service.proto\x12\x06odb.v1\"Q\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x05\x64type\x18\x02 \x01(\x0e\x32\r.odb.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x06\n\x04Ping\"\x1e\n\x04Pong\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\"\x87\x01\n\x04Open\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0bresume_step\x18\x04 \x01(\x03\x12\x14\n\x0cresume_epoch\x18\x05 \x01(\x05\x12\x11\n\tclient_id\x18\x06 \x01(\t\x12\x0f\n\x07\x63redits\x18\x07 \x01(\x05\"-\n\x03\x41\x63k\x12\x15\n\rconsumed_step\x18\x01 \x01(\x03\x12\x0f\n\x07\x63redits\x18\x02 \x01(\x05\"Q\n\rClientMessage\x12\x1c\n\x04open\x18\x01 \x01(\x0b\x32\x0c.odb.v1.OpenH\x00\x12\x1a\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x0b.odb.v1.AckH\x00\x42\x06\n\x04kind\"\xa8\x01\n\x08StepInfo\x12\x14\n\x0cstep_samples\x18\x01 \x01(\x03\x12\x13\n\x0bstep_tokens\x18\x02 \x01(\x03\x12\x14\n\x0crank_samples\x18\x03 \x01(\x03\x12\x13\n\x0brank_tokens\x18\x04 \x01(\x03\x12\x18\n\x10step_loss_tokens\x18\x05 \x01(\x03\x12\x18\n\x10rank_loss_tokens\x18\x06 \x01(\x03\x12\x12\n\nworld_size\x18\x07 \x01(\x05\"\xad\x01\n\x05\x42\x61tch\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nsample_ids\x18\x04 \x03(\t\x12\x1e\n\x04info\x18\x05 \x01(\x0b\x32\x10.odb.v1.StepInfo\x12\x0f\n\x07\x63ollate\x18\x06 \x01(\t\x12\x13\n\x0bover_budget\x18\x07 \x01(\x08\x12\x1f\n\x07tensors\x18\x08 \x03(\x0b\x32\x0e.odb.v1.Tensor\"k\n\x03\x45nd\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x12\n\nfinal_step\x18\x02 \x01(\x03\x12\x1a\n\x04mode\x18\x03 \x01(\x0e\x32\x0c.odb.v1.Mode\x12\x13\n\x0b\x65poch_steps\x18\x04 \x01(\x03\x12\x10\n\x08job_done\x18\x05 \x01(\x08\"S\n\rServerMessage\x12\x1e\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\r.odb.v1.BatchH\x00\x12\x1a\n\x03\x65nd\x18\x02 \x01(\x0b\x32\x0b.odb.v1.EndH\x00\x42\x06\n\x04kind\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"l\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nacked_step\x18\x02 \x01(\x03\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\x16\n\x0e\x64\x65livered_step\x18\x05 \x01(\x03\"V\n\x0c\x45pochSummary\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x12\n\nfinal_step\x18\x03 \x03(\x03\x12\x14\n\x0c\x63\x61rried_over\x18\x04 \x01(\x03\"\x9f\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x1a\n\x04mode\x18\x03 \x01(\x0e\x32\x0c.odb.v1.Mode\x12\x0e\n\x06\x65pochs\x18\x04 \x01(\x05\x12\x19\n\x11published_through\x18\x05 \x01(\x03\x12\x0c\n\x04\x64one\x18\x06 \x01(\x08\x12!\n\x05ranks\x18\x07 \x03(\x0b\x32\x12.odb.v1.RankStatus\x12(\n\nepoch_ends\x18\x08 \x03(\x0b\x32\x14.odb.v1.EpochSummary\x12\x12\n\nsamples_in\x18\t \x01(\x03\x12\x13\n\x0bquarantined\x18\n \x01(\x03\x12\x14\n\x0clapsed_ranks\x18\x0b \x03(\x05\x12\r\n\x05\x65rror\x18\x0c \x01(\t*q\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05INT32\x10\x01\x12\t\n\x05INT64\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\x0b\n\x07\x46LOAT16\x10\x05\x12\t\n\x05UINT8\x10\x06\x12\x08\n\x04\x42OOL\x10\x07*1\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x08\n\x04JOIN\x10\x01\x12\t\n\x05QUOTA\x10\x02\x32\xa3\x01\n\x0b\x44\x61taService\x12$\n\x06Health\x12\x0c.odb.v1.Ping\x1a\x0c.odb.v1.Pong\x12:\n\x06Stream\x12\x15.odb.v1.ClientMessage\x1a\x15.odb.v1.ServerMessage(\x01\x30\x01\x12\x32\n\x06GetJob\x12\x15.odb.v1.GetJobRequest\x1a\x11.odb.v1.JobStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pipeline.wire.odb.v1.data_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=174
-  _globals['_DTYPE']._serialized_end=287
+  _globals['_DTYPE']._serialized_start=1504
+  _globals['_DTYPE']._serialized_end=1617
+  _globals['_MODE']._serialized_start=1619
+  _globals['_MODE']._serialized_end=1668
   _globals['_TENSOR']._serialized_start=51
   _globals['_TENSOR']._serialized_end=132
   _globals['_PING']._serialized_start=134
   _globals['_PING']._serialized_end=140
   _globals['_PONG']._serialized_start=142
   _globals['_PONG']._serialized_end=172
-  _globals['_DATASERVICE']._serialized_start=289
-  _globals['_DATASERVICE']._serialized_end=340
+  _globals['_OPEN']._serialized_start=175
+  _globals['_OPEN']._serialized_end=310
+  _globals['_ACK']._serialized_start=312
+  _globals['_ACK']._serialized_end=357
+  _globals['_CLIENTMESSAGE']._serialized_start=359
+  _globals['_CLIENTMESSAGE']._serialized_end=440
+  _globals['_STEPINFO']._serialized_start=443
+  _globals['_STEPINFO']._serialized_end=611
+  _globals['_BATCH']._serialized_start=614
+  _globals['_BATCH']._serialized_end=787
+  _globals['_END']._serialized_start=789
+  _globals['_END']._serialized_end=896
+  _globals['_SERVERMESSAGE']._serialized_start=898
+  _globals['_SERVERMESSAGE']._serialized_end=981
+  _globals['_GETJOBREQUEST']._serialized_start=983
+  _globals['_GETJOBREQUEST']._serialized_end=1014
+  _globals['_RANKSTATUS']._serialized_start=1016
+  _globals['_RANKSTATUS']._serialized_end=1124
+  _globals['_EPOCHSUMMARY']._serialized_start=1126
+  _globals['_EPOCHSUMMARY']._serialized_end=1212
+  _globals['_JOBSTATUS']._serialized_start=1215
+  _globals['_JOBSTATUS']._serialized_end=1502
+  _globals['_DATASERVICE']._serialized_start=1671
+  _globals['_DATASERVICE']._serialized_end=1834
 # @@protoc_insertion_point(module_scope)

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -17,6 +17,12 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT16: _ClassVar[DType]
     UINT8: _ClassVar[DType]
     BOOL: _ClassVar[DType]
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    JOIN: _ClassVar[Mode]
+    QUOTA: _ClassVar[Mode]
 DTYPE_UNSPECIFIED: DType
 INT32: DType
 INT64: DType
@@ -25,6 +31,9 @@ BFLOAT16: DType
 FLOAT16: DType
 UINT8: DType
 BOOL: DType
+MODE_UNSPECIFIED: Mode
+JOIN: Mode
+QUOTA: Mode
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -47,3 +56,157 @@ class Pong(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     def __init__(self, server_version: _Optional[str] = ...) -> None: ...
+
+class Open(_message.Message):
+    __slots__ = ("job_id", "rank", "world_size", "resume_step", "resume_epoch", "client_id", "credits")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    world_size: int
+    resume_step: int
+    resume_epoch: int
+    client_id: str
+    credits: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("consumed_step", "credits")
+    CONSUMED_STEP_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    consumed_step: int
+    credits: int
+    def __init__(self, consumed_step: _Optional[int] = ..., credits: _Optional[int] = ...) -> None: ...
+
+class ClientMessage(_message.Message):
+    __slots__ = ("open", "ack")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    open: Open
+    ack: Ack
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...
+
+class StepInfo(_message.Message):
+    __slots__ = ("step_samples", "step_tokens", "rank_samples", "rank_tokens", "step_loss_tokens", "rank_loss_tokens", "world_size")
+    STEP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANK_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RANK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANK_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    step_samples: int
+    step_tokens: int
+    rank_samples: int
+    rank_tokens: int
+    step_loss_tokens: int
+    rank_loss_tokens: int
+    world_size: int
+    def __init__(self, step_samples: _Optional[int] = ..., step_tokens: _Optional[int] = ..., rank_samples: _Optional[int] = ..., rank_tokens: _Optional[int] = ..., step_loss_tokens: _Optional[int] = ..., rank_loss_tokens: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("step", "epoch", "rank", "sample_ids", "info", "collate", "over_budget", "tensors")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    COLLATE_FIELD_NUMBER: _ClassVar[int]
+    OVER_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    epoch: int
+    rank: int
+    sample_ids: _containers.RepeatedScalarFieldContainer[str]
+    info: StepInfo
+    collate: str
+    over_budget: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ..., info: _Optional[_Union[StepInfo, _Mapping]] = ..., collate: _Optional[str] = ..., over_budget: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class End(_message.Message):
+    __slots__ = ("epoch", "final_step", "mode", "epoch_steps", "job_done")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FINAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    JOB_DONE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    final_step: int
+    mode: Mode
+    epoch_steps: int
+    job_done: bool
+    def __init__(self, epoch: _Optional[int] = ..., final_step: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epoch_steps: _Optional[int] = ..., job_done: _Optional[bool] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("batch", "end")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    batch: Batch
+    end: End
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "acked_step", "client_id", "connected", "delivered_step")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ACKED_STEP_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_STEP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    acked_step: int
+    client_id: str
+    connected: bool
+    delivered_step: int
+    def __init__(self, rank: _Optional[int] = ..., acked_step: _Optional[int] = ..., client_id: _Optional[str] = ..., connected: _Optional[bool] = ..., delivered_step: _Optional[int] = ...) -> None: ...
+
+class EpochSummary(_message.Message):
+    __slots__ = ("epoch", "steps", "final_step", "carried_over")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_OVER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    steps: int
+    final_step: _containers.RepeatedScalarFieldContainer[int]
+    carried_over: int
+    def __init__(self, epoch: _Optional[int] = ..., steps: _Optional[int] = ..., final_step: _Optional[_Iterable[int]] = ..., carried_over: _Optional[int] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_ENDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_IN_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    LAPSED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    world_size: int
+    mode: Mode
+    epochs: int
+    published_through: int
+    done: bool
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    epoch_ends: _containers.RepeatedCompositeFieldContainer[EpochSummary]
+    samples_in: int
+    quarantined: int
+    lapsed_ranks: _containers.RepeatedScalarFieldContainer[int]
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...

@@ -39,12 +39,34 @@ class DataServiceStub:
                 request_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Ping.SerializeToString,
                 response_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Pong.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/odb.v1.DataService/Stream',
+                request_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ClientMessage.SerializeToString,
+                response_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ServerMessage.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/odb.v1.DataService/GetJob',
+                request_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.FromString,
+                _registered_method=True)
 
 
 class DataServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Health(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +79,16 @@ def add_DataServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Ping.FromString,
                     response_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Pong.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ClientMessage.FromString,
+                    response_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ServerMessage.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.FromString,
+                    response_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +118,60 @@ class DataService:
             '/odb.v1.DataService/Health',
             pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Ping.SerializeToString,
             pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Pong.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/odb.v1.DataService/Stream',
+            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ClientMessage.SerializeToString,
+            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ServerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/odb.v1.DataService/GetJob',
+            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.SerializeToString,
+            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,78 @@
+"""numpy arrays <-> odb.v1 Tensor messages: raw little-endian C-order bytes + dtype + shape."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.wire.odb.v1 import data_service_pb2 as pb
+
+_TO_WIRE: dict[np.dtype, int] = {
+    np.dtype("<i4"): pb.INT32,
+    np.dtype("<i8"): pb.INT64,
+    np.dtype("<f4"): pb.FLOAT32,
+    np.dtype("<f2"): pb.FLOAT16,
+    np.dtype("u1"): pb.UINT8,
+    np.dtype("?"): pb.BOOL,
+}
+_FROM_WIRE: dict[int, np.dtype] = {v: k for k, v in _TO_WIRE.items()}
+
+
+def encode(name: str, array: np.ndarray) -> pb.Tensor:
+    return encode_into(pb.Tensor(), name, array)
+
+
+def encode_into(out: pb.Tensor, name: str, array: np.ndarray) -> pb.Tensor:
+    """Fill `out` (e.g. `batch.tensors.add()`, avoiding a nested-message copy)."""
+    dt = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    if dt not in _TO_WIRE:
+        raise TypeError(f"tensor {name!r}: dtype {array.dtype} has no wire type")
+    out.name = name
+    out.dtype = _TO_WIRE[dt]
+    out.shape.extend(array.shape)
+    # astype(..., copy=False) is a no-op for little-endian contiguous arrays (the usual case).
+    out.data = np.ascontiguousarray(array.astype(dt, copy=False)).tobytes()
+    return out
+
+
+def decode(t: pb.Tensor) -> np.ndarray:
+    """numpy view of a Tensor message (the server side and tests; the trainer uses torch)."""
+    if t.dtype not in _FROM_WIRE:
+        raise ValueError(f"tensor {t.name!r}: unknown wire dtype {t.dtype}")
+    return np.frombuffer(t.data, dtype=_FROM_WIRE[t.dtype]).reshape(tuple(t.shape))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+_TENSOR_DATA_TAG = b"\x22"  # Tensor.data: field 4, length-delimited
+_BATCH_TENSORS_TAG = b"\x42"  # Batch.tensors: field 8, length-delimited
+_MESSAGE_BATCH_TAG = b"\x0a"  # ServerMessage.batch: field 1, length-delimited
+
+
+def batch_message_bytes(header: pb.Batch, arrays: dict[str, np.ndarray]) -> bytes:
+    """A serialized `ServerMessage{batch}`: `header` (a Batch without tensors) plus the arrays,
+    framed by hand so each payload is copied once (into the result) instead of through
+    tobytes -> message field -> SerializeToString. Valid protobuf (fields may come in any
+    order; repeated fields concatenate), deterministic, parsed by the ordinary stubs."""
+    parts: list[bytes | memoryview] = [header.SerializeToString()]
+    for name, array in arrays.items():
+        dt = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        if dt not in _TO_WIRE:
+            raise TypeError(f"tensor {name!r}: dtype {array.dtype} has no wire type")
+        data = np.ascontiguousarray(array.astype(dt, copy=False))
+        meta = pb.Tensor(name=name, dtype=_TO_WIRE[dt], shape=list(array.shape))
+        meta_bytes = meta.SerializeToString()
+        tensor_len = len(meta_bytes) + 1 + len(_varint(data.nbytes)) + data.nbytes
+        parts += [_BATCH_TENSORS_TAG, _varint(tensor_len), meta_bytes,
+                  _TENSOR_DATA_TAG, _varint(data.nbytes), memoryview(data).cast("B")]
+    body_len = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+    return b"".join([_MESSAGE_BATCH_TAG, _varint(body_len), *parts])

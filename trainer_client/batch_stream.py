@@ -1,0 +1,283 @@
+"""`BatchStream`: one rank's batches from the odb-pipeline service, as an iterator.
+
+    stream = BatchStream("host:50051", "sft-1", rank, world_size, token=os.environ["ODB_TOKEN"])
+    for epoch in range(epochs):
+        for batch in stream:          # ends at this rank's END for the epoch
+            loss = model(**batch).loss * loss_scale(batch)
+    ckpt["data"] = stream.state_dict()   # restore: stream.load_state_dict(ckpt["data"])
+
+Join mode (the default): ranks may get different numbers of steps in an epoch, so wrap the loop
+in `torch.distributed.algorithms.Join` — a rank that reached its END shadows the collectives of
+the ranks still training instead of leaving them blocked in an all-reduce:
+
+    with Join([ddp_model]):
+        for batch in stream: ...
+Quota mode: every rank gets the same number of steps; no Join needed.
+
+Position: `next_step` (the global step after the last yielded batch) and `epoch` (the first
+epoch whose END the trainer has not seen). A background thread keeps at most `prefetch`
+undelivered batches (credits: the server sends only as many as the client has granted).
+Acks: taking batch k+1 (or the END) acknowledges batch k, so a crash redelivers at most the
+step in progress. Connection failures reconnect with backoff and resume from what was received.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pipeline.wire.odb.v1 import data_service_pb2 as pb
+from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.decode import StreamBatch, decode_batch
+
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,  # rank still held by our previous (dead) connection
+}
+_STATE_VERSION = 1
+
+
+class StreamError(RuntimeError):
+    """The service refused or ended the stream; `code` is the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class EpochEndInfo:
+    epoch: int
+    final_step: int  # this rank's last step of the epoch, -1 if none
+    mode: str  # "join" | "quota"
+    epoch_steps: int
+    job_done: bool
+
+
+class BatchStream:
+    def __init__(
+        self, endpoint: str, job: str, rank: int, world_size: int, *,
+        token: str | None = None, prefetch: int = 4, client_id: str | None = None,
+        root_certificates: bytes | None = None, private_key: bytes | None = None,
+        certificate_chain: bytes | None = None, max_message_mb: int = 256,
+        reconnect_timeout: float = 60.0, backoff: tuple[float, float] = (0.05, 2.0),
+    ) -> None:
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        self.endpoint, self.job, self.rank, self.world_size = endpoint, job, rank, world_size
+        self.prefetch = prefetch
+        self.client_id = client_id or f"{job}/{rank}/{uuid.uuid4().hex[:12]}"
+        self.reconnect_timeout = reconnect_timeout
+        self._backoff = backoff
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        n = max_message_mb * 1024 * 1024
+        opts = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)]
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.secure_channel(endpoint, creds, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(endpoint, options=opts)
+        self._stub = pb_grpc.DataServiceStub(self._channel)
+        # Trainer-side position (what state_dict saves).
+        self._next_step = 0
+        self._epoch = 0
+        self._done = False
+        self._last_yielded = -1
+        self.last_end: EpochEndInfo | None = None
+        self.reconnects = 0
+        # Receiver side.
+        self._lock = threading.Lock()
+        self._items: queue.Queue = queue.Queue()
+        self._queued_batches = 0
+        self._reqs: queue.SimpleQueue | None = None
+        self._call = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    # --- checkpointing ---
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "job": self.job, "rank": self.rank,
+                "world_size": self.world_size, "next_step": self._next_step,
+                "epoch": self._epoch, "done": self._done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position; the stream (re)connects from it on the next iteration."""
+        for key, mine in (("job", self.job), ("rank", self.rank),
+                          ("world_size", self.world_size)):
+            if state.get(key) != mine:
+                raise ValueError(f"state_dict is for {key}={state.get(key)!r}, "
+                                 f"this stream has {key}={mine!r}")
+        self._stop_receiver()
+        self._next_step = int(state["next_step"])
+        self._epoch = int(state["epoch"])
+        self._done = bool(state.get("done", False))
+        self._last_yielded = self._next_step - 1
+
+    # --- iteration ---
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def __iter__(self) -> Iterator[StreamBatch]:
+        """Batches of the current epoch, up to this rank's END for it."""
+        if self._done:
+            return
+        self._ensure_receiver()
+        while True:
+            item = self._take()
+            if isinstance(item, EpochEndInfo):
+                self.last_end = item
+                self._epoch = item.epoch + 1
+                self._done = item.job_done
+                if item.job_done:  # the final ack went out with this take: half-close
+                    with self._lock:
+                        if self._reqs is not None:
+                            self._reqs.put(None)
+                return
+            self._last_yielded = item.info.step
+            self._next_step = item.info.step + 1
+            yield item
+
+    def ack(self) -> None:
+        """Acknowledge the last yielded batch now (it is also acked when the next is taken)."""
+        self._send(pb.Ack(consumed_step=self._last_yielded, credits=0))
+
+    def close(self) -> None:
+        self._stop_receiver()
+        self._channel.close()
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def job_status(self, timeout: float = 10.0) -> pb.JobStatus:
+        return self._stub.GetJob(pb.GetJobRequest(job_id=self.job), metadata=self._metadata,
+                                 timeout=timeout)
+
+    # --- internals ---
+    def _take(self) -> StreamBatch | EpochEndInfo:
+        while True:
+            try:
+                item = self._items.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if self._thread is None or not self._thread.is_alive():
+                    raise StreamError(grpc.StatusCode.UNAVAILABLE,
+                                      "stream receiver stopped") from None
+        if isinstance(item, StreamError):
+            raise item
+        with self._lock:
+            is_batch = isinstance(item, StreamBatch)
+            if is_batch:
+                self._queued_batches -= 1
+            # Taking the next item means the previous batch is done: ack it, free its slot.
+            self._send_locked(pb.Ack(consumed_step=self._last_yielded,
+                                     credits=1 if is_batch else 0))
+        return item
+
+    def _send(self, ack: pb.Ack) -> None:
+        with self._lock:
+            self._send_locked(ack)
+
+    def _send_locked(self, ack: pb.Ack) -> None:
+        if self._reqs is not None:
+            self._reqs.put(pb.ClientMessage(ack=ack))
+
+    def _ensure_receiver(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._closing = False
+            self._items = queue.Queue()
+            self._queued_batches = 0
+            self._thread = threading.Thread(target=self._receive, name=f"odb-rank{self.rank}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _stop_receiver(self) -> None:
+        with self._lock:
+            if self._reqs is not None:
+                self._reqs.put(None)
+            call = self._call
+        if self._done and self._thread is not None:
+            self._thread.join(2.0)  # let the final ack reach the server before cancelling
+        self._closing = True
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        self._thread = None
+        self._reqs = None
+
+    def _receive(self) -> None:
+        pos, epoch = self._next_step, self._epoch
+        delay = self._backoff[0]
+        last_progress = time.monotonic()
+        job_done = False
+        while not self._closing:
+            reqs: queue.SimpleQueue = queue.SimpleQueue()
+            with self._lock:
+                credits = max(1, self.prefetch - self._queued_batches)
+                reqs.put(pb.ClientMessage(open=pb.Open(
+                    job_id=self.job, rank=self.rank, world_size=self.world_size,
+                    resume_step=pos, resume_epoch=epoch, client_id=self.client_id,
+                    credits=credits)))
+                self._reqs = reqs
+                self._call = call = self._stub.Stream(iter(reqs.get, None),
+                                                      metadata=self._metadata)
+            try:
+                for msg in call:
+                    last_progress = time.monotonic()
+                    delay = self._backoff[0]
+                    if msg.WhichOneof("kind") == "batch":
+                        item = decode_batch(msg.batch)
+                        pos = msg.batch.step + 1
+                        with self._lock:
+                            self._queued_batches += 1
+                        self._items.put(item)
+                    else:
+                        e = msg.end
+                        epoch = e.epoch + 1
+                        self._items.put(EpochEndInfo(
+                            e.epoch, e.final_step, pb.Mode.Name(e.mode).lower(), e.epoch_steps,
+                            e.job_done))
+                        job_done = job_done or e.job_done
+                if job_done:  # the server closes after our final ack (see __iter__)
+                    return
+                err: grpc.RpcError | None = None
+            except grpc.RpcError as exc:
+                if job_done:
+                    return
+                err = exc
+            finally:
+                reqs.put(None)  # ends the request iterator of this call
+            if self._closing:
+                return
+            code = err.code() if err is not None else grpc.StatusCode.UNAVAILABLE
+            details = (err.details() if err is not None else "stream ended without END") or ""
+            if code not in _RETRYABLE or time.monotonic() - last_progress > self.reconnect_timeout:
+                self._items.put(StreamError(code, details))
+                return
+            self.reconnects += 1
+            time.sleep(delay)
+            delay = min(delay * 2, self._backoff[1])
+
+
+def open_streams(endpoint: str, job: str, world_size: int, **kw: Any) -> list[BatchStream]:
+    """One stream per rank (single-process tests and demos)."""
+    return [BatchStream(endpoint, job, r, world_size, **kw) for r in range(world_size)]
+
+
