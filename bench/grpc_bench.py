@@ -39,7 +39,8 @@ def _config(budget: int, steps: int, prefetch: int):
 
     job = {"job_id": "bench", "world_size": WORLD, "source": {"paths": ["arrays"]},
            "batching": {"token_budget": budget, "buffer_size": 256, "collate": "padded"}}
-    return ServiceConfig.model_validate({"grpc": {"port": 0, "prefetch_steps": prefetch,
+    return ServiceConfig.model_validate({"metrics_port": None,
+                                         "grpc": {"port": 0, "prefetch_steps": prefetch,
                                                   "max_message_mb": 256},
                                          "jobs": [job]})
 

@@ -71,6 +71,9 @@ class BatchingConfig(_Model):
     attn_b: float = Field(0.0, ge=0.0)
     max_visual_tokens: int | None = Field(None, gt=0)
     buffer_size: int = Field(1024, gt=0)
+    pool_steps: int | None = Field(
+        None, gt=0, description="steps' worth of batches pooled for rank balancing; "
+        "None = the planner's default (~256 batches). Smaller starts streaming sooner.")
     over_budget: Literal["truncate", "alone", "quarantine"] = "truncate"
 
 
@@ -123,6 +126,9 @@ class ServiceConfig(_Model):
     redis_url: str | None = Field(None, description="None = start an embedded local Redis")
     lease_seconds: float = Field(10.0, gt=0)
     rank_timeout_seconds: float = Field(60.0, gt=0)
+    # What the live ranks get once a rank's lease has lapsed for rank_timeout_seconds: `fail` =
+    # a clear ABORTED error naming the rank; `wait` = keep waiting for it to come back.
+    rank_failure_policy: Literal["fail", "wait"] = "fail"
     metrics_port: int | None = Field(9464, ge=0, le=65535)
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -15,6 +15,8 @@ import threading
 from pipeline.config import load_config
 from pipeline.errors import UserError
 
+log = logging.getLogger("pipeline.serve")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="service config file (YAML or JSON)")
@@ -45,21 +47,32 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.config}: no jobs configured (add a `jobs:` list)")
     for job in config.jobs:
         job.token()  # fail now, with the variable's name, if a token is missing
-    logging.basicConfig(level=config.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pipeline.observability import configure_logging
     from pipeline.service.server import start_service
 
+    configure_logging(config.log_format, config.log_level)
+    embedded = None
+    if config.redis_url is None:
+        # The embedded default: a private Redis for this process, stopped on exit.
+        from pipeline.redis_server import LocalRedis
+
+        embedded = LocalRedis().start()
+        config = config.model_copy(update={"redis_url": embedded.url})
+        log.info("no redis_url configured: started an embedded Redis on port %d", embedded.port)
     _init_ray(config)
     try:
         svc = start_service(config)
     except OSError as exc:
+        if embedded is not None:
+            embedded.cleanup()
         raise UserError(str(exc)) from None
     # After ray.init, which installs its own SIGTERM handler (it would abort the process).
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"odb-pipeline serve: listening on {config.grpc.host}:{svc.port} "
-          f"for job(s) {', '.join(j.job_id for j in config.jobs)}", flush=True)
+          f"for job(s) {', '.join(j.job_id for j in config.jobs)}"
+          + (f"; metrics on :{svc.metrics_port}" if svc.metrics_port else ""), flush=True)
     try:
         while not stop.wait(0.5):
             pass
@@ -69,5 +82,7 @@ def run(args: argparse.Namespace) -> int:
         import ray
 
         ray.shutdown()
+        if embedded is not None:
+            embedded.cleanup()
     print("odb-pipeline serve: stopped", flush=True)
     return 0

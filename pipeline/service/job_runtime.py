@@ -71,7 +71,8 @@ class JobRuntime:
         self.mode = job.mode
         self.world_size = job.world_size
         self.collate = job.batching.collate
-        self.pool_steps = pool_steps  # planner balancing pool (None: the planner's default)
+        # Planner balancing pool in steps (None: the job's config, else the planner's default).
+        self.pool_steps = pool_steps if pool_steps is not None else job.batching.pool_steps
         # Room for a full client window plus the step held by the trainer and the one in flight.
         self.max_ahead = max_ahead if max_ahead is not None else 2 * prefetch_steps + 2
         self.changed = threading.Condition()  # notified on publish / ack / stop
@@ -152,7 +153,8 @@ class JobRuntime:
                         return
                     rows += 1
                     if isinstance(item, QuarantinedRecord):
-                        self.quarantined.append(f"{item.source}:{item.row}: {item.reason}")
+                        self.quarantined.append(
+                            f"{item.source}:{item.row}: {item.reason}: {item.detail}")
                         continue
                     with self._lock:
                         self._cache[(epoch, item.sample_id)] = item

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pipeline.config import ServiceConfig
+from pipeline.observability import MetricsServer, start_metrics_server
 from pipeline.service.auth import server_credentials
 from pipeline.service.data_server import DataServicer, add_servicer
 from pipeline.service.job_runtime import JobRuntime
@@ -44,6 +45,11 @@ class RunningService:
     port: int
     runtimes: dict[str, JobRuntime]
     health: health.HealthServicer
+    metrics: MetricsServer | None = None  # Prometheus /metrics + status page, if configured
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics.port if self.metrics is not None else None
 
     @property
     def address(self) -> str:
@@ -52,6 +58,8 @@ class RunningService:
     def stop(self, grace: float = 2.0) -> None:
         """Drain: report NOT_SERVING, stop producers, let streams end, close sources."""
         self.health.enter_graceful_shutdown()
+        if self.metrics is not None:
+            self.metrics.close()
         for rt in self.runtimes.values():
             rt.stop()
         self.server.stop(grace).wait(grace + 1.0)
@@ -110,4 +118,8 @@ def start_service(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %d job(s) on %s (tls=%s)", len(runtimes), addr, creds is not None)
-    return RunningService(server, port, runtimes, health_servicer)
+    running = RunningService(server, port, runtimes, health_servicer)
+    if config.metrics_port is not None:
+        running.metrics, _ = start_metrics_server(config.metrics_port, running,
+                                                  host=config.grpc.host)
+    return running

@@ -22,6 +22,7 @@ from pipeline.coordinator import RedisJobState, job_summary  # noqa: E402
 def test_grpc_server_over_redis_state_delivers_each_sample_once_per_epoch(redis_client, redis_url):
     w, epochs = 3, 2
     cfg = ServiceConfig.model_validate({
+        "metrics_port": None,
         "grpc": {"port": 0}, "lease_seconds": 5.0,
         "jobs": [{"job_id": "srv", "world_size": w, "epochs": epochs,
                   "source": {"paths": ["arrays"]},

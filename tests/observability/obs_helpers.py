@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from pipeline.config import ServiceConfig
-from pipeline.observability import start_metrics_server
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.server import RunningService, start_service
 from pipeline.service.sources import ArraySource, synthetic_samples
@@ -36,11 +35,9 @@ def served(items: list | None = None, tokens: dict[str, str | None] | None = Non
     svc = start_service(config(**cfg), tokens=tokens,
                         sample_sources={JOB: ArraySource(items if items is not None
                                                          else samples())})
-    httpd, port = start_metrics_server(0, svc, host="127.0.0.1")
     try:
-        yield svc, port
+        yield svc, svc.metrics_port  # config(): metrics_port 0 = start_service picks a port
     finally:
-        httpd.close()
         svc.stop(grace=0.5)
 
 

@@ -27,6 +27,7 @@ def job_dict(job_id: str = "j", world_size: int = 2, **kw: Any) -> dict:
 
 def service_config(*jobs: dict, **grpc_kw: Any) -> ServiceConfig:
     return ServiceConfig.model_validate({"grpc": {"port": 0, **grpc_kw}, "lease_seconds": 5.0,
+                                         "metrics_port": None,
                                          "jobs": list(jobs)})
 
 
