@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", action="append", metavar="FILE",
                         help="JSONL/Parquet chats (default: the shipped sample dataset)")
     parser.add_argument("--token-budget", type=int, default=4096)
-    parser.add_argument("--buffer-size", type=int, default=256)
+    parser.add_argument("--buffer-size", type=int, default=128)
     parser.add_argument("--collate", choices=["padded", "packed"], default="padded")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)

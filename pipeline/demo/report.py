@@ -35,8 +35,11 @@ def summarize_run(name: str, run: dict[str, Any]) -> dict[str, Any]:
     for r in rows:
         per_step[(r["epoch"], r["step"])].append(r["padded_tokens"])
     balance = [max(v) / (sum(v) / len(v)) for v in per_step.values() if len(v) > 1]
-    stall = [sum(r["wait_s"] for r in rank) / max(1e-9, sum(r["wait_s"] + r["compute_s"]
-             for r in rank)) for rank in logs if rank]
+    # Steady-state stall: the first wait is start-up (preprocessing the first buffer), which is
+    # reported on its own as time to first batch.
+    stall = [sum(r["wait_s"] for r in rank[1:]) / max(1e-9, sum(r["wait_s"] + r["compute_s"]
+             for r in rank[1:])) for rank in logs if len(rank) > 1]
+    first_batch_s = max((rank[0]["wait_s"] for rank in logs if rank), default=0.0)
     epochs = run.get("epochs", 1)
     duplicates = sum(c - epochs for c in ids.values() if c > epochs)
     expected = run["expected_samples"]
@@ -60,6 +63,7 @@ def summarize_run(name: str, run: dict[str, Any]) -> dict[str, Any]:
         "rank_balance_p50": float(np.percentile(balance, 50)) if balance else 1.0,
         "rank_balance_p95": float(np.percentile(balance, 95)) if balance else 1.0,
         "data_stall": float(np.mean(stall)) if stall else 0.0,
+        "first_batch_s": first_batch_s,
         "quarantined": len(run["quarantined"]),
         "final_loss": float(np.mean([rank[-1]["loss"] for rank in logs if rank])) if rows else None,
         **({"batch_size": run["batch_size"]} if "batch_size" in run else {}),
@@ -89,7 +93,8 @@ _ROWS = [
     ("real tokens / s", "tokens_per_s", "{:.0f}"),
     ("padding efficiency", "padding_efficiency", "{:.3f}"),
     ("rank balance p50 / p95", None, None),
-    ("data stall", "data_stall", "{:.1%}"),
+    ("time to first batch (s)", "first_batch_s", "{:.1f}"),
+    ("data stall after it", "data_stall", "{:.1%}"),
     ("quarantined records", "quarantined", "{:d}"),
     ("duplicated samples", "duplicates", "{:d}"),
     ("final loss", "final_loss", "{:.3f}"),
