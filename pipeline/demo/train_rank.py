@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             # Join per epoch: a rank that got fewer steps shadows the others' all-reduces.
             with Join([model]):
                 _train_epoch(args, model, opt, batches, log)
+    # No rank tears gloo down while a peer is still in a collective (an exit-time abort).
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

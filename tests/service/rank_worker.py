@@ -54,6 +54,8 @@ def ddp(args: argparse.Namespace) -> None:
     same = bool(torch.allclose(total / args.world, flat, atol=1e-6))
     Path(args.out).write_text(json.dumps({"records": records, "final_step": end.final_step,
                                           "mode": end.mode, "weights_equal": same}))
+    # No rank tears gloo down while a peer is still in a collective (an exit-time abort).
+    dist.barrier()
     dist.destroy_process_group()
 
 
