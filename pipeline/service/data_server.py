@@ -4,6 +4,23 @@ A rank stream is a small state machine (`RankSession`): `pos` (next global step 
 `epoch` (first epoch whose End is not yet sent), `credits` (batches the client will accept).
 Steps are read only from JobState (published before anyone can see them); batches are built on
 demand, one at a time, so the server holds at most one collated batch per stream.
+
+Dead ranks (Guarantee 4). A stream's lease is renewed while it is connected. A rank that got
+its final END (job done) releases it, as does a stream the server ends; a client whose stream
+goes away before that (killed, network gone, or closed early: gRPC cannot tell them apart, and
+each leaves its peers waiting) does not: its lease lapses after `lease_seconds`. Once a rank has
+been lapsed for `rank_timeout_seconds` (and not re-claimed) the `rank_failure_policy` applies:
+`fail` (default) ends every other rank's stream of the job with ABORTED naming the rank, how long
+it has been gone and the policy (GetJob's `error` says the same); `wait` keeps the others waiting
+(the producer's back-pressure holds them within `max_ahead` steps) until the rank comes back,
+and only reports it (`lapsed_ranks`, a log line). A rank that comes back before the timeout
+changes nothing. A restarted client of a rank whose previous stream vanished from *this* server
+takes the rank over at once (this server knows that stream is gone) instead of waiting out the
+lease.
+
+Acks: an ack past the published plan is a client bug: INVALID_ARGUMENT. When a rank has acked
+everything it was sent before its END of an epoch, it is acked through the epoch's last step (join
+mode: the steps it has no batch in), so the coordinator can trim them.
 """
 
 from __future__ import annotations
@@ -12,15 +29,22 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from pipeline import __version__
 from pipeline.planner.types import EpochEnd
+from pipeline.redis_client import RedisUnavailable
 from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.job_state import RankHeld
+
+try:  # the coordinator package is optional (memory-only deployments)
+    from pipeline.coordinator.errors import AckAheadOfPlan
+except ImportError:  # pragma: no cover
+    class AckAheadOfPlan(ValueError):  # type: ignore[no-redef]
+        pass
 from pipeline.wire.odb.v1 import data_service_pb2 as pb
 from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
@@ -39,6 +63,11 @@ class RankSession:
     cancelled: bool = False
     client_closed: bool = False  # the client half-closed its side (after its final ack)
     last_heartbeat: float = 0.0
+    last_sent: int = -1  # highest step sent on this stream (resume_step - 1 before any)
+    error: tuple[grpc.StatusCode, str] | None = None  # set by the ack reader: abort the stream
+    # (trigger, target): once the rank acks `trigger` (everything sent before an END), ack it
+    # through `target` (that epoch's last step). Guarded by the stream's `wake` condition.
+    end_acks: list[tuple[int, int]] = field(default_factory=list)
 
 
 def serialize_response(msg: pb.ServerMessage | bytes) -> bytes:
@@ -73,12 +102,58 @@ class DataServicer(pb_grpc.DataServiceServicer):
     def __init__(
         self, runtimes: dict[str, JobRuntime], tokens: dict[str, str | None], *,
         lease_seconds: float = 10.0, prefetch_steps: int = 4, resume_grace_s: float = 2.0,
+        rank_timeout_seconds: float = 60.0, rank_failure_policy: str = "fail",
     ) -> None:
+        if rank_failure_policy not in ("fail", "wait"):
+            raise ValueError(f"rank_failure_policy must be 'fail' or 'wait', "
+                             f"got {rank_failure_policy!r}")
         self.runtimes = runtimes
         self.tokens = tokens
         self.lease_seconds = lease_seconds
         self.prefetch_steps = prefetch_steps
         self.resume_grace_s = resume_grace_s
+        self.rank_timeout_seconds = rank_timeout_seconds
+        self.rank_failure_policy = rank_failure_policy
+        # (job, rank) -> client id of a stream that vanished from this server (not released).
+        self._vanished: dict[tuple[str, int], str] = {}
+        self._vanished_lock = threading.Lock()
+        self._waiting_logged: set[tuple[str, int]] = set()
+
+    # --- dead ranks (Guarantee 4) ---
+    def rank_failure(self, rt: JobRuntime, rank: int | None = None) -> str | None:
+        """Under policy `fail`: the error for the ranks other than `rank` when some rank has been
+        gone longer than the timeout; None otherwise (and always None under `wait`)."""
+        dead = rt.dead_ranks(self.rank_timeout_seconds)
+        dead = {r: t for r, t in dead.items() if r != rank}
+        if not dead:
+            return None
+        if self.rank_failure_policy == "wait":
+            for r, t in dead.items():
+                if (rt.job.job_id, r) not in self._waiting_logged:
+                    self._waiting_logged.add((rt.job.job_id, r))
+                    log.warning("job %s: rank %d gone for %.1fs (lease lapsed); "
+                                "rank_failure_policy=wait: the other ranks keep waiting",
+                                rt.job.job_id, r, t)
+            return None
+        gone = ", ".join(f"rank {r} has been gone for {t:.1f}s" for r, t in dead.items())
+        return (f"job {rt.job.job_id!r}: {gone} (lease lapsed longer than "
+                f"rank_timeout_seconds={self.rank_timeout_seconds:g}); "
+                "rank_failure_policy=fail: the other ranks' streams are aborted instead of "
+                "waiting for it. Restart the job's trainer ranks from their checkpoints "
+                "(or serve with rank_failure_policy=wait)")
+
+    def _claim(self, rt: JobRuntime, rank: int, client_id: str) -> None:
+        """Claim the rank; if its holder is a stream that vanished from this server, take over
+        at once (release the dead holder's lease first) rather than wait out the lease."""
+        key = (rt.job.job_id, rank)
+        with self._vanished_lock:
+            old = self._vanished.pop(key, None)
+        if old is not None and old != client_id:
+            try:
+                rt.state.release_rank(rank, old)  # a no-op unless `old` still holds it
+            except Exception:
+                log.debug("release of vanished client %s failed", old, exc_info=True)
+        rt.state.claim_rank(rank, client_id, self.lease_seconds)
 
     # --- common checks ---
     def _runtime(self, job_id: str, context: grpc.ServicerContext) -> JobRuntime:
@@ -102,7 +177,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
             job_id=rt.job.job_id, world_size=rt.world_size, mode=_MODE[rt.mode],
             epochs=rt.job.epochs, published_through=st.published_through(), done=st.is_done(),
             samples_in=rt.samples_in, quarantined=len(rt.quarantined),
-            lapsed_ranks=st.lapsed_ranks(), error=rt.error or "",
+            lapsed_ranks=st.lapsed_ranks(), error=rt.error or self.rank_failure(rt) or "",
         )
         for r, info in enumerate(rt.ranks):
             out.ranks.add(rank=r, acked_step=st.acked(r), client_id=info.client_id,
@@ -130,14 +205,14 @@ class DataServicer(pb_grpc.DataServiceServicer):
         self._validate_open(op, rt, context)
         client_id = op.client_id or context.peer()
         try:
-            rt.state.claim_rank(op.rank, client_id, self.lease_seconds)
+            self._claim(rt, op.rank, client_id)
         except RankHeld as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"{exc}; retry after the lease lapses")
         session = RankSession(op.rank, client_id, op.resume_step, op.resume_epoch,
                               max(1, min(op.credits or self.prefetch_steps,
                                          self.prefetch_steps)),
-                              last_heartbeat=time.monotonic())
+                              last_heartbeat=time.monotonic(), last_sent=op.resume_step - 1)
         wake = threading.Condition()
 
         def cancel() -> None:
@@ -166,7 +241,22 @@ class DataServicer(pb_grpc.DataServiceServicer):
         finally:
             if info.client_id == client_id:
                 info.connected = False
-            rt.state.release_rank(op.rank, client_id)
+            # A client whose stream went away before its final END keeps its lease until it
+            # lapses: that is how the other ranks learn a peer is gone (Guarantee 4). (gRPC
+            # cannot tell a killed client from one that closed early: both cancel the call, and
+            # either leaves its peers waiting.) Finished ranks and server-ended streams release.
+            vanished = session.cancelled and session.epoch < rt.job.epochs
+            if vanished:
+                with self._vanished_lock:
+                    self._vanished[(rt.job.job_id, op.rank)] = client_id
+                log.info("job %s rank %d: client %s vanished; its lease lapses in <= %.1fs",
+                         op.job_id, op.rank, client_id, self.lease_seconds)
+            else:
+                try:
+                    rt.state.release_rank(op.rank, client_id)
+                except Exception:
+                    log.warning("job %s rank %d: release failed", op.job_id, op.rank,
+                                exc_info=True)
             cancel()
 
     def _validate_open(self, op: pb.Open, rt: JobRuntime, context: grpc.ServicerContext) -> None:
@@ -207,9 +297,33 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 if msg.WhichOneof("kind") != "ack":
                     continue
                 step = msg.ack.consumed_step
-                # A step can only be consumed once published; ignore impossible acks.
-                if 0 <= step <= rt.state.published_through():
-                    rt.state.ack(session.rank, step)
+                if step >= 0:  # -1: nothing consumed yet
+                    problem = None
+                    through = rt.state.published_through()
+                    try:
+                        if step > through:
+                            raise AckAheadOfPlan(
+                                f"ack of step {step} by rank {session.rank} of job "
+                                f"{rt.job.job_id!r}, but only steps through {through} are "
+                                "published")
+                        rt.state.ack(session.rank, step)
+                    except AckAheadOfPlan as exc:
+                        if step <= session.last_sent:
+                            # We sent it, so it was published: the state lost it (a Redis
+                            # crash without fsync_publish) and the producer republishes it.
+                            # Acks are cumulative: the next one covers this one.
+                            log.warning("job %s rank %d: ack of step %d ahead of the state's "
+                                        "plan (state lost recent writes?): deferred",
+                                        rt.job.job_id, session.rank, step)
+                        else:
+                            problem = (f"{exc}: a step can only be acked after it was "
+                                       "delivered")
+                    if problem is not None:
+                        with wake:
+                            session.error = (grpc.StatusCode.INVALID_ARGUMENT, problem)
+                            wake.notify_all()
+                        return
+                    self._apply_end_acks(rt, session, wake, step)
                     rt.notify()  # the producer may be waiting for room
                 with wake:
                     session.credits += max(0, msg.ack.credits)
@@ -219,8 +333,38 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 wake.notify_all()
         except grpc.RpcError:
             pass  # the stream ended; the sender sees the cancellation
-        except Exception:
-            log.exception("job %s rank %d: ack reader failed", rt.job.job_id, session.rank)
+        except Exception as exc:  # e.g. RedisUnavailable: end the stream, the client resumes
+            log.warning("job %s rank %d: ack reader failed: %s: %s", rt.job.job_id,
+                        session.rank, type(exc).__name__, exc,
+                        exc_info=not isinstance(exc, RedisUnavailable))
+            with wake:
+                session.error = (grpc.StatusCode.UNAVAILABLE,
+                                 f"job {rt.job.job_id!r}: recording acks failed "
+                                 f"({type(exc).__name__}: {exc}); reconnect and resume")
+                wake.notify_all()
+
+    @staticmethod
+    def _apply_end_acks(rt: JobRuntime, s: RankSession, wake: threading.Condition,
+                        acked: int) -> None:
+        """Ack the rank through an epoch's last step once it acked all it was sent before that
+        epoch's END (join mode: Redis can then trim the steps it has no batch in)."""
+        with wake:
+            ready = [t for trig, t in s.end_acks if trig <= acked]
+            if not ready:
+                return
+            s.end_acks = [(trig, t) for trig, t in s.end_acks if trig > acked]
+        target = max(ready)
+        if target > acked:
+            rt.state.ack(s.rank, target)
+
+    def _check_abort(self, rt: JobRuntime, s: RankSession,
+                     context: grpc.ServicerContext) -> None:
+        if s.error is not None:
+            context.abort(*s.error)
+        failure = self.rank_failure(rt, s.rank)
+        if failure is not None:
+            log.warning("job %s rank %d: aborting stream: %s", rt.job.job_id, s.rank, failure)
+            context.abort(grpc.StatusCode.ABORTED, failure)
 
     def _heartbeat(self, rt: JobRuntime, s: RankSession) -> None:
         now = time.monotonic()
@@ -238,6 +382,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
             if rt.error:
                 context.abort(grpc.StatusCode.INTERNAL,
                               f"job {rt.job.job_id!r} producer failed: {rt.error}")
+            self._check_abort(rt, s, context)
             self._heartbeat(rt, s)
             st = rt.state
             if s.pos <= st.published_through():
@@ -259,24 +404,28 @@ class DataServicer(pb_grpc.DataServiceServicer):
                     if end is None:
                         rt.wait(0.02)
                         continue
-                    yield self._end_message(rt, s, end)
+                    yield self._end_message(rt, s, end, wake)
                     continue
                 if step.batch_for(s.rank) is not None:
                     with wake:
-                        while s.credits <= 0 and not s.cancelled:
+                        while s.credits <= 0 and not s.cancelled and s.error is None:
                             wake.wait(0.5)
                             self._heartbeat(rt, s)
+                            if self.rank_failure(rt, s.rank) is not None:
+                                break
                     if s.cancelled:
                         return
+                    self._check_abort(rt, s, context)
                     msg = rt.build_message(step, s.rank)
                     s.credits -= 1
                     rt.ranks[s.rank].delivered = step.step
+                    s.last_sent = max(s.last_sent, step.step)
                     yield msg
                 s.pos += 1
                 continue
             end = self._end(st, s.epoch)
             if end is not None and _epoch_last_step(end) < s.pos:
-                yield self._end_message(rt, s, end)
+                yield self._end_message(rt, s, end, wake)
                 continue
             rt.wait(0.1)
 
@@ -284,10 +433,18 @@ class DataServicer(pb_grpc.DataServiceServicer):
     def _end(st, epoch: int) -> EpochEnd | None:
         return next((e for e in st.epoch_ends() if e.epoch == epoch), None)
 
-    @staticmethod
-    def _end_message(rt: JobRuntime, s: RankSession, end: EpochEnd) -> pb.ServerMessage:
+    def _end_message(self, rt: JobRuntime, s: RankSession, end: EpochEnd,
+                     wake: threading.Condition) -> pb.ServerMessage:
         final = end.final_step[s.rank]
         s.epoch += 1
+        last = _epoch_last_step(end)
+        if last > s.last_sent:  # steps after this rank's last batch: ack them when it is done
+            with wake:
+                s.end_acks.append((s.last_sent, last))
+            if s.last_sent < 0:
+                self._apply_end_acks(rt, s, wake, -1)
+            else:
+                self._apply_end_acks(rt, s, wake, rt.state.acked(s.rank))
         return pb.ServerMessage(end=pb.End(
             epoch=end.epoch, final_step=-1 if final is None else final, mode=_MODE[rt.mode],
             epoch_steps=end.steps, job_done=s.epoch >= rt.job.epochs,

@@ -9,6 +9,12 @@ evicted once their step is acked; a rank that rewinds (restored from an older ch
 them rebuilt through `SampleSource.get` (byte-identical).
 
 Senders (one per connected rank, in data_server.py) call `build_message(step, rank)`.
+
+Round trips (the state may be Redis): one `acked_all()` per back-pressure check (not one
+`acked(rank)` per rank per sample), `get_step_for(n, [rank])` to evict one rank's payloads, and
+`add_counters` once per published batch of steps. States without those extras (the JobState
+protocol only) get the per-rank fallbacks. Dead ranks (Guarantee 4): `dead_ranks(timeout)` asks
+the state's `timed_out_ranks` at most every ~0.25 s, shared by every stream of the job.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import bisect
 import json
 import logging
 import threading
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from pipeline.config import JobConfig
@@ -25,13 +32,30 @@ from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Quarantined, Step
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
+from pipeline.redis_client import RedisUnavailable
 from pipeline.service import collate as col
 from pipeline.service.job_state import JobState, PlannerCheckpoint
+from pipeline.service.memory_state import MemoryJobState
 from pipeline.service.sources import SampleSource
 from pipeline.service.wire_codec import batch_message_bytes
 from pipeline.wire.odb.v1 import data_service_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+try:  # the coordinator is optional; its refusals below mean "the state lost recent writes"
+    from pipeline.coordinator.errors import CheckpointConflict, StepGap
+except ImportError:  # pragma: no cover
+    class StepGap(ValueError):  # type: ignore[no-redef]
+        pass
+
+    class CheckpointConflict(ValueError):  # type: ignore[no-redef]
+        pass
+
+
+class StateRolledBack(RuntimeError):
+    """The state's plan is shorter than what this producer published: it lost recent writes
+    (e.g. Redis restarted from an AOF fsynced every second). Production resumes from the
+    state's checkpoint, which was written atomically with the steps it covers."""
 
 
 def policy_for(job: JobConfig) -> BatchingPolicy:
@@ -41,6 +65,18 @@ def policy_for(job: JobConfig) -> BatchingPolicy:
         max_visual_tokens=b.max_visual_tokens, buffer_size=b.buffer_size,
         over_budget=b.over_budget,
     )
+
+
+def _reason_kind(why: str) -> str:
+    """A planner quarantine reason ("num_tokens=9000 exceeds token_budget=4096") as a short,
+    bounded counter name (the numbers would make one Redis field per sample)."""
+    if why.startswith("invalid size"):
+        return "invalid_size"
+    if why.startswith("num_visual_tokens="):
+        return "over_visual_budget"
+    if why.startswith("num_tokens="):
+        return "over_token_budget"
+    return (why.split(":", 1)[0].split() or ["other"])[0][:32]
 
 
 @dataclass
@@ -66,6 +102,8 @@ class JobRuntime:
     ) -> None:
         self.job = job
         self.state = state
+        if isinstance(state, MemoryJobState) and state.world_size is None:
+            state.world_size = job.world_size  # for its acked_all()
         self.source = source
         self.pad_id = pad_id
         self.mode = job.mode
@@ -86,6 +124,59 @@ class JobRuntime:
         self._loss: OrderedDict[int, dict[int, int]] = OrderedDict()  # step -> rank -> n
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.started_at = time.monotonic()
+        self._dead_lock = threading.Lock()
+        self._dead_cache: tuple[float, float, dict[int, float]] | None = None  # (at, timeout, v)
+        self._known_through = -1  # steps <= this were published before this runtime (restart)
+        self._last_published = -1  # highest step this producer published
+        self._counts: Counter = Counter()  # pending add_counters: samples, tokens, q:<reason>
+        # How long the producer keeps retrying a state it cannot reach (e.g. Redis restarting)
+        # before the job fails; each retry resumes from the state's planner checkpoint.
+        self.state_retry_seconds = 60.0
+
+    # --- state access, cheap where the state allows it ---
+    def acked_all(self) -> list[int]:
+        """Every rank's ack cursor: one round trip when the state has `acked_all`."""
+        fn = getattr(self.state, "acked_all", None)
+        if fn is not None:
+            out = list(fn())[:self.world_size]
+            return out + [-1] * (self.world_size - len(out))
+        return [self.state.acked(r) for r in range(self.world_size)]
+
+    def step_for(self, step: int, rank: int) -> Step | None:
+        """`step` restricted to `rank`'s batch where the state can (one HMGET in Redis)."""
+        fn = getattr(self.state, "get_step_for", None)
+        return fn(step, [rank]) if fn is not None else self.state.get_step(step)
+
+    def dead_ranks(self, rank_timeout_seconds: float) -> dict[int, float]:
+        """rank -> seconds its lease has been lapsed, for ranks lapsed (held before, no live
+        holder, not re-claimed) longer than `rank_timeout_seconds` (Guarantee 4).
+
+        Needs the state's optional `timed_out_ranks` (RedisJobState, MemoryJobState); {}
+        without it. A freshly started runtime does not count lapse time from before it was up
+        longer than its own uptime: after a server restart every rank gets the full timeout to
+        reconnect. Cached ~0.25 s so many waiting streams cost one query."""
+        fn = getattr(self.state, "timed_out_ranks", None)
+        if fn is None:
+            return {}
+        now = time.monotonic()
+        with self._dead_lock:
+            c = self._dead_cache
+            if c is not None and c[1] == rank_timeout_seconds and now - c[0] < 0.25:
+                return c[2]
+        uptime = now - self.started_at
+        if uptime <= rank_timeout_seconds:
+            out: dict[int, float] = {}
+        else:
+            try:
+                timed_out = fn(rank_timeout_seconds)
+            except Exception:  # e.g. Redis restarting: a status probe never kills a stream
+                log.debug("job %s: timed_out_ranks failed", self.job.job_id, exc_info=True)
+                timed_out = {}
+            out = {r: min(float(t), uptime) for r, t in timed_out.items()}
+        with self._dead_lock:
+            self._dead_cache = (now, rank_timeout_seconds, out)
+        return out
 
     # --- lifecycle ---
     def start(self) -> JobRuntime:
@@ -120,6 +211,8 @@ class JobRuntime:
         """The planner and source position to continue from (a restarted server resumes the
         published plan: the same inputs replay the same steps, and republishing is a no-op)."""
         policy = policy_for(self.job)
+        self._known_through = self.state.published_through()
+        self._last_published = self._known_through
         cp = self.state.load_checkpoint()
         if cp is None or not cp.state:
             planner = StepPlanner(policy, self.world_size, self.mode, self.job.seed,
@@ -129,8 +222,8 @@ class JobRuntime:
         planner = StepPlanner.restore(snap, policy, self.world_size, self.mode, self.job.seed,
                                       self.pool_steps)
         # Re-index the published steps still pending somewhere (for back-pressure).
-        low = min(self.state.acked(r) for r in range(self.world_size)) + 1
-        for n in range(max(0, low), self.state.published_through() + 1):
+        low = min(self.acked_all()) + 1
+        for n in range(max(0, low), self._known_through + 1):
             step = self.state.get_step(n)
             for b in step.batches if step else ():
                 self._rank_steps[b.rank].steps.append(n)
@@ -144,32 +237,59 @@ class JobRuntime:
             state=json.dumps(planner.snapshot().to_dict()).encode()))
 
     def _produce(self) -> None:
-        try:
-            planner, first_epoch, start_row = self._restore()
-            for epoch in range(first_epoch, self.job.epochs):
-                rows = start_row if epoch == first_epoch else 0  # source rows consumed
-                for item in self.source.iter_epoch(epoch, rows):
-                    if self._stop.is_set():
-                        return
-                    rows += 1
-                    if isinstance(item, QuarantinedRecord):
-                        self.quarantined.append(
-                            f"{item.source}:{item.row}: {item.reason}: {item.detail}")
-                        continue
-                    with self._lock:
-                        self._cache[(epoch, item.sample_id)] = item
-                    self.samples_in += 1
-                    if self._handle(planner.feed(item.measured()), epoch):
-                        self._checkpoint(planner, epoch, rows)  # after its steps are published
-                        self._wait_for_room()  # room only shrinks when steps are published
-                self._handle(planner.end_epoch(), epoch)
-                self._checkpoint(planner, epoch + 1, 0)
-            self.state.mark_done()
-            self.notify()
-        except Exception as exc:  # a producer failure must reach the ranks, not vanish
-            log.exception("job %s: producer failed", self.job.job_id)
-            self.error = f"{type(exc).__name__}: {exc}"
-            self.notify()
+        """Run the plan; an unreachable state (Redis restarting) is retried from the saved
+        checkpoint (republishing identical steps is a no-op) for `state_retry_seconds`."""
+        failing_since: float | None = None
+        while not self._stop.is_set():
+            attempt = time.monotonic()
+            try:
+                self._produce_once()
+                return
+            except (RedisUnavailable, StateRolledBack, StepGap, CheckpointConflict) as exc:
+                now = time.monotonic()
+                if failing_since is None or now - attempt > 5.0:  # it had recovered
+                    failing_since = now
+                if now - failing_since > self.state_retry_seconds:
+                    log.exception("job %s: state unreachable for %.0fs", self.job.job_id,
+                                  now - failing_since)
+                    self.error = f"{type(exc).__name__}: {exc}"
+                    self.notify()
+                    return
+                log.warning("job %s: state unreachable or rolled back (%s: %s); resuming "
+                            "from its checkpoint", self.job.job_id, type(exc).__name__, exc)
+                self._stop.wait(0.5)
+                self._rank_steps = [_RankSteps() for _ in range(self.world_size)]
+                self._counts.clear()
+            except Exception as exc:  # a producer failure must reach the ranks, not vanish
+                log.exception("job %s: producer failed", self.job.job_id)
+                self.error = f"{type(exc).__name__}: {exc}"
+                self.notify()
+                return
+
+    def _produce_once(self) -> None:
+        planner, first_epoch, start_row = self._restore()
+        for epoch in range(first_epoch, self.job.epochs):
+            rows = start_row if epoch == first_epoch else 0  # source rows consumed
+            for item in self.source.iter_epoch(epoch, rows):
+                if self._stop.is_set():
+                    return
+                rows += 1
+                if isinstance(item, QuarantinedRecord):
+                    self.quarantined.append(
+                        f"{item.source}:{item.row}: {item.reason}: {item.detail}")
+                    self._counts[f"q:{item.reason}"] += 1
+                    continue
+                with self._lock:
+                    self._cache[(epoch, item.sample_id)] = item
+                self.samples_in += 1
+                if self._handle(planner.feed(item.measured()), epoch):
+                    self._checkpoint(planner, epoch, rows)  # after its steps are published
+                    self._wait_for_room()  # room only shrinks when steps are published
+            self._handle(planner.end_epoch(), epoch)
+            self._checkpoint(planner, epoch + 1, 0)
+        self._flush_counters()
+        self.state.mark_done()
+        self.notify()
 
     def _handle(self, events: list, epoch: int) -> bool:
         """Publish the planner's events; True if any step was published."""
@@ -179,38 +299,67 @@ class JobRuntime:
                 self._loss_tokens(ev)  # needs payloads: compute while they are cached
                 self.state.publish_step(ev)
                 published = True
+                self._last_published = max(self._last_published, ev.step)
+                if ev.step > self._known_through:  # a replay after restart is not new output
+                    self._counts["samples"] += ev.info.step_samples
+                    self._counts["tokens"] += ev.info.step_tokens
                 for b in ev.batches:
                     rs = self._rank_steps[b.rank].steps
                     if not rs or rs[-1] < ev.step:  # a replay after restart republishes
                         rs.append(ev.step)
             elif isinstance(ev, Quarantined):
                 self.quarantined.append(f"{ev.sample.sample_id}: {ev.reason}")
+                self._counts[f"q:{_reason_kind(ev.reason)}"] += 1
                 with self._lock:  # never emitted: drop its payload now
                     for e in (epoch, epoch - 1):
                         self._cache.pop((e, str(ev.sample.sample_id)), None)
             elif isinstance(ev, EpochEnd):
                 self.state.publish_epoch_end(ev)
+        if published:
+            self._flush_counters()
         if events:
             self.notify()
         return published
 
-    def pending(self, rank: int) -> int:
-        """Published steps of `rank` after its last ack."""
+    def _flush_counters(self) -> None:
+        """One `add_counters` call (one round trip) per published batch of steps; metrics only,
+        so a failure is logged, never fatal."""
+        fn = getattr(self.state, "add_counters", None)
+        if fn is None or not self._counts:
+            self._counts.clear()
+            return
+        c, self._counts = self._counts, Counter()
+        quarantined = {k[2:]: n for k, n in c.items() if k.startswith("q:")}
+        try:
+            fn(samples=c["samples"], tokens=c["tokens"], quarantined=quarantined)
+        except Exception:
+            log.warning("job %s: add_counters failed", self.job.job_id, exc_info=True)
+
+    def pending(self, rank: int, acked: list[int] | None = None) -> int:
+        """Published steps of `rank` after its last ack (`acked`: from `acked_all()`)."""
         rs = self._rank_steps[rank]
-        return len(rs.steps) - bisect.bisect_right(rs.steps, self.state.acked(rank))
+        cur = acked[rank] if acked is not None else self.state.acked(rank)
+        return len(rs.steps) - bisect.bisect_right(rs.steps, cur)
 
     def _wait_for_room(self) -> None:
         while not self._stop.is_set():
-            self._evict_acked()
-            if max(self.pending(r) for r in range(self.world_size)) <= self.max_ahead:
+            acked = self.acked_all()  # one round trip per check
+            self._evict_acked(acked)
+            if max(self.pending(r, acked) for r in range(self.world_size)) <= self.max_ahead:
                 return
+            through = self.state.published_through()  # stalled: did the state lose steps?
+            if through < self._last_published:
+                raise StateRolledBack(f"job {self.job.job_id}: the state holds steps through "
+                                      f"{through}, this producer published through "
+                                      f"{self._last_published}")
             self.wait(0.1)  # acks notify; the timeout covers acks made on other replicas
 
-    def _evict_acked(self) -> None:
+    def _evict_acked(self, acked: list[int] | None = None) -> None:
+        acked = acked if acked is not None else self.acked_all()
         for rank, rs in enumerate(self._rank_steps):
-            upto = bisect.bisect_right(rs.steps, self.state.acked(rank))
+            upto = bisect.bisect_right(rs.steps, acked[rank])
             while rs.evicted_upto < upto:
-                step = self.state.get_step(rs.steps[rs.evicted_upto])
+                step = self.step_for(rs.steps[rs.evicted_upto], rank)
                 rs.evicted_upto += 1
                 b = step.batch_for(rank) if step else None
                 if b is None:

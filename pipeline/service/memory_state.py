@@ -14,8 +14,11 @@ from pipeline.service.job_state import PlannerCheckpoint, RankHeld, RankLease, S
 
 
 class MemoryJobState:
-    def __init__(self, job_id: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, job_id: str, clock: Callable[[], float] = time.time,
+                 world_size: int | None = None) -> None:
         self.job_id = job_id
+        # For `acked_all` (JobRuntime fills it in from the job when left None).
+        self.world_size = world_size
         self._clock = clock
         self._lock = threading.Lock()
         self._steps: dict[int, Step] = {}
@@ -117,7 +120,23 @@ class MemoryJobState:
         with self._lock:
             return self._acked.get(rank, -1)
 
-    # --- extras for status (not in the protocol) ---
+    # --- extras (not in the JobState protocol; the server uses them where a state has them,
+    # as it does RedisJobState's of the same names) ---
+    def acked_all(self) -> list[int]:
+        """Every rank's cursor, index = rank, -1 if none (as RedisJobState.acked_all); covers
+        ranks 0..world_size-1 (or up to the highest rank seen while world_size is unknown)."""
+        with self._lock:
+            n = max([self.world_size or 0, *(r + 1 for r in (*self._acked, *self._leases))])
+            return [self._acked.get(r, -1) for r in range(n)]
+
+    def timed_out_ranks(self, rank_timeout_seconds: float) -> dict[int, float]:
+        """Ranks whose lease is lapsed *now* (held, expired, not released, not re-claimed) for
+        longer than the timeout -> seconds lapsed (as RedisJobState.timed_out_ranks)."""
+        now = self._clock()
+        with self._lock:
+            return {r: now - lease.expires_at for r, lease in sorted(self._leases.items())
+                    if now - lease.expires_at > max(0.0, rank_timeout_seconds)}
+
     def lease(self, rank: int) -> RankLease | None:
         with self._lock:
             return self._leases.get(rank)

@@ -101,7 +101,9 @@ def start_service(
                          options=grpc_options(config.grpc.max_message_mb))
     servicer = DataServicer(runtimes, toks, lease_seconds=config.lease_seconds,
                             prefetch_steps=config.grpc.prefetch_steps,
-                            resume_grace_s=resume_grace_s)
+                            resume_grace_s=resume_grace_s,
+                            rank_timeout_seconds=config.rank_timeout_seconds,
+                            rank_failure_policy=config.rank_failure_policy)
     add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,0 +1,193 @@
+"""Shared pieces of the fault-injection tests: real server / rank processes, rank threads,
+and the coverage checks (Guarantees 2-5) every test applies to what the ranks received."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def batch_digest(batch) -> str:
+    """Hash of every tensor's name, dtype, shape and bytes, plus step and sample ids."""
+    h = hashlib.sha256(f"{batch.info.step}|{','.join(batch.info.sample_ids)}".encode())
+    for name in sorted(batch):
+        t = batch[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def fault_samples(n: int, seed: int, max_len: int = 600, full_len: int = 0) -> list:
+    """The deterministic samples the server processes serve (the test rebuilds the same)."""
+    from pipeline.service.sources import synthetic_samples
+
+    if full_len:
+        return synthetic_samples(n, lengths=[full_len] * n, vocab=1000, seed=seed,
+                                 source="full")
+    return synthetic_samples(n, max_len=max_len, seed=seed)
+
+
+def job_dict(job_id: str = "j", world_size: int = 3, **kw: Any) -> dict:
+    batching = {"token_budget": 2048, "buffer_size": 64, "pool_steps": 2,
+                **kw.pop("batching", {})}
+    return {"job_id": job_id, "world_size": world_size, "source": {"paths": ["arrays"]},
+            "batching": batching, **kw}
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# ------------------------------------------------------------------ processes
+class ServerProc:
+    """tests/faults/fault_server.py in its own process (SIGKILL-able)."""
+
+    def __init__(self, redis_url: str, port: int, job: dict, samples: int, **kw: Any) -> None:
+        cmd = [sys.executable, str(HERE / "fault_server.py"), "--redis-url", redis_url,
+               "--port", str(port), "--job-json", json.dumps(job), "--samples", str(samples)]
+        for k, v in kw.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        self.port = port
+        self.proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self._err: list[str] = []
+        threading.Thread(target=lambda: self._err.extend(self.proc.stderr), daemon=True).start()
+
+    def wait_ready(self, timeout: float = 60.0) -> ServerProc:
+        out: list[str] = []
+        t = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        if not out or not out[0].startswith("READY"):
+            self.kill()
+            raise AssertionError(f"server did not start in {timeout}s: "
+                                 f"{''.join(self._err)[-3000:]}")
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stderr(self) -> str:
+        return "".join(self._err)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def rank_proc(address: str, job: str, rank: int, world: int, out: Path, state: Path,
+              **kw: Any) -> subprocess.Popen:
+    cmd = [sys.executable, str(HERE / "fault_rank.py"), "--address", address, "--job", job,
+           "--rank",
+           str(rank), "--world", str(world), "--out", str(out), "--state", str(state)]
+    for k, v in kw.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
+def read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+# ------------------------------------------------------------------ rank threads
+class RankThread:
+    """One rank consuming every epoch in a thread; records (epoch, step, ids, digest) per
+    delivered batch, the END infos, and the StreamError that stopped it, if any."""
+
+    def __init__(self, address: str, job: str, rank: int, world: int, *, epochs: int = 1,
+                 sleep: float = 0.0) -> None:
+        from trainer_client import BatchStream
+
+        self.rank, self.epochs, self.sleep = rank, epochs, sleep
+        self.stream = BatchStream(address, job, rank, world, prefetch=2, backoff=(0.05, 0.5))
+        self.records: list[dict] = []
+        self.ends: list = []
+        self.error: BaseException | None = None
+        self.error_at: float | None = None
+        self.finished = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> RankThread:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for _ in range(self.epochs):
+                for batch in self.stream:
+                    self.records.append({"epoch": batch.info.epoch, "step": batch.info.step,
+                                         "ids": list(batch.info.sample_ids),
+                                         "digest": batch_digest(batch)})
+                    if self.sleep:
+                        time.sleep(self.sleep)
+                self.ends.append(self.stream.last_end)
+        except BaseException as exc:
+            self.error, self.error_at = exc, time.monotonic()
+        finally:
+            self.finished.set()
+            self.stream.close()
+
+    def join(self, timeout: float) -> None:
+        assert self.finished.wait(timeout), f"rank {self.rank} did not finish in {timeout}s"
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+# ------------------------------------------------------------------ coverage checks
+def unique_steps(records: Iterable[dict]) -> dict[int, dict]:
+    """step -> record; a step delivered twice (redelivery of an unacked step) must be
+    byte-identical to its first delivery."""
+    out: dict[int, dict] = {}
+    for rec in records:
+        first = out.setdefault(rec["step"], rec)
+        assert first["digest"] == rec["digest"] and first["ids"] == rec["ids"], (
+            f"step {rec['step']} was redelivered with different content")
+    return out
+
+
+def ids_by_epoch(per_rank: Iterable[Iterable[dict]]) -> dict[int, Counter]:
+    """epoch -> Counter of delivered sample ids across ranks (duplicates by step removed)."""
+    out: dict[int, Counter] = {}
+    for records in per_rank:
+        for rec in unique_steps(records).values():
+            out.setdefault(rec["epoch"], Counter()).update(rec["ids"])
+    return out
+
+
+def assert_join_coverage(per_rank: list[list[dict]], all_ids: list[str], epochs: int) -> None:
+    """Join mode: every sample of every epoch delivered exactly once across the ranks."""
+    got = ids_by_epoch(per_rank)
+    want = Counter(all_ids)
+    for e in range(epochs):
+        have = got.get(e, Counter())
+        missing, extra = want - have, have - want
+        assert not missing and not extra, (
+            f"epoch {e}: {sum(missing.values())} missing (e.g. {list(missing)[:3]}), "
+            f"{sum(extra.values())} duplicated (e.g. {list(extra)[:3]})")

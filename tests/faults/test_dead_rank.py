@@ -1,0 +1,115 @@
+"""Guarantee 4: a trainer rank killed with SIGKILL must not make the others hang.
+
+rank_failure_policy=fail: once the dead rank's lease (1 s) has been lapsed for
+rank_timeout_seconds (2 s), the other ranks' streams end with ABORTED naming the rank, within a
+bound, and GetJob reports it. rank_failure_policy=wait: they keep waiting (no error), and when
+the rank is restarted from its state_dict everything finishes with exact coverage.
+(A rank restarted *before* the timeout is tests/service/test_trainer_processes.py.)"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+from fault_helpers import (
+    RankThread,
+    assert_join_coverage,
+    job_dict,
+    rank_proc,
+    read_log,
+    wait_for,
+)
+
+from pipeline.config import ServiceConfig
+from pipeline.service.server import start_service
+from pipeline.service.sources import ArraySource, synthetic_samples
+from pipeline.wire.odb.v1 import data_service_pb2 as pb
+from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client import StreamError
+
+pytestmark = pytest.mark.slow
+W, N, LEASE, TIMEOUT = 3, 900, 1.0, 2.0
+
+
+def serve(redis_url: str, policy: str):
+    cfg = ServiceConfig.model_validate({
+        "redis_url": redis_url, "lease_seconds": LEASE, "rank_timeout_seconds": TIMEOUT,
+        "rank_failure_policy": policy, "metrics_port": None, "grpc": {"port": 0},
+        "jobs": [job_dict("dead", W, seed=1, batching={"token_budget": 1024})]})
+    samples = synthetic_samples(N, max_len=400, seed=1)
+    return start_service(cfg, sample_sources={"dead": ArraySource(samples)}), samples
+
+
+def get_job(address: str) -> pb.JobStatus:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.DataServiceStub(ch).GetJob(pb.GetJobRequest(job_id="dead"), timeout=10)
+
+
+def start_and_kill_rank0(svc, tmp_path):
+    log, state = tmp_path / "rank0.jsonl", tmp_path / "rank0.state.json"
+    proc = rank_proc(svc.address, "dead", 0, W, log, state, sleep=0.1)
+    others = [RankThread(svc.address, "dead", r, W, sleep=0.01).start() for r in (1, 2)]
+    try:
+        wait_for(lambda: len([x for x in read_log(log) if "step" in x]) >= 3, 60,
+                 "rank 0 to take 3 steps")
+    except AssertionError:
+        proc.kill()
+        raise AssertionError(f"rank 0: {read_log(log)[-1:]}") from None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    return time.monotonic(), others, log, state
+
+
+def test_fail_policy_aborts_the_other_ranks_naming_the_dead_one(redis_client, redis_url,
+                                                                tmp_path):
+    svc, _ = serve(redis_url, "fail")
+    try:
+        killed_at, others, _, _ = start_and_kill_rank0(svc, tmp_path)
+        bound = LEASE + TIMEOUT + 5.0  # lease lapse + timeout + polling slack
+        for r in others:
+            r.join(bound + 5)
+        for r in others:
+            assert isinstance(r.error, StreamError), f"rank {r.rank}: {r.error!r}"
+            assert r.error.code == grpc.StatusCode.ABORTED
+            assert "rank 0 has been gone for" in r.error.details
+            assert "rank_failure_policy=fail" in r.error.details
+            # not before the lease lapsed + the timeout, and within the bound
+            assert TIMEOUT <= r.error_at - killed_at <= bound, r.error_at - killed_at
+            assert not r.stream.done  # they were cut short, not finished
+        status = get_job(svc.address)
+        assert 0 in status.lapsed_ranks
+        assert "rank 0 has been gone for" in status.error
+    finally:
+        svc.stop(grace=0.5)
+
+
+def test_wait_policy_keeps_waiting_then_finishes_when_the_rank_returns(redis_client, redis_url,
+                                                                       tmp_path):
+    svc, samples = serve(redis_url, "wait")
+    try:
+        _, others, log, state = start_and_kill_rank0(svc, tmp_path)
+        time.sleep(LEASE + TIMEOUT + 2.5)  # well past the point where `fail` would abort
+        for r in others:
+            assert r.error is None and not r.finished.is_set(), (r.rank, r.error)
+        status = get_job(svc.address)
+        assert 0 in status.lapsed_ranks and status.error == ""
+        stalled = [len(r.records) for r in others]
+        time.sleep(0.5)
+        assert [len(r.records) for r in others] == stalled  # held by back-pressure, not lost
+        # rank 0 restarted from its state_dict
+        again = rank_proc(svc.address, "dead", 0, W, log, state, sleep=0.0)
+        out, _ = again.communicate(timeout=60)
+        assert again.returncode == 0, out.decode()[-2000:]
+        for r in others:
+            r.join(60)
+            r.check()
+    finally:
+        svc.stop(grace=0.5)
+    recs0 = [rec for rec in read_log(log) if "step" in rec]
+    assert read_log(log)[-1] == {"done": True}
+    # the restarted rank 0 redelivers at most the step in progress, byte-identical
+    assert len(recs0) - len({rec["step"] for rec in recs0}) <= 1
+    assert_join_coverage([recs0, others[0].records, others[1].records],
+                         [s.sample_id for s in samples], 1)
