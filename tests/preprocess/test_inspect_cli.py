@@ -49,8 +49,6 @@ def test_inspect_bad_config_is_one_line_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("ODB_SLOW_TESTS"), reason="starts its own Ray (~30 s); "
-                    "set ODB_SLOW_TESTS=1")
 def test_inspect_subprocess_private_ray_pure_json_stdout():
     proc = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "inspect", str(SAMPLE_CHATS), "--json",

@@ -44,8 +44,6 @@ def test_serve_names_a_missing_token_variable(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("ODB_SERVE_E2E") != "1",
-                    reason="starts a second Ray in a subprocess; set ODB_SERVE_E2E=1")
 def test_serve_streams_a_job_then_drains_on_sigterm(tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_bytes(b"".join(CHATS.read_bytes().splitlines(keepends=True)[:40]))
