@@ -6,6 +6,7 @@ them to the device or `.clone()` before writing in place).
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import warnings
 from dataclasses import dataclass
@@ -51,6 +52,16 @@ class StreamBatch(dict):
     """A dict of tensors (pass `**batch` to the model) with the plan metadata on `.info`."""
 
     info: BatchInfo
+
+    def digest(self) -> str:
+        """SHA-256 of step, sample ids and every tensor's name, dtype, shape and bytes: equal
+        digests mean byte-identical batches (how a resumed rank can audit a redelivery)."""
+        h = hashlib.sha256(f"{self.info.step}|{','.join(self.info.sample_ids)}".encode())
+        for name in sorted(self):
+            t = self[name]
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(t.contiguous().numpy().tobytes())
+        return h.hexdigest()
 
 
 def tensor_from_wire(t: pb.Tensor) -> torch.Tensor:

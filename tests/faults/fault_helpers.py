@@ -3,7 +3,6 @@ and the coverage checks (Guarantees 2-5) every test applies to what the ranks re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -20,16 +19,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-
-
-def batch_digest(batch) -> str:
-    """Hash of every tensor's name, dtype, shape and bytes, plus step and sample ids."""
-    h = hashlib.sha256(f"{batch.info.step}|{','.join(batch.info.sample_ids)}".encode())
-    for name in sorted(batch):
-        t = batch[name]
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def fault_samples(n: int, seed: int, max_len: int = 600, full_len: int = 0) -> list:
@@ -142,7 +131,7 @@ class RankThread:
                 for batch in self.stream:
                     self.records.append({"epoch": batch.info.epoch, "step": batch.info.step,
                                          "ids": list(batch.info.sample_ids),
-                                         "digest": batch_digest(batch)})
+                                         "digest": batch.digest()})
                     if self.sleep:
                         time.sleep(self.sleep)
                 self.ends.append(self.stream.last_end)

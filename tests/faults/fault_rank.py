@@ -17,7 +17,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fault_helpers import batch_digest
 
 from trainer_client import BatchStream, StreamError
 
@@ -48,7 +47,7 @@ def main() -> None:
             while not stream.done:
                 for batch in stream:
                     emit({"epoch": batch.info.epoch, "step": batch.info.step,
-                          "ids": list(batch.info.sample_ids), "digest": batch_digest(batch)})
+                          "ids": list(batch.info.sample_ids), "digest": batch.digest()})
                     time.sleep(args.sleep)  # "training"
                     tmp = state.with_suffix(".tmp")
                     tmp.write_text(json.dumps(stream.state_dict()))

@@ -18,7 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from service_helpers import batch_digest
 
 from trainer_client import BatchStream, loss_scale
 
@@ -66,7 +65,7 @@ def resume(args: argparse.Namespace) -> None:
         stream.load_state_dict(json.loads(state_path.read_text()))
     with open(args.out, "a") as log:
         for batch in stream:
-            log.write(f"{batch.info.step} {batch_digest(batch)}\n")
+            log.write(f"{batch.info.step} {batch.digest()}\n")
             log.flush()
             os.fsync(log.fileno())
             time.sleep(args.sleep)  # "training"

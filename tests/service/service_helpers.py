@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -46,16 +45,6 @@ def serving(cfg: ServiceConfig, samples: dict[str, list[ProcessedSample]], **kw:
         yield svc
     finally:
         svc.stop(grace=0.5)
-
-
-def batch_digest(batch) -> str:
-    """Hash of every tensor's name, dtype, shape and bytes, plus step and sample ids."""
-    h = hashlib.sha256(f"{batch.info.step}|{','.join(batch.info.sample_ids)}".encode())
-    for name in sorted(batch):
-        t = batch[name]
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class RawStream:

@@ -11,7 +11,6 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_helpers import (
-    batch_digest,
     consume_all,
     job_dict,
     service_config,
@@ -154,7 +153,7 @@ def test_state_dict_resume_is_byte_identical_and_exactly_once():
     cfg = service_config(job_dict(seed=5))
     with serving(cfg, {"j": samples}) as svc:  # the reference run
         ref = consume_all(svc.address, "j", 2)
-    ref0 = [batch_digest(b) for b in batches(ref[0])]
+    ref0 = [b.digest() for b in batches(ref[0])]
 
     with serving(cfg, {"j": samples}) as svc:
         other = threading.Thread(target=lambda: list(BatchStream(svc.address, "j", 1, 2)),
@@ -162,13 +161,13 @@ def test_state_dict_resume_is_byte_identical_and_exactly_once():
         other.start()
         s = BatchStream(svc.address, "j", 0, 2, client_id="first")
         it = iter(s)
-        head = [batch_digest(next(it)) for _ in range(5)]
+        head = [next(it).digest() for _ in range(5)]
         state = s.state_dict()
         s.close()
         assert state["next_step"] == batches(ref[0])[4].info.step + 1
         s2 = BatchStream(svc.address, "j", 0, 2, client_id="second")
         s2.load_state_dict(state)
-        tail = [batch_digest(b) for b in s2]
+        tail = [b.digest() for b in s2]
         assert s2.last_end.job_done and s2.state_dict()["done"]
         s2.close()
         other.join(30)
@@ -222,7 +221,7 @@ def test_server_restart_continues_the_plan_from_its_checkpoint():
     cfg = service_config(job_dict(seed=4))
     with serving(cfg, {"j": samples}, pool_steps=4) as svc:
         ref = consume_all(svc.address, "j", 2)
-    ref_digests = {r: [batch_digest(b) for b in batches(ref[r])] for r in ref}
+    ref_digests = {r: [b.digest() for b in batches(ref[r])] for r in ref}
 
     state = MemoryJobState("j")
     heads: dict[int, list[str]] = {}
@@ -231,7 +230,7 @@ def test_server_restart_continues_the_plan_from_its_checkpoint():
         def head(r: int) -> None:
             with BatchStream(svc.address, "j", r, 2, client_id=f"a{r}") as s:
                 it = iter(s)
-                heads[r] = [batch_digest(next(it)) for _ in range(6)]
+                heads[r] = [next(it).digest() for _ in range(6)]
                 saved[r] = s.state_dict()
 
         threads = [threading.Thread(target=head, args=(r,)) for r in range(2)]
@@ -246,7 +245,7 @@ def test_server_restart_continues_the_plan_from_its_checkpoint():
         def tail(r: int) -> None:
             with BatchStream(svc.address, "j", r, 2, client_id=f"b{r}") as s:
                 s.load_state_dict(saved[r])
-                tails[r] = [batch_digest(b) for b in s]
+                tails[r] = [b.digest() for b in s]
 
         threads = [threading.Thread(target=tail, args=(r,)) for r in range(2)]
         for t in threads:

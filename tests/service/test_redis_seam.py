@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service_helpers import batch_digest, consume_all, job_dict, service_config, serving
+from service_helpers import consume_all, job_dict, service_config, serving
 
 from pipeline.config import ServiceConfig
 from pipeline.service.memory_state import MemoryJobState
@@ -29,7 +29,7 @@ def test_data_plane_over_redis_job_state_matches_memory(redis_url, redis_client)
         assert state.is_done() and len(state.epoch_ends()) == 2
 
     def digests(items):
-        return [batch_digest(b) if not isinstance(b, EpochEndInfo) else (b.epoch, b.final_step)
+        return [b.digest() if not isinstance(b, EpochEndInfo) else (b.epoch, b.final_step)
                 for b in items]
 
     for r in range(2):
