@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import sys
-import tempfile
-from typing import Any
 
-from pipeline.config import ConfigError, JobConfig, read_config_file
+from pipeline.config import JobConfig
 from pipeline.errors import UserError
+from pipeline.preprocess.local_ray import PrivateRay, job_config
 
 _TABLE_ROWS = 25
 
@@ -37,54 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _job(args: argparse.Namespace, data: str) -> JobConfig:
-    from pydantic import ValidationError
-
-    base: dict[str, Any] = {}
-    if args.config:
-        raw = read_config_file(args.config)
-        if "jobs" in raw:
-            jobs = raw.get("jobs") or []
-            chosen = next((j for j in jobs if j.get("job_id") == args.job), None) if args.job \
-                else (jobs[0] if jobs else None)
-            if args.job and chosen is None:
-                raise ConfigError(f"--job {args.job}: no such job in {args.config}")
-            base = dict(chosen or {})
-        else:
-            base = dict(raw)
-    elif args.job:
-        raise UserError("--job needs --config")
-    job = {**base, "job_id": base.get("job_id", "inspect"), "world_size":
-           base.get("world_size", 1), "source": {**(base.get("source") or {}), "paths": [data]}}
-    try:
-        return JobConfig.model_validate(job)
-    except ValidationError as exc:
-        from pipeline.config import _format_validation_error
-
-        raise ConfigError(_format_validation_error(exc)) from None
-
-
-class _PrivateRay:
-    """A local Ray for this command only (reuses one that is already initialized)."""
-
-    def __enter__(self) -> _PrivateRay:
-        import ray
-
-        self.owned = not ray.is_initialized()
-        if self.owned:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            self.tmp = tempfile.mkdtemp(prefix="odb-inspect-ray-", dir="/tmp")
-            ray.init(include_dashboard=False, _temp_dir=self.tmp, log_to_driver=False,
-                     configure_logging=False, object_store_memory=256 * 1024 * 1024)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.owned:
-            import ray
-
-            ray.shutdown()
-            shutil.rmtree(self.tmp, ignore_errors=True)
+    return job_config(args.config, args.job, [data], default_job_id="inspect")
 
 
 def collect(job: JobConfig, epoch: int, limit: int | None) -> tuple[list, dict]:
@@ -107,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         args.data = sample_chats_path()
     job = _job(args, args.data)
     expand_sources(job.source)  # missing input: fail in one line before starting Ray
-    with _PrivateRay():
+    with PrivateRay(prefix="odb-inspect-ray-"):
         items, counts = collect(job, args.epoch, args.limit)
     samples = [i for i in items if not isinstance(i, QuarantinedRecord)]
     quarantined = [i for i in items if isinstance(i, QuarantinedRecord)]

@@ -1,5 +1,9 @@
-"""`odb-pipeline plan`: dry-run the batching core on a lengths file.
+"""`odb-pipeline plan`: dry-run the batching core on a lengths file or a dataset.
 
+`--lengths FILE` plans recorded token counts. `--data FILE...` runs the real preprocessing
+(private local Ray, as `inspect` does) and plans each sample's measured size, epoch by epoch
+(augmentation seeded per epoch); the JSON adds `quarantined_records`, `preprocess_epochs` and
+`rows`. `--config FILE [--job ID]` takes the job's settings as defaults; explicit flags win.
 Prints a summary (or one JSON object with --json) of the plan the service would make: steps,
 padding efficiency, budget violations, over-budget handling, per-rank steps, rank balance,
 carry-over. `--emit-plan OUT.jsonl` writes the plan itself, one step per line.
@@ -12,34 +16,84 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 
 from pipeline.errors import UserError
 
 HELP = "dry-run batching on a dataset or a lengths file (steps, padding efficiency, balance)"
 
 
+# Batching flags that a --config job supplies: dest -> (job field path, default without --config).
+_JOB_FLAGS: dict[str, tuple[tuple[str, ...], object]] = {
+    "world_size": (("world_size",), None),
+    "token_budget": (("batching", "token_budget"), None),
+    "mode": (("mode",), "join"),
+    "buffer_size": (("batching", "buffer_size"), 2048),
+    "collate": (("batching", "collate"), "padded"),
+    "over_budget": (("batching", "over_budget"), "alone"),
+    "max_visual_tokens": (("batching", "max_visual_tokens"), None),
+    "attn_a": (("batching", "attn_a"), 1.0),
+    "attn_b": (("batching", "attn_b"), 0.0),
+    "pool_steps": (("batching", "pool_steps"), None),
+    "epochs": (("epochs",), 1),
+    "seed": (("seed",), 0),
+}
+_QUARANTINE_SHOWN = 20
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    src = parser.add_argument_group("input (exactly one of --lengths / --data)")
+    src.add_argument(
         "--lengths",
-        required=True,
         metavar="FILE",
         help="one integer token count per line (sample id = 0-based line number), or JSONL "
         "objects with sample_id, num_tokens and optional num_visual_tokens",
     )
-    parser.add_argument("--world-size", type=int, required=True, metavar="W", help="ranks")
-    parser.add_argument(
-        "--token-budget", type=int, required=True, metavar="T", help="max token cost per batch"
+    src.add_argument(
+        "--data",
+        action="append",
+        metavar="FILE",
+        help="JSONL/Parquet file, folder or URI, run through the real Ray preprocessing "
+        "(repeatable; a private local Ray is started unless one is up)",
     )
-    parser.add_argument("--mode", choices=["join", "quota"], default="join", help="DGAP mode")
-    parser.add_argument(
-        "--buffer-size", type=int, default=2048, metavar="N", help="online window (samples)"
+    src.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML/JSON service config (its first job, or --job) or a single job mapping: the "
+        "job's preprocessing, seed, epochs, world size, mode and batching settings are the "
+        "defaults; explicit flags override them",
     )
-    parser.add_argument("--collate", choices=["padded", "packed"], default="padded")
+    src.add_argument("--job", metavar="ID", help="job of --config to take settings from")
+    src.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="--data: only the first N records"
+    )
+    src.add_argument(
+        "--export-lengths",
+        metavar="OUT.jsonl",
+        help="--data: write {sample_id, num_tokens, num_visual_tokens} per sample (first epoch), "
+        "to re-plan quickly with --lengths",
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=None, metavar="W",
+        help="ranks (required unless --config)",
+    )
+    parser.add_argument(
+        "--token-budget", type=int, default=None, metavar="T",
+        help="max token cost per batch (required unless --config)",
+    )
+    parser.add_argument("--mode", choices=["join", "quota"], default=None,
+                        help="DGAP mode (default join)")
+    parser.add_argument(
+        "--buffer-size", type=int, default=None, metavar="N",
+        help="online window (samples; default 2048)",
+    )
+    parser.add_argument("--collate", choices=["padded", "packed"], default=None,
+                        help="default padded")
     parser.add_argument(
         "--over-budget",
         choices=["truncate", "alone", "quarantine"],
-        default="alone",
-        help="what to do with a sample that cannot fit a batch on its own",
+        default=None,
+        help="what to do with a sample that cannot fit a batch on its own (default alone)",
     )
     parser.add_argument(
         "--max-visual-tokens", type=int, default=None, metavar="V", help="cap per batch"
@@ -47,10 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attn-a",
         type=float,
-        default=1.0,
+        default=None,
         help="compute model a*L + b*L^2 per sample (balances ranks; default a=1, b=0: tokens)",
     )
-    parser.add_argument("--attn-b", type=float, default=0.0, help="see --attn-a")
+    parser.add_argument("--attn-b", type=float, default=None, help="see --attn-a")
     parser.add_argument(
         "--pool-steps",
         type=int,
@@ -58,8 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help="steps' worth of batches pooled for rank balancing (default: ~256 batches)",
     )
-    parser.add_argument("--epochs", type=int, default=1, metavar="E")
-    parser.add_argument("--seed", type=int, default=0, metavar="S")
+    parser.add_argument(
+        "--epochs", type=int, default=None, metavar="E",
+        help="default 1 (--data: each epoch re-preprocessed with its augmentation seed)",
+    )
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="default 0")
     parser.add_argument(
         "--shuffle",
         action="store_true",
@@ -70,6 +127,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.world_size is None:
+        raise UserError("--world-size is required (or a --config job)")
+    if args.token_budget is None:
+        raise UserError("--token-budget is required (or a --config job)")
     if args.world_size < 1:
         raise UserError(f"--world-size must be >= 1, got {args.world_size}")
     if args.token_budget <= 0:
@@ -84,14 +145,68 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--max-visual-tokens must be > 0, got {args.max_visual_tokens}")
 
 
+def _check_input(args: argparse.Namespace) -> None:
+    if args.lengths is not None and args.data:
+        raise UserError("--lengths and --data are mutually exclusive: give one")
+    if args.lengths is None and not args.data:
+        raise UserError("one of --lengths FILE or --data FILE is required")
+    if args.lengths is not None:
+        for flag, value in (("--limit", args.limit), ("--export-lengths", args.export_lengths)):
+            if value is not None:
+                raise UserError(f"{flag} needs --data (it has no effect with --lengths)")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+
+
+def _job_overrides(args: argparse.Namespace, names) -> dict:
+    """The flags `names` as a partial job mapping (for JobConfig validation)."""
+    out: dict = {}
+    for name in names:
+        path, _ = _JOB_FLAGS[name]
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = getattr(args, name)
+    return out
+
+
+def _resolve(args: argparse.Namespace):
+    """Fill unset flags from the --config job (or the plan defaults). Returns the JobConfig the
+    --data path preprocesses with (None for --lengths without --config)."""
+    from pipeline.preprocess.local_ray import job_config
+
+    explicit = [n for n in _JOB_FLAGS if getattr(args, n) is not None]
+    base = None
+    if args.config or args.job:
+        base = job_config(args.config, args.job, args.data, default_job_id="plan")
+    for name, (path, default) in _JOB_FLAGS.items():
+        if getattr(args, name) is not None:
+            continue
+        if base is not None:
+            value = base
+            for key in path:
+                value = getattr(value, key)
+            setattr(args, name, value)
+        else:
+            setattr(args, name, default)
+    _check(args)
+    if not args.data:
+        return None
+    # The job preprocessing runs with: its seed (augmentation) and cost model follow the flags.
+    names = explicit if base is not None else list(_JOB_FLAGS)
+    return job_config(args.config, args.job, args.data, default_job_id="plan",
+                      overrides=_job_overrides(args, [n for n in names
+                                                      if getattr(args, n) is not None]))
+
+
 def run(args: argparse.Namespace) -> int:
-    from pipeline.planner.lengths_file import LengthsFileError, read_lengths
     from pipeline.planner.plan_report import PlanReport
     from pipeline.planner.policy import BatchingPolicy
     from pipeline.planner.step_planner import StepPlanner
     from pipeline.planner.types import Quarantined, Step
 
-    _check(args)
+    _check_input(args)
+    job = _resolve(args)
     try:
         policy = BatchingPolicy(
             token_budget=args.token_budget,
@@ -105,10 +220,14 @@ def run(args: argparse.Namespace) -> int:
         planner = StepPlanner(policy, args.world_size, args.mode, args.seed, args.pool_steps)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    try:
-        samples = read_lengths(args.lengths)
-    except LengthsFileError as exc:
-        raise UserError(str(exc)) from None
+
+    if job is not None:
+        from pipeline.preprocess.sources import expand_sources
+
+        expand_sources(job.source)  # missing input: fail in one line before starting Ray
+        source = _DataSource(job, args.limit, args.export_lengths)
+    else:
+        source = _LengthsSource(args.lengths)
 
     out = None
     if args.emit_plan:
@@ -120,20 +239,22 @@ def run(args: argparse.Namespace) -> int:
     quarantine_lines: list[str] = []
     t0 = time.perf_counter()
     try:
-        for epoch in range(args.epochs):
-            order = samples
-            if args.shuffle:
-                order = list(samples)
-                random.Random(f"odb-plan-shuffle:{args.seed}:{epoch}").shuffle(order)
-            report.samples_in += len(order)
-            events = planner.feed_many(order)
-            events.extend(planner.end_epoch())
-            for ev in events:
-                report.observe(ev)
-                if out is not None and isinstance(ev, Step):
-                    out.write(_step_json(ev) + "\n")
-                elif isinstance(ev, Quarantined) and len(quarantine_lines) < 20:
-                    quarantine_lines.append(f"  {ev.sample.sample_id}: {ev.reason}")
+        with source:
+            for epoch in range(args.epochs):
+                order = source.epoch(epoch)
+                if args.shuffle:
+                    order = list(order)
+                    random.Random(f"odb-plan-shuffle:{args.seed}:{epoch}").shuffle(order)
+                counted = _Counted(order)
+                events = planner.feed_many(counted)
+                report.samples_in += counted.n
+                events.extend(planner.end_epoch())
+                for ev in events:
+                    report.observe(ev)
+                    if out is not None and isinstance(ev, Step):
+                        out.write(_step_json(ev) + "\n")
+                    elif isinstance(ev, Quarantined) and len(quarantine_lines) < _QUARANTINE_SHOWN:
+                        quarantine_lines.append(f"  {ev.sample.sample_id}: {ev.reason}")
     finally:
         if out is not None:
             out.close()
@@ -147,20 +268,174 @@ def run(args: argparse.Namespace) -> int:
     result["collate"] = args.collate
     result["planning_seconds"] = round(elapsed, 4)
     result["samples_per_second"] = round(report.samples_in / elapsed) if elapsed > 0 else None
+    if isinstance(source, _DataSource):
+        result.update(source.to_dict())
     if args.json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(
-            f"plan: {args.lengths}  W={args.world_size}  budget={args.token_budget}"
+            f"plan: {source.name}  W={args.world_size}  budget={args.token_budget}"
             f"  mode={args.mode}  collate={args.collate}  buffer={args.buffer_size}"
         )
+        if isinstance(source, _DataSource):
+            print(source.summary_text())
         print(report.summary_text())
         if quarantine_lines:
-            print("quarantined samples (first 20):")
+            print(f"quarantined samples (first {_QUARANTINE_SHOWN}):")
             print("\n".join(quarantine_lines))
-        print(f"planned in {elapsed:.3f} s ({result['samples_per_second']} samples/s)")
+        what = "preprocessed and planned" if isinstance(source, _DataSource) else "planned"
+        print(f"{what} in {elapsed:.3f} s ({result['samples_per_second']} samples/s)")
     return 0
+
+
+class _Counted:
+    """Counts what the planner takes from a (possibly streamed) epoch."""
+
+    def __init__(self, items) -> None:
+        self.items = items
+        self.n = 0
+
+    def __iter__(self):
+        for it in self.items:
+            self.n += 1
+            yield it
+
+
+class _LengthsSource:
+    """--lengths: the same samples every epoch."""
+
+    def __init__(self, path: str) -> None:
+        from pipeline.planner.lengths_file import LengthsFileError, read_lengths
+
+        self.name = path
+        try:
+            self.samples = read_lengths(path)
+        except LengthsFileError as exc:
+            raise UserError(str(exc)) from None
+
+    def __enter__(self) -> _LengthsSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def epoch(self, epoch: int):
+        return self.samples
+
+
+class _DataSource:
+    """--data: each epoch preprocessed for real (Ray Data, augmentation seeded by epoch); the
+    planner sees `ProcessedSample.measured()`, quarantined records are counted by reason."""
+
+    def __init__(self, job, limit: int | None, export_path: str | None) -> None:
+        from pipeline.preprocess.local_ray import PrivateRay
+
+        self.job = job
+        self.limit = limit
+        self.export_path = export_path
+        paths = job.source.paths
+        self.name = paths[0] + (f" (+{len(paths) - 1} more)" if len(paths) > 1 else "")
+        self.ray = PrivateRay(prefix="odb-plan-ray-")
+        self.epochs: list[dict] = []
+        self.by_reason: Counter = Counter()
+        self.examples: list[dict] = []  # first few quarantined records (each listed once)
+        self._shown: set[str] = set()
+        self._first: dict = {}  # sample_id -> num_tokens in epoch 0 (augmentation effect)
+        self._export = None
+
+    def __enter__(self) -> _DataSource:
+        if self.export_path:
+            try:
+                self._export = open(self.export_path, "w", encoding="utf-8")
+            except OSError as exc:
+                raise UserError(
+                    f"cannot write --export-lengths {self.export_path}: {exc.strerror}"
+                ) from None
+        try:
+            self.ray.__enter__()
+        except BaseException:
+            if self._export is not None:
+                self._export.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.ray.__exit__(*exc)
+        finally:
+            if self._export is not None:
+                self._export.close()
+
+    def epoch(self, epoch: int):
+        from pipeline.preprocess.pipeline import PreprocessStats, iter_samples
+        from pipeline.preprocess.sample import QuarantinedRecord
+
+        stats = PreprocessStats()
+        changed = 0
+        token_delta = 0
+        export = self._export if epoch == 0 else None
+        for item in iter_samples(self.job, epoch, limit=self.limit, stats=stats):
+            if isinstance(item, QuarantinedRecord):
+                self.by_reason[item.reason] += 1
+                if len(self.examples) < _QUARANTINE_SHOWN and item.sample_id not in self._shown:
+                    self._shown.add(item.sample_id)
+                    self.examples.append({"epoch": epoch, "sample_id": item.sample_id,
+                                          "reason": item.reason, "detail": item.detail})
+                continue
+            m = item.measured()
+            if epoch == 0:
+                self._first[m.sample_id] = m.num_tokens
+            elif m.sample_id in self._first:
+                d = m.num_tokens - self._first[m.sample_id]
+                changed += d != 0
+                token_delta += d
+            if export is not None:
+                export.write(json.dumps({"sample_id": m.sample_id, "num_tokens": m.num_tokens,
+                                         "num_visual_tokens": m.num_visual_tokens}) + "\n")
+            yield m
+        counts = stats.to_dict()
+        counts["epoch"] = epoch
+        if epoch > 0:
+            counts["samples_changed_vs_epoch0"] = changed
+            counts["num_tokens_delta_vs_epoch0"] = token_delta
+        self.epochs.append(counts)
+
+    def to_dict(self) -> dict:
+        total = sum(e["quarantined"] for e in self.epochs)
+        return {
+            "data": list(self.job.source.paths),
+            "rows": sum(e["rows"] for e in self.epochs),
+            "quarantined_records": {
+                "total": total,
+                "by_reason": dict(sorted(self.by_reason.items())),
+                "examples": self.examples,
+            },
+            "preprocess_epochs": self.epochs,
+            **({"exported_lengths": self.export_path} if self.export_path else {}),
+        }
+
+    def summary_text(self) -> str:
+        d = self.to_dict()
+        q = d["quarantined_records"]
+        reasons = ", ".join(f"{k}={v}" for k, v in q["by_reason"].items())
+        lines = [f"preprocessed       {d['rows']} rows over {len(self.epochs)} epoch(s):"
+                 f" {d['rows'] - q['total']} samples, {q['total']} quarantined"
+                 + (f" ({reasons})" if reasons else "")]
+        if len(self.epochs) > 1:
+            for e in self.epochs:
+                effect = ("" if e["epoch"] == 0 else
+                          f"  ({e['samples_changed_vs_epoch0']} samples changed length,"
+                          f" {e['num_tokens_delta_vs_epoch0']:+d} tokens vs epoch 0)")
+                lines.append(f"  epoch {e['epoch']:<3}        {e['samples']} samples,"
+                             f" {e['num_tokens']} tokens, {e['num_visual_tokens']} visual,"
+                             f" {e['truncated']} truncated{effect}")
+        for ex in q["examples"]:
+            lines.append(f"  quarantined {ex['sample_id']}: {ex['reason']}: {ex['detail'][:60]}")
+        if self.export_path:
+            lines.append(f"lengths written to {self.export_path} (epoch 0; re-plan with"
+                         " --lengths)")
+        return "\n".join(lines)
 
 
 def _step_json(step) -> str:
