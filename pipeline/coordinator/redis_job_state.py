@@ -48,6 +48,12 @@ class RankHealth:
         return self.lapsed_for > 0.0
 
 
+def pool_size_for(world_size: int) -> int:
+    """Redis connections one server process may use concurrently for a job of `world_size`
+    ranks (an ack reader and a sender per rank stream, the producer, status calls)."""
+    return max(64, 2 * world_size + 16)
+
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -67,9 +73,12 @@ class RedisJobState:
     def __init__(self, client_or_url: redis.Redis | str, job_id: str, *, config_hash: str,
                  world_size: int, mode: str = "join", seed: int = 0, history_steps: int = 64,
                  retries: int = 5, socket_timeout: float = 5.0,
-                 fsync_publish: bool = False) -> None:
+                 fsync_publish: bool = False, max_connections: int | None = None,
+                 pool_timeout: float = 30.0) -> None:
         self.client, self._where = open_client(client_or_url, retries=retries,
-                                               socket_timeout=socket_timeout)
+                                               socket_timeout=socket_timeout,
+                                               max_connections=max_connections,
+                                               pool_timeout=pool_timeout)
         self.job_id = job_id
         self.world_size = world_size
         self.mode = str(getattr(mode, "value", mode))
@@ -99,12 +108,22 @@ class RedisJobState:
     @classmethod
     def connect(cls, client_or_url: redis.Redis | str, job: JobConfig, *,
                 history_steps: int = 64, retries: int = 5, socket_timeout: float = 5.0,
-                fsync_publish: bool = False) -> RedisJobState:
-        """The state of a configured job: hash, world size, mode and seed from its JobConfig."""
+                fsync_publish: bool = False, max_connections: int | None = None,
+                pool_timeout: float = 30.0) -> RedisJobState:
+        """The state of a configured job: hash, world size, mode and seed from its JobConfig.
+
+        Given a URL, the client's pool is sized for the job: a server runs one ack reader and
+        one sender per rank stream plus the producer, so `max_connections` defaults to
+        `pool_size_for(world_size)`; it is a BlockingConnectionPool, so a burst past it waits
+        up to `pool_timeout` seconds for a free connection instead of failing with "Too many
+        connections". A client passed in keeps its own pool."""
+        if max_connections is None:
+            max_connections = pool_size_for(job.world_size)
         return cls(client_or_url, job.job_id, config_hash=registry.config_hash(job),
                    world_size=job.world_size, mode=job.mode, seed=job.seed,
                    history_steps=history_steps, retries=retries, socket_timeout=socket_timeout,
-                   fsync_publish=fsync_publish)
+                   fsync_publish=fsync_publish, max_connections=max_connections,
+                   pool_timeout=pool_timeout)
 
     @classmethod
     def attach(cls, client_or_url: redis.Redis | str, job_id: str, *, retries: int = 5,

@@ -279,9 +279,13 @@ class DataServicer(pb_grpc.DataServiceServicer):
                           f"credits must be >= 0, got {op.credits}")
         # A step can only have been delivered once published; after a server restart the plan
         # is being rebuilt, so wait briefly before calling the request impossible.
+        # (Polls the runtime's shared cache: many ranks reconnecting at once cost one read per
+        # refresh interval; the state itself is asked before refusing.)
         deadline = time.monotonic() + self.resume_grace_s
-        while op.resume_step > rt.state.published_through() + 1:
+        while op.resume_step > rt.cached_published_through() + 1:
             if rt.state.is_done() or time.monotonic() >= deadline or rt.error:
+                if op.resume_step <= rt.state.published_through() + 1:
+                    break  # the cache lagged
                 context.abort(
                     grpc.StatusCode.OUT_OF_RANGE,
                     f"resume_step {op.resume_step} is beyond the last published step "
@@ -299,14 +303,16 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 step = msg.ack.consumed_step
                 if step >= 0:  # -1: nothing consumed yet
                     problem = None
-                    through = rt.state.published_through()
+                    through = rt.cached_published_through()
+                    if step > through:  # the cache may lag by its refresh interval
+                        through = rt.state.published_through()
                     try:
                         if step > through:
                             raise AckAheadOfPlan(
                                 f"ack of step {step} by rank {session.rank} of job "
                                 f"{rt.job.job_id!r}, but only steps through {through} are "
                                 "published")
-                        rt.state.ack(session.rank, step)
+                        rt.ack(session.rank, step)  # grouped with other streams' acks
                     except AckAheadOfPlan as exc:
                         if step <= session.last_sent:
                             # We sent it, so it was published: the state lost it (a Redis
@@ -384,9 +390,10 @@ class DataServicer(pb_grpc.DataServiceServicer):
                               f"job {rt.job.job_id!r} producer failed: {rt.error}")
             self._check_abort(rt, s, context)
             self._heartbeat(rt, s)
-            st = rt.state
-            if s.pos <= st.published_through():
-                step = st.get_step(s.pos)
+            # Shared job state through the runtime's per-process cache (one read per refresh
+            # interval / per step for all streams, not one round trip per check per rank).
+            if s.pos <= rt.cached_published_through():
+                step = rt.cached_step(s.pos)
                 if step is None:  # a lagging replica read, or trimmed from the state's history
                     missing_since = missing_since or time.monotonic()
                     if time.monotonic() - missing_since > 2.0:
@@ -400,7 +407,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
                     s.pos += 1
                     continue
                 if step.epoch > s.epoch:  # the current epoch ended before this step
-                    end = self._end(st, s.epoch)
+                    end = rt.cached_epoch_end(s.epoch)
                     if end is None:
                         rt.wait(0.02)
                         continue
@@ -423,15 +430,11 @@ class DataServicer(pb_grpc.DataServiceServicer):
                     yield msg
                 s.pos += 1
                 continue
-            end = self._end(st, s.epoch)
+            end = rt.cached_epoch_end(s.epoch)
             if end is not None and _epoch_last_step(end) < s.pos:
                 yield self._end_message(rt, s, end, wake)
                 continue
             rt.wait(0.1)
-
-    @staticmethod
-    def _end(st, epoch: int) -> EpochEnd | None:
-        return next((e for e in st.epoch_ends() if e.epoch == epoch), None)
 
     def _end_message(self, rt: JobRuntime, s: RankSession, end: EpochEnd,
                      wake: threading.Condition) -> pb.ServerMessage:

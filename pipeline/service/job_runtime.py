@@ -15,6 +15,17 @@ Round trips (the state may be Redis): one `acked_all()` per back-pressure check 
 `add_counters` once per published batch of steps. States without those extras (the JobState
 protocol only) get the per-rank fallbacks. Dead ranks (Guarantee 4): `dead_ranks(timeout)` asks
 the state's `timed_out_ranks` at most every ~0.25 s, shared by every stream of the job.
+
+Shared reads (senders): with a state in another process (Redis) every sender reading the plan
+itself costs one round trip per check per rank; at W=256 that was most of the server's CPU. The
+senders read through a per-job, in-process cache instead (`cached_published_through`,
+`cached_step`, `cached_epoch_end`): `published_through` is pushed by this process's producer when
+it publishes and otherwise refreshed at most every `refresh_seconds` (other replicas' publishes),
+so it is stale by at most that interval and never ahead of the state; steps and END records are
+write-once, so a small LRU of decoded Steps (fetched once per step per process, shared by all
+ranks) is always correct. Acks of all streams go through `ack`, which groups those made while a
+round trip is in flight into one pipelined round trip. Disabled (direct calls) for the
+in-process MemoryJobState.
 """
 
 from __future__ import annotations
@@ -98,7 +109,8 @@ class JobRuntime:
     def __init__(
         self, job: JobConfig, state: JobState, source: SampleSource, *,
         prefetch_steps: int = 4, pad_id: int = 0, max_ahead: int | None = None,
-        pool_steps: int | None = None,
+        pool_steps: int | None = None, shared_cache: bool | None = None,
+        refresh_seconds: float = 0.025, step_cache_size: int | None = None,
     ) -> None:
         self.job = job
         self.state = state
@@ -133,6 +145,23 @@ class JobRuntime:
         # How long the producer keeps retrying a state it cannot reach (e.g. Redis restarting)
         # before the job fails; each retry resumes from the state's planner checkpoint.
         self.state_retry_seconds = 60.0
+        # Per-job read cache for the senders (see the module docstring).
+        self.shared_cache = (not isinstance(state, MemoryJobState) if shared_cache is None
+                             else shared_cache)
+        self.refresh_seconds = refresh_seconds
+        self._pt_lock = threading.Lock()
+        self._pt: tuple[float, int | None, BaseException | None] | None = None  # (at, v, err)
+        self._steps_lock = threading.Lock()  # guards _steps
+        self._fetch_lock = threading.Lock()  # one fetch of a step at a time per process
+        self._steps: OrderedDict[int, Step] = OrderedDict()
+        self._steps_max = step_cache_size or max(64, 4 * self.max_ahead)
+        self._ends_lock = threading.Lock()
+        self._ends: dict[int, EpochEnd] = {}
+        self._ends_at = -1.0
+        # Acks of all streams grouped into pipelined round trips (see `ack`).
+        self._ack_lock = threading.Lock()
+        self._ack_queue: list[tuple[int, int, list]] = []
+        self._ack_flushing = False
 
     # --- state access, cheap where the state allows it ---
     def acked_all(self) -> list[int]:
@@ -147,6 +176,120 @@ class JobRuntime:
         """`step` restricted to `rank`'s batch where the state can (one HMGET in Redis)."""
         fn = getattr(self.state, "get_step_for", None)
         return fn(step, [rank]) if fn is not None else self.state.get_step(step)
+
+    # --- the senders' shared read cache ---
+    def cached_published_through(self) -> int:
+        """`state.published_through()`, at most `refresh_seconds` stale (one round trip per
+        interval per process, whatever the number of streams). Never ahead of the state: it is
+        either read from it or pushed by this producer right after its publish returned. A
+        failed read is re-raised to the readers of the same interval (no retry storm)."""
+        if not self.shared_cache:
+            return self.state.published_through()
+        with self._pt_lock:
+            c = self._pt
+            if c is None or time.monotonic() - c[0] >= self.refresh_seconds:
+                at = time.monotonic()
+                try:
+                    c = (at, self.state.published_through(), None)
+                except Exception as exc:
+                    c = (at, None, exc)
+                self._pt = c
+            if c[2] is not None:
+                raise c[2]
+            return c[1]  # type: ignore[return-value]
+
+    def _push_published(self, step: int) -> None:
+        """This producer published `step`: readers of this process see it at once."""
+        if not self.shared_cache:
+            return
+        with self._pt_lock:
+            c = self._pt
+            if c is not None and c[2] is None and c[1] is not None and c[1] >= step:
+                return
+            self._pt = (time.monotonic(), step, None)
+
+    def cached_step(self, n: int) -> Step | None:
+        """The published step `n` (None: not in the state), decoded once per process and shared
+        by every stream; steps are write-once, so a cached one is always correct. Call only for
+        n <= `cached_published_through()` (never serves an unpublished step: only what the state
+        returned is cached)."""
+        if not self.shared_cache:
+            return self.state.get_step(n)
+        with self._steps_lock:
+            hit = self._steps.get(n)
+            if hit is not None:
+                self._steps.move_to_end(n)
+                return hit
+        with self._fetch_lock:  # the other streams wanting `n` wait for this one fetch
+            with self._steps_lock:
+                hit = self._steps.get(n)
+                if hit is not None:
+                    return hit
+            step = self.state.get_step(n)
+            if step is not None:
+                with self._steps_lock:
+                    self._steps[n] = step
+                    while len(self._steps) > self._steps_max:
+                        self._steps.popitem(last=False)
+            return step
+
+    def cached_epoch_end(self, epoch: int) -> EpochEnd | None:
+        """Epoch `epoch`'s END record, None if not yet published. ENDs are write-once: once
+        seen they are kept; a miss re-reads the state at most every `refresh_seconds`."""
+        if not self.shared_cache:
+            return next((e for e in self.state.epoch_ends() if e.epoch == epoch), None)
+        with self._ends_lock:
+            hit = self._ends.get(epoch)
+            if hit is not None or time.monotonic() - self._ends_at < self.refresh_seconds:
+                return hit
+            self._ends_at = time.monotonic()  # a failed read is not retried by every stream
+            ends = self.state.epoch_ends()
+            for e in ends:
+                self._ends.setdefault(e.epoch, e)
+            return self._ends.get(epoch)
+
+    def ack(self, rank: int, step: int) -> None:
+        """`state.ack(rank, step)`, with the acks that streams make while a round trip is in
+        flight sent together in one pipelined round trip (`ack_heartbeat_many` without a client
+        id: the same script and checks as `ack`). Group commit: the first caller flushes the
+        queue until it is empty, the others wait for their result. A failing batch is redone
+        one ack at a time (acks are idempotent), so each caller gets its own error
+        (AckAheadOfPlan, RedisUnavailable) exactly as with `state.ack`."""
+        many = getattr(self.state, "ack_heartbeat_many", None)
+        if not self.shared_cache or many is None or step < 0:
+            self.state.ack(rank, step)
+            return
+        slot: list = [None, threading.Event()]  # [error, done]
+        with self._ack_lock:
+            self._ack_queue.append((rank, step, slot))
+            lead = not self._ack_flushing
+            self._ack_flushing = True
+        if lead:
+            while True:
+                with self._ack_lock:
+                    batch, self._ack_queue = self._ack_queue, []
+                    if not batch:
+                        self._ack_flushing = False
+                        break
+                self._flush_acks(batch, many)
+        slot[1].wait()
+        if slot[0] is not None:
+            raise slot[0]
+
+    def _flush_acks(self, batch: list[tuple[int, int, list]], many) -> None:
+        try:
+            if len(batch) == 1:
+                raise LookupError  # one ack: the plain call
+            many([(r, "", s) for r, s, _ in batch], 0.0)
+        except BaseException:
+            for r, s, slot in batch:
+                try:
+                    self.state.ack(r, s)
+                except BaseException as exc:
+                    slot[0] = exc
+        finally:
+            for _, _, slot in batch:
+                slot[1].set()
 
     def dead_ranks(self, rank_timeout_seconds: float) -> dict[int, float]:
         """rank -> seconds its lease has been lapsed, for ranks lapsed (held before, no live
@@ -300,6 +443,7 @@ class JobRuntime:
                 self.state.publish_step(ev)
                 published = True
                 self._last_published = max(self._last_published, ev.step)
+                self._push_published(ev.step)
                 if ev.step > self._known_through:  # a replay after restart is not new output
                     self._counts["samples"] += ev.info.step_samples
                     self._counts["tokens"] += ev.info.step_tokens
@@ -315,6 +459,9 @@ class JobRuntime:
                         self._cache.pop((e, str(ev.sample.sample_id)), None)
             elif isinstance(ev, EpochEnd):
                 self.state.publish_epoch_end(ev)
+                if self.shared_cache:
+                    with self._ends_lock:
+                        self._ends.setdefault(ev.epoch, ev)
         if published:
             self._flush_counters()
         if events:
