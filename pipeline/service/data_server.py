@@ -133,7 +133,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
                     self._waiting_logged.add((rt.job.job_id, r))
                     log.warning("job %s: rank %d gone for %.1fs (lease lapsed); "
                                 "rank_failure_policy=wait: the other ranks keep waiting",
-                                rt.job.job_id, r, t)
+                                rt.job.job_id, r, t, extra={"job": rt.job.job_id, "rank": r})
             return None
         gone = ", ".join(f"rank {r} has been gone for {t:.1f}s" for r, t in dead.items())
         return (f"job {rt.job.job_id!r}: {gone} (lease lapsed longer than "
@@ -227,7 +227,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
         info = rt.ranks[op.rank]
         info.client_id, info.connected = client_id, True
         log.info("job %s rank %d: client %s opened at step %d epoch %d", op.job_id, op.rank,
-                 client_id, op.resume_step, op.resume_epoch)
+                 client_id, op.resume_step, op.resume_epoch,
+                 extra={"job": op.job_id, "rank": op.rank, "step": op.resume_step})
         try:
             yield from self._send(rt, session, wake, context)
             # After the final END, wait (bounded) for the client's final ack and half-close so
@@ -250,7 +251,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 with self._vanished_lock:
                     self._vanished[(rt.job.job_id, op.rank)] = client_id
                 log.info("job %s rank %d: client %s vanished; its lease lapses in <= %.1fs",
-                         op.job_id, op.rank, client_id, self.lease_seconds)
+                         op.job_id, op.rank, client_id, self.lease_seconds,
+                         extra={"job": op.job_id, "rank": op.rank, "step": session.last_sent})
             else:
                 try:
                     rt.state.release_rank(op.rank, client_id)
@@ -320,7 +322,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
                             # Acks are cumulative: the next one covers this one.
                             log.warning("job %s rank %d: ack of step %d ahead of the state's "
                                         "plan (state lost recent writes?): deferred",
-                                        rt.job.job_id, session.rank, step)
+                                        rt.job.job_id, session.rank, step,
+                                        extra={"job": rt.job.job_id, "rank": session.rank,
+                                               "step": step})
                         else:
                             problem = (f"{exc}: a step can only be acked after it was "
                                        "delivered")
@@ -342,7 +346,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
         except Exception as exc:  # e.g. RedisUnavailable: end the stream, the client resumes
             log.warning("job %s rank %d: ack reader failed: %s: %s", rt.job.job_id,
                         session.rank, type(exc).__name__, exc,
-                        exc_info=not isinstance(exc, RedisUnavailable))
+                        exc_info=not isinstance(exc, RedisUnavailable),
+                        extra={"job": rt.job.job_id, "rank": session.rank})
             with wake:
                 session.error = (grpc.StatusCode.UNAVAILABLE,
                                  f"job {rt.job.job_id!r}: recording acks failed "
@@ -369,7 +374,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
             context.abort(*s.error)
         failure = self.rank_failure(rt, s.rank)
         if failure is not None:
-            log.warning("job %s rank %d: aborting stream: %s", rt.job.job_id, s.rank, failure)
+            log.warning("job %s rank %d: aborting stream: %s", rt.job.job_id, s.rank, failure,
+                        extra={"job": rt.job.job_id, "rank": s.rank, "step": s.last_sent})
             context.abort(grpc.StatusCode.ABORTED, failure)
 
     def _heartbeat(self, rt: JobRuntime, s: RankSession) -> None:

@@ -70,3 +70,19 @@ def test_text_format_and_reconfigure_replaces_handler(restore_root) -> None:
     assert line.endswith("odb.test: visible [job=j rank=3]") and "WARNING" in line
     with pytest.raises(ValueError, match="log format"):
         configure_logging("xml", "INFO")  # type: ignore[arg-type]
+
+
+def test_the_service_logs_job_rank_and_step_as_fields(restore_root) -> None:
+    """A real stream open on a real server: its log line is JSON with job, rank and step."""
+    from obs_helpers import JOB, served
+
+    from trainer_client import BatchStream
+
+    buf = io.StringIO()
+    configure_logging("json", "INFO", stream=buf)
+    with served() as (svc, _), BatchStream(svc.address, JOB, 1, 2, prefetch=1) as stream:
+        next(iter(stream))
+    lines = [json.loads(line) for line in buf.getvalue().splitlines()]
+    opened = [r for r in lines if "opened at step" in r["msg"]]
+    assert opened, lines
+    assert opened[0]["job"] == JOB and opened[0]["rank"] == 1 and opened[0]["step"] == 0
