@@ -7,6 +7,7 @@ service only over gRPC, as they would on a cluster. Every rank writes a per-step
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -106,8 +107,6 @@ def _watch(procs: list[subprocess.Popen], log_dir: Path, total: int, label: str,
 
 
 def _count_samples(path: Path) -> int:
-    import json
-
     n = 0
     with path.open() as f:
         for line in f:
