@@ -120,6 +120,13 @@ def summarize_workload(runs: dict) -> dict:
     return s
 
 
+def _log_stall(source: str, world: int, speed: float, r: dict) -> None:
+    errors = f" errors {r['errors'][:1]}" if r["errors"] else ""
+    log(f"    {source} W={world} {speed}x: stall {r['stall']:.1%} (steady "
+        f"{r['steady_stall']:.1%}), first batch {r['first_batch_s']:.2f} s, "
+        f"{r['samples_per_s']:.0f} samples/s{errors}")
+
+
 def part_stall(cfg: dict, svc: ServiceProcess, tmp: Path, tok_s: float) -> list[dict]:
     log(f"[2/4] data stall (ranks simulate a device at {tok_s:,.0f} padded tokens/s = 1x)")
     out = []
@@ -134,10 +141,7 @@ def part_stall(cfg: dict, svc: ServiceProcess, tmp: Path, tok_s: float) -> list[
                                 label=f"ArraySource, device {speed}x")
             r["source"], r["speed"] = "array", speed
             out.append(r)
-            log(f"    array W={world} {speed}x: stall {r['stall']:.1%} (steady "
-                f"{r['steady_stall']:.1%}), first batch {r['first_batch_s']:.2f} s, "
-                f"{r['samples_per_s']:.0f} samples/s" + (f" errors {r['errors'][:1]}"
-                                                        if r["errors"] else ""))
+            _log_stall("array", world, speed, r)
     try:
         t0 = time.perf_counter()
         svc.call("ray_init", 2, timeout=300)
@@ -153,10 +157,7 @@ def part_stall(cfg: dict, svc: ServiceProcess, tmp: Path, tok_s: float) -> list[
                                     label=f"RaySource, device {speed}x")
                 r["source"], r["speed"] = "ray", speed
                 out.append(r)
-                log(f"    ray W={world} {speed}x: stall {r['stall']:.1%} (steady "
-                    f"{r['steady_stall']:.1%}), first batch {r['first_batch_s']:.2f} s, "
-                    f"{r['samples_per_s']:.0f} samples/s" + (f" errors {r['errors'][:1]}"
-                                                            if r["errors"] else ""))
+                _log_stall("ray", world, speed, r)
     except Exception as exc:
         log(f"    Ray stall part failed: {exc}")
         out.append({"source": "ray", "error": str(exc)})
