@@ -135,13 +135,17 @@ def part_stall(cfg: dict, svc: ServiceProcess, tmp: Path, tok_s: float) -> list[
     arr = [type(s)(f"{s.source}:{i}", s.source, i, s.input_ids, s.labels, cost=s.cost)
            for i, s in enumerate(arr)]
     budget, buf, dur = 4096, cfg["buffer"], cfg["stall_s"]
-    for world in (2, 8):
-        for speed in cfg["speeds"]:
-            r = stall.run_stall(svc, world, budget, buf, tok_s * speed, dur, samples=arr,
-                                label=f"ArraySource, device {speed}x")
-            r["source"], r["speed"] = "array", speed
-            out.append(r)
-            _log_stall("array", world, speed, r)
+
+    def grid(source: str, label: str, **data) -> None:
+        for world in (2, 8):
+            for speed in cfg["speeds"]:
+                r = stall.run_stall(svc, world, budget, buf, tok_s * speed, dur,
+                                    label=f"{label}, device {speed}x", **data)
+                r["source"], r["speed"] = source, speed
+                out.append(r)
+                _log_stall(source, world, speed, r)
+
+    grid("array", "ArraySource", samples=arr)
     try:
         t0 = time.perf_counter()
         svc.call("ray_init", 2, timeout=300)
@@ -151,13 +155,7 @@ def part_stall(cfg: dict, svc: ServiceProcess, tmp: Path, tok_s: float) -> list[
         svc.call("ray_warm", common.service_overrides(
             [common.job_config_dict("warm", 1, budget, buf, path)]), timeout=300)
         log(f"    Ray warm-up epoch (512 rows): {time.perf_counter() - t0:.1f} s")
-        for world in (2, 8):
-            for speed in cfg["speeds"]:
-                r = stall.run_stall(svc, world, budget, buf, tok_s * speed, dur, data_path=path,
-                                    label=f"RaySource, device {speed}x")
-                r["source"], r["speed"] = "ray", speed
-                out.append(r)
-                _log_stall("ray", world, speed, r)
+        grid("ray", "RaySource", data_path=path)
     except Exception as exc:
         log(f"    Ray stall part failed: {exc}")
         out.append({"source": "ray", "error": str(exc)})

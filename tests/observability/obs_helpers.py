@@ -119,3 +119,19 @@ def next_rank_step(svc: RunningService, rank: int, after: int) -> int:
         else:
             time.sleep(0.02)
     raise AssertionError(f"no step for rank {rank} after {after}")
+
+
+@contextmanager
+def ranks_stopped_at_known_steps(svc: RunningService) -> Iterator[tuple[list, list[int],
+                                                                           list[int]]]:
+    """Rank 0 takes 3 batches, rank 1 takes 5, then both hold their streams open.
+    Yields (ranks, acked step per rank, step the server delivers next per rank)."""
+    ranks = [Rank(svc.address, 0, 3).start(), Rank(svc.address, 1, 5).start()]
+    try:
+        for r in ranks:
+            r.wait_taken()
+        acked = [r.steps[-1] for r in ranks]
+        yield ranks, acked, [next_rank_step(svc, i, acked[i]) for i in range(2)]
+    finally:
+        for r in ranks:
+            r.release()

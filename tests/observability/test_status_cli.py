@@ -11,7 +11,7 @@ import pytest
 from obs_helpers import (
     JOB,
     Rank,
-    next_rank_step,
+    ranks_stopped_at_known_steps,
     samples,
     served,
     wait_for,
@@ -36,64 +36,56 @@ def _free_port() -> int:
 
 
 def test_status_json_reports_each_ranks_steps_while_consuming(capsys) -> None:
-    with served() as (svc, mport):
-        ranks = [Rank(svc.address, 0, 3).start(), Rank(svc.address, 1, 5).start()]
-        try:
-            for r in ranks:
-                r.wait_taken()
-            acked = [r.steps[-1] for r in ranks]
-            delivered = [next_rank_step(svc, i, acked[i]) for i in range(2)]
-            argv = ("--endpoint", svc.address, "--metrics-endpoint", f"127.0.0.1:{mport}",
-                    "--job", JOB)
+    with served() as (svc, mport), ranks_stopped_at_known_steps(svc) as (ranks, acked,
+                                                                         delivered):
+        argv = ("--endpoint", svc.address, "--metrics-endpoint", f"127.0.0.1:{mport}",
+                "--job", JOB)
 
-            def settled() -> bool:
-                got = _status(capsys, *argv)["jobs"][0]["ranks"]
-                return ([r["acked_step"] for r in got] == acked
-                        and [r["delivered_step"] for r in got] == delivered)
+        def settled() -> bool:
+            got = _status(capsys, *argv)["jobs"][0]["ranks"]
+            return ([r["acked_step"] for r in got] == acked
+                    and [r["delivered_step"] for r in got] == delivered)
 
-            wait_for(settled, what="acks and deliveries to reach the server")
-            out = _status(capsys, *argv)
-            print(json.dumps(out, indent=1)[:3000])
-            job = out["jobs"][0]
-            assert job["job_id"] == JOB
-            assert job["state"] == ("draining" if job["done"] else "running")
-            assert job["world_size"] == 2 and job["mode"] == "join"
-            plan = svc.runtimes[JOB].state
-            for i, r in enumerate(job["ranks"]):
-                assert r["rank"] == i and r["connected"] is True
-                assert (r["acked_step"], r["delivered_step"]) == (acked[i], delivered[i])
-                # Lag: this rank's published steps after its ack (the planner runs ahead).
-                assert r["lag_steps"] == svc.runtimes[JOB].pending(i) >= 1
-                assert r["stalled"] is False
-                # Emitted = every batch sent: the ones taken plus the one in the client queue.
-                sent = sum(len(b.info.sample_ids) for b in ranks[i].batches)
-                sent += len(plan.get_step(delivered[i]).batch_for(i).samples)
-                assert r["samples_emitted"] == sent
-                assert r["batches_emitted"] == len(ranks[i].batches) + 1
-            assert job["totals"]["samples_emitted"] == sum(r["samples_emitted"]
-                                                           for r in job["ranks"])
-            assert 0 < job["padding_efficiency"] <= 1
-            assert 0 < job["budget_utilisation"] <= 1
-            assert job["throughput"]["basis"] == "uptime"
-            assert job["throughput"]["samples_per_s"] > 0
-            assert job["planner_buffer_samples"] >= 0 and job["payload_cache_samples"] > 0
+        wait_for(settled, what="acks and deliveries to reach the server")
+        out = _status(capsys, *argv)
+        print(json.dumps(out, indent=1)[:3000])
+        job = out["jobs"][0]
+        assert job["job_id"] == JOB
+        assert job["state"] == ("draining" if job["done"] else "running")
+        assert job["world_size"] == 2 and job["mode"] == "join"
+        plan = svc.runtimes[JOB].state
+        for i, r in enumerate(job["ranks"]):
+            assert r["rank"] == i and r["connected"] is True
+            assert (r["acked_step"], r["delivered_step"]) == (acked[i], delivered[i])
+            # Lag: this rank's published steps after its ack (the planner runs ahead).
+            assert r["lag_steps"] == svc.runtimes[JOB].pending(i) >= 1
+            assert r["stalled"] is False
+            # Emitted = every batch sent: the ones taken plus the one in the client queue.
+            sent = sum(len(b.info.sample_ids) for b in ranks[i].batches)
+            sent += len(plan.get_step(delivered[i]).batch_for(i).samples)
+            assert r["samples_emitted"] == sent
+            assert r["batches_emitted"] == len(ranks[i].batches) + 1
+        assert job["totals"]["samples_emitted"] == sum(r["samples_emitted"]
+                                                       for r in job["ranks"])
+        assert 0 < job["padding_efficiency"] <= 1
+        assert 0 < job["budget_utilisation"] <= 1
+        assert job["throughput"]["basis"] == "uptime"
+        assert job["throughput"]["samples_per_s"] > 0
+        assert job["planner_buffer_samples"] >= 0 and job["payload_cache_samples"] > 0
 
-            # --watch: throughput over the interval, one JSON object per refresh.
-            capsys.readouterr()
-            assert main(["status", *argv, "--json", "--watch", "0.2", "--count", "2"]) == 0
-            lines = capsys.readouterr().out.strip().splitlines()
-            assert len(lines) == 2
-            second = json.loads(lines[1])["jobs"][0]["throughput"]
-            assert second["basis"] == "interval" and second["samples_per_s"] == 0.0
+        # --watch: throughput over the interval, one JSON object per refresh.
+        capsys.readouterr()
+        assert main(["status", *argv, "--json", "--watch", "0.2", "--count", "2"]) == 0
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert len(lines) == 2
+        second = json.loads(lines[1])["jobs"][0]["throughput"]
+        assert second["basis"] == "interval" and second["samples_per_s"] == 0.0
 
-            # The text view names every rank with its steps.
-            capsys.readouterr()
-            assert main(["status", *argv]) == 0
-            text = capsys.readouterr().out
-            assert f"job {JOB}" in text and "padding efficiency" in text
-        finally:
-            for r in ranks:
-                r.release()
+        # The text view names every rank with its steps.
+        capsys.readouterr()
+        assert main(["status", *argv]) == 0
+        text = capsys.readouterr().out
+        assert f"job {JOB}" in text and "padding efficiency" in text
 
 
 def test_status_quarantine_counts_and_lists_records(capsys) -> None:

@@ -9,7 +9,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from obs_helpers import JOB, Rank, next_rank_step, served, wait_for
+from obs_helpers import JOB, ranks_stopped_at_known_steps, served, wait_for
 from PIL import Image
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -57,25 +57,16 @@ class RankCells(HTMLParser):
 
 
 def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
-    with served() as (svc, port):
-        ranks = [Rank(svc.address, 0, 3).start(), Rank(svc.address, 1, 5).start()]
-        try:
-            for r in ranks:
-                r.wait_taken()
-            acked = [r.steps[-1] for r in ranks]
-            delivered = [next_rank_step(svc, i, acked[i]) for i in range(2)]
-            rt = svc.runtimes[JOB]
-            wait_for(lambda: [rt.state.acked(i) for i in range(2)] == acked
-                     and [rt.ranks[i].delivered for i in range(2)] == delivered,
-                     what="acks and deliveries")
-            url = f"http://127.0.0.1:{port}/status?refresh=60"
-            shot = tmp_path / "status.png"
-            chromium(tmp_path, f"--screenshot={shot}", url)
-            print(f"status page screenshot: {shot}")
-            dom = chromium(tmp_path, "--dump-dom", url).stdout
-        finally:
-            for r in ranks:
-                r.release()
+    with served() as (svc, port), ranks_stopped_at_known_steps(svc) as (_, acked, delivered):
+        rt = svc.runtimes[JOB]
+        wait_for(lambda: [rt.state.acked(i) for i in range(2)] == acked
+                 and [rt.ranks[i].delivered for i in range(2)] == delivered,
+                 what="acks and deliveries")
+        url = f"http://127.0.0.1:{port}/status?refresh=60"
+        shot = tmp_path / "status.png"
+        chromium(tmp_path, f"--screenshot={shot}", url)
+        print(f"status page screenshot: {shot}")
+        dom = chromium(tmp_path, "--dump-dom", url).stdout
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5000
     with Image.open(shot) as img:
         assert img.size == (1200, 800)
