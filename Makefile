@@ -5,12 +5,13 @@ BIN := $(VENV)/bin
 
 .PHONY: setup demo test lint proto bench clean
 
-$(BIN)/odb-pipeline: pyproject.toml
+$(BIN)/odb-pipeline: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first and pinned: this machine carries the CPU build; unpinned pulls multi-GB CUDA.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	# torch first and pinned (constraints.txt): this machine carries the CPU build; an unpinned
+	# torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q -c constraints.txt torch
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench]'
 	@touch $@
 
 setup: $(BIN)/odb-pipeline

@@ -226,7 +226,7 @@ def _real_messages(budget: int, steps: int, count: int) -> list[bytes]:
 
 
 def _decode_cost(messages: list[bytes], reps: int) -> dict:
-    from pipeline.wire.odb.v1 import data_service_pb2 as pb
+    from trainer_client.wire.odb.v1 import data_service_pb2 as pb
     from trainer_client.decode import decode_batch
 
     t0 = time.perf_counter()

@@ -1,10 +1,12 @@
-"""Generate the Python gRPC stubs for every .proto under proto/ into pipeline/wire/.
+"""Generate the Python gRPC stubs for every .proto under proto/ into trainer_client/wire/.
 
     python proto/generate.py           # (re)generate in place
     python proto/generate.py --check   # exit 1 if the committed stubs differ from the .proto
 
-The proto tree is mapped to the import path `pipeline/wire/...` so the generated modules import
-each other as `pipeline.wire.odb.v1...` (no sys.path tricks).
+The proto tree is mapped to the import path `trainer_client/wire/...` so the generated modules
+import each other as `trainer_client.wire.odb.v1...` (no sys.path tricks). The stubs live with
+the client so `pip install ./trainer_client` carries the wire contract; the server imports them
+from there too.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
-OUT_PACKAGE = "pipeline/wire"
+OUT_PACKAGE = "trainer_client/wire"
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Write stubs under out_root/pipeline/wire; return the generated files (relative)."""
+    """Write stubs under out_root/trainer_client/wire; return the generated files (relative)."""
     import grpc_tools
     from grpc_tools import protoc
 

@@ -1,4 +1,4 @@
-"""Generated gRPC stubs under pipeline/wire/ must match proto/ (regenerate: proto/generate.py)."""
+"""Generated gRPC stubs under trainer_client/wire/ must match proto/ (regenerate: proto/generate.py)."""
 
 import subprocess
 import sys
@@ -21,7 +21,7 @@ def test_stale_stub_is_detected(tmp_path, monkeypatch):
         import generate
     finally:
         sys.path.pop(0)
-    stub = ROOT / "pipeline/wire/odb/v1/data_service_pb2.py"
+    stub = ROOT / "trainer_client/wire/odb/v1/data_service_pb2.py"
     original = stub.read_bytes()
     try:
         stub.write_bytes(original + b"\n# edited by hand\n")

@@ -33,8 +33,8 @@ from typing import Any
 
 import grpc
 
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
-from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 from trainer_client.decode import StreamBatch, decode_batch
 
 _RETRYABLE = {

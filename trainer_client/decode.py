@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 if sys.byteorder != "little":  # the wire is little-endian; views would be wrong
     raise ImportError("trainer_client needs a little-endian host")

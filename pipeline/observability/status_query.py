@@ -49,8 +49,8 @@ class Sources:
 
 # --- gRPC -------------------------------------------------------------------------------------
 def _grpc_job(src: Sources, job_id: str) -> dict[str, Any]:
-    from pipeline.wire.odb.v1 import data_service_pb2 as pb
-    from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+    from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+    from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
     if src._channel is None:
         src._channel = grpc.insecure_channel(src.endpoint)

@@ -45,8 +45,8 @@ try:  # the coordinator package is optional (memory-only deployments)
 except ImportError:  # pragma: no cover
     class AckAheadOfPlan(ValueError):  # type: ignore[no-redef]
         pass
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
-from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

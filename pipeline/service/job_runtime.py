@@ -49,7 +49,7 @@ from pipeline.service.job_state import JobState, PlannerCheckpoint
 from pipeline.service.memory_state import MemoryJobState
 from pipeline.service.sources import SampleSource
 from pipeline.service.wire_codec import batch_message_bytes
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 

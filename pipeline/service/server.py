@@ -27,7 +27,7 @@ from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.job_state import JobState
 from pipeline.service.sources import RaySource, SampleSource
 from pipeline.service.state_factory import make_job_state
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 

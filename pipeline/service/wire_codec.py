@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 _TO_WIRE: dict[np.dtype, int] = {
     np.dtype("<i4"): pb.INT32,

@@ -17,8 +17,8 @@ from pipeline.config import ServiceConfig
 from pipeline.service.memory_state import MemoryJobState
 from pipeline.service.server import start_service
 from pipeline.service.sources import ArraySource, synthetic_samples
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
-from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 from trainer_client import StreamError
 
 

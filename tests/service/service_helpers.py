@@ -14,8 +14,8 @@ from pipeline.config import ServiceConfig
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.server import RunningService, start_service
 from pipeline.service.sources import ArraySource, synthetic_samples
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
-from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
 
 def job_dict(job_id: str = "j", world_size: int = 2, **kw: Any) -> dict:

@@ -7,8 +7,8 @@ import pytest
 from service_helpers import RawStream, consume_all, job_dict, open_msg, service_config, serving
 
 from pipeline.service.sources import synthetic_samples
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
-from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 from trainer_client import BatchStream, StreamError
 
 TOKEN = "s3cret-token"

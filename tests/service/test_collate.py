@@ -87,7 +87,7 @@ def test_wire_codec_round_trip_is_raw_little_endian():
 
 def test_hand_framed_batch_message_parses_with_the_ordinary_stubs():
     from pipeline.service.wire_codec import batch_message_bytes
-    from pipeline.wire.odb.v1 import data_service_pb2 as pb
+    from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
     arrays = collate([Piece(sample(0, 300, vision=True)), Piece(sample(1, 5))], "padded")
     header = pb.Batch(step=7, epoch=1, rank=3, sample_ids=["s:0", "s:1"], collate="padded",

@@ -20,8 +20,8 @@ from service_helpers import (
 
 from pipeline.service.memory_state import MemoryJobState
 from pipeline.service.sources import synthetic_samples
-from pipeline.wire.odb.v1 import data_service_pb2 as pb
-from pipeline.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 from trainer_client import BatchStream, EpochEndInfo, loss_scale
 
 

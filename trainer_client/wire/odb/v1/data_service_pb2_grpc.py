@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pipeline.wire.odb.v1 import data_service_pb2 as pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2
+from trainer_client.wire.odb.v1 import data_service_pb2 as trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pipeline/wire/odb/v1/data_service_pb2_grpc.py depends on'
+        + ' but the generated code in trainer_client/wire/odb/v1/data_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class DataServiceStub:
         """
         self.Health = channel.unary_unary(
                 '/odb.v1.DataService/Health',
-                request_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Ping.SerializeToString,
-                response_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Pong.FromString,
+                request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Ping.SerializeToString,
+                response_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Pong.FromString,
                 _registered_method=True)
         self.Stream = channel.stream_stream(
                 '/odb.v1.DataService/Stream',
-                request_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ClientMessage.SerializeToString,
-                response_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ServerMessage.FromString,
+                request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ClientMessage.SerializeToString,
+                response_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ServerMessage.FromString,
                 _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/odb.v1.DataService/GetJob',
-                request_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.SerializeToString,
-                response_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.FromString,
+                request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.FromString,
                 _registered_method=True)
 
 
@@ -77,18 +77,18 @@ def add_DataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Ping.FromString,
-                    response_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Pong.SerializeToString,
+                    request_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Ping.FromString,
+                    response_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Pong.SerializeToString,
             ),
             'Stream': grpc.stream_stream_rpc_method_handler(
                     servicer.Stream,
-                    request_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ClientMessage.FromString,
-                    response_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ServerMessage.SerializeToString,
+                    request_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ClientMessage.FromString,
+                    response_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ServerMessage.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
-                    request_deserializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.FromString,
-                    response_serializer=pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.SerializeToString,
+                    request_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.FromString,
+                    response_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,8 +116,8 @@ class DataService:
             request,
             target,
             '/odb.v1.DataService/Health',
-            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Ping.SerializeToString,
-            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Pong.FromString,
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Ping.SerializeToString,
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.Pong.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,8 +143,8 @@ class DataService:
             request_iterator,
             target,
             '/odb.v1.DataService/Stream',
-            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ClientMessage.SerializeToString,
-            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ServerMessage.FromString,
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ClientMessage.SerializeToString,
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ServerMessage.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class DataService:
             request,
             target,
             '/odb.v1.DataService/GetJob',
-            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.SerializeToString,
-            pipeline_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.FromString,
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.SerializeToString,
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,
