@@ -28,13 +28,15 @@ def _sid_key(sample_id: int | str) -> tuple[bool, int | str]:
 
 
 def _sample(s: MeasuredSample) -> list:
-    if s.num_visual_tokens:
-        return [_sid(s.sample_id), int(s.num_tokens), int(s.num_visual_tokens)]
-    return [_sid(s.sample_id), int(s.num_tokens)]
+    # [id, tokens, visual, loss] without trailing zeros (canonical: one encoding per value).
+    out = [_sid(s.sample_id), int(s.num_tokens), int(s.num_visual_tokens), int(s.loss_tokens)]
+    while len(out) > 2 and out[-1] == 0:
+        out.pop()
+    return out
 
 
 def _unsample(v: list) -> MeasuredSample:
-    return MeasuredSample(v[0], v[1], v[2] if len(v) > 2 else 0)
+    return MeasuredSample(v[0], v[1], *v[2:4])
 
 
 def encode_batch(b: Batch) -> bytes:
@@ -63,7 +65,8 @@ def encode_header(step: Step) -> bytes:
     # "r": rank order of `batches` as published, so decoding rebuilds an equal tuple.
     return _dumps({
         "e": int(step.epoch), "n": int(step.step),
-        "i": [int(step.info.step_samples), int(step.info.step_tokens)],
+        "i": [int(step.info.step_samples), int(step.info.step_tokens),
+              int(step.info.step_loss_tokens)],
         "r": [int(b.rank) for b in step.batches],
     }).encode()
 
@@ -85,7 +88,7 @@ def decode_step(header: bytes, blobs: dict[int, bytes]) -> Step:
     return Step(
         epoch=h["e"], step=h["n"],
         batches=tuple(decode_batch(blobs[r], r) for r in h["r"]),
-        info=StepInfo(h["i"][0], h["i"][1]),
+        info=StepInfo(*h["i"]),
     )
 
 

@@ -85,7 +85,7 @@ class PlannerState:
         """JSON-ready form (sample ids stay int or str), e.g. to keep in Redis."""
 
         def smp(s: MeasuredSample) -> list:
-            return [s.sample_id, s.num_tokens, s.num_visual_tokens]
+            return [s.sample_id, s.num_tokens, s.num_visual_tokens, s.loss_tokens]
 
         return {
             "epoch": self.epoch,
@@ -110,7 +110,7 @@ class PlannerState:
     @classmethod
     def from_dict(cls, d: dict) -> PlannerState:
         def smp(x: list) -> MeasuredSample:
-            return MeasuredSample(x[0], int(x[1]), int(x[2]))
+            return MeasuredSample(x[0], int(x[1]), int(x[2]), int(x[3]) if len(x) > 3 else 0)
 
         return cls(
             epoch=int(d["epoch"]),
@@ -365,7 +365,7 @@ class StepPlanner:
         else:  # partial final step (join): ranks 0..n-1 get the batches, the rest are absent
             ranks = list(range(len(group)))
         batches = []
-        tokens = samples = 0
+        tokens = samples = loss = 0
         for pb, r in zip(group, ranks, strict=True):
             lens = self._lengths(pb)
             b = Batch(
@@ -378,9 +378,10 @@ class StepPlanner:
             batches.append(b)
             tokens += sum(lens)
             samples += len(pb.samples)
+            loss += b.loss_tokens
             self._last_step[r] = step
         batches.sort(key=lambda b: b.rank)
-        events.append(Step(self.epoch, step, tuple(batches), StepInfo(samples, tokens)))
+        events.append(Step(self.epoch, step, tuple(batches), StepInfo(samples, tokens, loss)))
 
 
 def _split_to_fill(pool: list[PendingBatch], need: int) -> list[PendingBatch]:

@@ -38,6 +38,10 @@ class MeasuredSample:
     sample_id: SampleId
     num_tokens: int
     num_visual_tokens: int = 0
+    # Tokens that carry a label (count toward the loss) under the job's collate. Carried so a
+    # step's all-rank loss-token total is known from metadata alone (Guarantee 6): whoever sends
+    # one rank its batch never needs the other ranks' payloads.
+    loss_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,13 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(self.truncated_to.get(s.sample_id, s.num_tokens) for s in self.samples)
 
+    @property
+    def loss_tokens(self) -> int:
+        """Loss tokens of the batch. A truncated sample counts at most its kept length: exact
+        when preprocessing already cut it (the service), an upper bound for lengths-only plans."""
+        return sum(min(s.loss_tokens, self.truncated_to.get(s.sample_id, s.num_tokens))
+                   for s in self.samples)
+
 
 @dataclass(frozen=True, slots=True)
 class StepInfo:
@@ -67,6 +78,7 @@ class StepInfo:
 
     step_samples: int
     step_tokens: int
+    step_loss_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

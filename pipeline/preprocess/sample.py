@@ -12,6 +12,8 @@ import numpy as np
 
 from pipeline.planner.types import MeasuredSample
 
+IGNORE_INDEX = -100  # label of a token that does not count toward the loss
+
 
 @dataclass(frozen=True)
 class ProcessedSample:
@@ -30,8 +32,18 @@ class ProcessedSample:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def measured(self) -> MeasuredSample:
-        return MeasuredSample(self.sample_id, self.num_tokens, self.num_visual_tokens)
+    def loss_tokens(self, collate: str = "padded") -> int:
+        """Tokens with a label once collated: the packed collate masks each sample's first
+        label (so a sample never predicts its first token from the previous sample's last)."""
+        lab = self.labels
+        n = int(np.count_nonzero(lab != IGNORE_INDEX))
+        if collate == "packed" and len(lab) and lab[0] != IGNORE_INDEX:
+            n -= 1
+        return n
+
+    def measured(self, collate: str = "padded") -> MeasuredSample:
+        return MeasuredSample(self.sample_id, self.num_tokens, self.num_visual_tokens,
+                              self.loss_tokens(collate))
 
     def digest(self) -> str:
         """Hash of every field's exact bytes: equal digests = byte-identical samples."""

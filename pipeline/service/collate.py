@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.preprocess.sample import ProcessedSample
-
-IGNORE_INDEX = -100
+from pipeline.preprocess.sample import IGNORE_INDEX, ProcessedSample
 
 
 @dataclass(frozen=True)
