@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
                     if out is not None and isinstance(ev, Step):
                         out.write(_step_json(ev) + "\n")
                     elif isinstance(ev, Quarantined) and len(quarantine_lines) < _QUARANTINE_SHOWN:
-                        quarantine_lines.append(f"  {ev.sample.sample_id}: {ev.reason}")
+                        quarantine_lines.append(f"  {ev.sample.sample_id}: {ev.reason.value}: {ev.detail}")
     finally:
         if out is not None:
             out.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.planner.policy import BatchingPolicy
-from pipeline.planner.types import EpochEnd, PlanEvent, Quarantined, Step
+from pipeline.planner.types import EpochEnd, PlanEvent, PlannerReason, Quarantined, Step
 
 
 def _percentile(sorted_vals: list[float], q: float) -> float:
@@ -80,7 +80,7 @@ class PlanReport:
             self._balance.append(max(costs) / mean if mean > 0 else 1.0)
         elif isinstance(ev, Quarantined):
             self.quarantined += 1
-            if "exceeds" in ev.reason:
+            if ev.reason is not PlannerReason.INVALID_SIZE:
                 self.quarantined_over_budget += 1
         elif isinstance(ev, EpochEnd):
             self.epochs += 1

@@ -102,12 +102,21 @@ class Step:
         return None
 
 
+class PlannerReason(str, Enum):  # noqa: UP042 (str mixin kept: a contract)
+    """Why the planner set a sample aside: a bounded label (metrics, status), never parsed."""
+
+    INVALID_SIZE = "invalid_size"  # num_tokens <= 0 or num_visual_tokens < 0
+    OVER_BUDGET = "over_budget"  # num_tokens > token_budget and the policy cannot place it
+    OVER_VISUAL_CAP = "over_visual_cap"  # num_visual_tokens > max_visual_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class Quarantined:
-    """A sample the planner set aside (over-budget policy `quarantine`), with its reason."""
+    """A sample the planner set aside, with its reason (a label) and a sentence for people."""
 
     sample: MeasuredSample
-    reason: str
+    reason: PlannerReason
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)

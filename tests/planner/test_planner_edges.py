@@ -75,7 +75,7 @@ def test_every_sample_over_budget(mode, policy):
     q = [e for e in events if isinstance(e, Quarantined)]
     if policy is OverBudgetPolicy.QUARANTINE:
         assert len(q) == 4 and not st
-        assert all("exceeds token_budget=1000" in e.reason for e in q)
+        assert all("exceeds token_budget=1000" in e.detail for e in q)
     else:
         assert not q
         batches = [b for s in st for b in s.batches]
@@ -105,7 +105,7 @@ def test_visual_cap_and_truncate_quarantines_with_reason():
     events = run_epochs(data, policy, 1)
     check_plan(events, data, policy, 1, DgapMode.JOIN)
     (q,) = [e for e in events if isinstance(e, Quarantined)]
-    assert q.sample.sample_id == 3 and "truncation cannot cut visual tokens" in q.reason
+    assert q.sample.sample_id == 3 and "truncation cannot cut visual tokens" in q.detail
     for s in steps_of(events):
         assert sum(x.num_visual_tokens for b in s.batches for x in b.samples) <= 100
 
@@ -113,7 +113,7 @@ def test_visual_cap_and_truncate_quarantines_with_reason():
 def test_zero_length_sample_is_quarantined():
     events, _ = plan([0, 5, 5], 1)
     (q,) = [e for e in events if isinstance(e, Quarantined)]
-    assert q.sample.sample_id == 0 and "num_tokens=0" in q.reason
+    assert q.sample.sample_id == 0 and "num_tokens=0" in q.detail
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -201,7 +201,7 @@ def test_negative_visual_tokens_quarantined_without_cap():
     policy = BatchingPolicy(100)
     events = run_epochs([[MeasuredSample("bad", 5, -1), MeasuredSample("ok", 5)]], policy, 1)
     (q,) = [e for e in events if isinstance(e, Quarantined)]
-    assert q.sample.sample_id == "bad" and "num_visual_tokens=-1" in q.reason
+    assert q.sample.sample_id == "bad" and "num_visual_tokens=-1" in q.detail
 
 
 def test_former_rejects_samples_that_cannot_fit():
@@ -234,7 +234,7 @@ def test_truncate_never_cuts_visual_tokens():
     events = run_epochs(data, policy, 1)
     check_plan(events, data, policy, 1, DgapMode.JOIN)
     (q,) = [e for e in events if isinstance(e, Quarantined)]
-    assert q.sample.sample_id == "img" and "150 visual tokens cannot be truncated" in q.reason
+    assert q.sample.sample_id == "img" and "150 visual tokens cannot be truncated" in q.detail
     (step,) = steps_of(events)
     assert step.batches[0].truncated_to == {"txt": 100}
 
