@@ -173,7 +173,7 @@ def _job_overrides(args: argparse.Namespace, names) -> dict:
 def _resolve(args: argparse.Namespace):
     """Fill unset flags from the --config job (or the plan defaults). Returns the JobConfig the
     --data path preprocesses with (None for --lengths without --config)."""
-    from pipeline.preprocess.local_ray import job_config
+    from pipeline.preprocess.cli_job import job_config
 
     explicit = [n for n in _JOB_FLAGS if getattr(args, n) is not None]
     base = None
@@ -254,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
                     if out is not None and isinstance(ev, Step):
                         out.write(_step_json(ev) + "\n")
                     elif isinstance(ev, Quarantined) and len(quarantine_lines) < _QUARANTINE_SHOWN:
-                        quarantine_lines.append(f"  {ev.sample.sample_id}: {ev.reason.value}: {ev.detail}")
+                        quarantine_lines.append(
+                            f"  {ev.sample.sample_id}: {ev.reason.value}: {ev.detail}")
     finally:
         if out is not None:
             out.close()
@@ -329,7 +330,7 @@ class _DataSource:
     planner sees `ProcessedSample.measured()`, quarantined records are counted by reason."""
 
     def __init__(self, job, limit: int | None, export_path: str | None) -> None:
-        from pipeline.preprocess.local_ray import PrivateRay
+        from pipeline.ray_runtime import PrivateRay
 
         self.job = job
         self.limit = limit
