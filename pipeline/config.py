@@ -12,11 +12,14 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import UserError
+
+if TYPE_CHECKING:
+    from pipeline.planner.policy import BatchingPolicy
 
 ENV_PREFIX = "ODB_"
 
@@ -76,6 +79,15 @@ class BatchingConfig(_Model):
         "None = the planner's default (~256 batches). Smaller starts streaming sooner.")
     over_budget: Literal["truncate", "alone", "quarantine"] = "truncate"
 
+    def policy(self) -> BatchingPolicy:
+        """The planner's policy for this config: the one place a config becomes a policy."""
+        from pipeline.planner.policy import BatchingPolicy
+
+        return BatchingPolicy(
+            token_budget=self.token_budget, collate=self.collate, attn_a=self.attn_a,
+            attn_b=self.attn_b, max_visual_tokens=self.max_visual_tokens,
+            buffer_size=self.buffer_size, over_budget=self.over_budget)
+
 
 class JobConfig(_Model):
     job_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -122,8 +134,26 @@ class RayConfig(_Model):
     object_store_mb: int = Field(512, gt=0)
 
 
+def default_state_dir() -> str:
+    """Where the embedded default keeps its state: $XDG_STATE_HOME/odb-pipeline, else
+    ~/.local/state/odb-pipeline."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                             "state")
+    return os.path.join(base, "odb-pipeline")
+
+
 class ServiceConfig(_Model):
-    redis_url: str | None = Field(None, description="None = start an embedded local Redis")
+    redis_url: str | None = Field(
+        None, description="None = the embedded default: a private Redis with its AOF in "
+        "state_dir, so restarting `serve` resumes every job where it was")
+    state_dir: str = Field(default_factory=default_state_dir,
+                           description="the embedded Redis's data directory (AOF)")
+    fsync_publish: bool = Field(
+        False, description="wait until Redis fsynced each publication (WAITAOF: Redis >= 7.2 "
+        "or Valkey with appendonly) so a step a rank saw survives a Redis crash")
+    resume_grace_seconds: float = Field(
+        2.0, ge=0, description="how long an Open naming a step beyond the plan waits for a "
+        "restarting producer before OUT_OF_RANGE")
     lease_seconds: float = Field(10.0, gt=0)
     rank_timeout_seconds: float = Field(60.0, gt=0)
     # What the live ranks get once a rank's lease has lapsed for rank_timeout_seconds: `fail` =

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pipeline.jobstate.interface import PlannerCheckpoint, QuarantineEntry
 from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
-from pipeline.service.job_state import PlannerCheckpoint
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
 
@@ -116,3 +116,12 @@ def decode_checkpoint(data: bytes) -> PlannerCheckpoint:
     d = json.loads(data)
     return PlannerCheckpoint(epoch=d["e"], samples_consumed=d["c"], next_step=d["n"],
                              state=d["s"].encode("latin-1"))
+
+
+def encode_quarantine(q: QuarantineEntry) -> bytes:
+    return _dumps({"i": q.sample_id, "r": q.reason, "d": q.detail}).encode()
+
+
+def decode_quarantine(data: bytes) -> QuarantineEntry:
+    d = json.loads(data)
+    return QuarantineEntry(d["i"], d["r"], d["d"])
