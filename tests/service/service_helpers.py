@@ -24,9 +24,9 @@ def job_dict(job_id: str = "j", world_size: int = 2, **kw: Any) -> dict:
             "batching": {"token_budget": 2048, "buffer_size": 64, **batching}, **kw}
 
 
-def service_config(*jobs: dict, **grpc_kw: Any) -> ServiceConfig:
+def service_config(*jobs: dict, redis_url: str | None = None, **grpc_kw: Any) -> ServiceConfig:
     return ServiceConfig.model_validate({"grpc": {"port": 0, **grpc_kw}, "lease_seconds": 5.0,
-                                         "metrics_port": None,
+                                         "metrics_port": None, "redis_url": redis_url,
                                          "jobs": list(jobs)})
 
 
