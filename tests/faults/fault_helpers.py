@@ -23,7 +23,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1",
 
 def fault_samples(n: int, seed: int, max_len: int = 600, full_len: int = 0) -> list:
     """The deterministic samples the server processes serve (the test rebuilds the same)."""
-    from pipeline.service.sources import synthetic_samples
+    from pipeline.preprocess.array_source import synthetic_samples
 
     if full_len:
         return synthetic_samples(n, lengths=[full_len] * n, vocab=1000, seed=seed,

@@ -35,7 +35,7 @@ def main() -> None:
 
     from pipeline.config import ServiceConfig
     from pipeline.service.server import start_service
-    from pipeline.service.sources import ArraySource
+    from pipeline.preprocess.array_source import ArraySource
 
     job = json.loads(args.job_json)
     cfg = ServiceConfig.model_validate({
