@@ -72,6 +72,8 @@ class ServiceView:
         self.started_at = time.time()
         self._lock = threading.Lock()
         self._totals: dict[str, PlanTotals] = {}
+        for rt in runtimes.values():  # count from the cursors as they are now
+            self._tracker(rt)
 
     def _tracker(self, rt: JobRuntime) -> PlanTotals:
         with self._lock:
