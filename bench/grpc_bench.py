@@ -46,7 +46,7 @@ def _config(budget: int, steps: int, prefetch: int):
 
 
 def _samples(budget: int, steps: int):
-    from pipeline.service.sources import synthetic_samples
+    from pipeline.preprocess.array_source import synthetic_samples
 
     # ~16 samples per batch of 512-1536 tokens under the budget.
     n = steps * WORLD * (budget // 1024 + 1)
@@ -96,7 +96,7 @@ def _rank_proc(address: str, rank: int, start, step_time: float, out_q) -> None:
 
 def _run_grpc(budget: int, steps: int, step_time: float) -> dict:
     from pipeline.service.server import start_service
-    from pipeline.service.sources import ArraySource
+    from pipeline.preprocess.array_source import ArraySource
 
     ctx = mp.get_context("spawn")
     start, out_q = ctx.Event(), ctx.Queue()
@@ -203,8 +203,8 @@ def _run_raw(messages: list[bytes], per_rank: int) -> dict:
 def _real_messages(budget: int, steps: int, count: int) -> list[bytes]:
     from pipeline.config import ServiceConfig  # noqa: F401
     from pipeline.service.job_runtime import JobRuntime
-    from pipeline.service.memory_state import MemoryJobState
-    from pipeline.service.sources import ArraySource
+    from pipeline.jobstate import MemoryJobState
+    from pipeline.preprocess.array_source import ArraySource
 
     cfg = _config(budget, steps, 4)
     rt = JobRuntime(cfg.jobs[0], MemoryJobState("bench"), ArraySource(_samples(budget, steps)),
