@@ -50,7 +50,7 @@ from pipeline.preprocess.records import (
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
 from pipeline.preprocess.sources import SourceFile
 from pipeline.preprocess.tokenizer import load_tokenizer
-from pipeline.preprocess.truncation import image_spans, vision_safe_cut
+from pipeline.preprocess.truncation import Cut, image_spans, vision_safe_cut
 from pipeline.preprocess.vision import VisionProcessor, decode_image
 
 Item = ProcessedSample | QuarantinedRecord
@@ -84,7 +84,11 @@ class _Prepared:
 
 
 class Processor:
-    """Everything needed to preprocess records of one job and epoch; build once per process."""
+    """Everything needed to preprocess records of one job and epoch; build once per process.
+
+    Raises ConfigError when the job's sample limit cannot hold the chat template's shortest
+    trainable sample, so building one at start validates the job.
+    """
 
     def __init__(self, job: JobConfig, epoch: int) -> None:
         self.job = job
@@ -180,7 +184,8 @@ class Processor:
             pixel_values=pixel_values, image_grid_thw=grid, truncated=truncated,
         )
 
-    def _cut_detail(self, n: int, spans, per_image, cut) -> str:
+    def _cut_detail(self, n: int, spans: list[tuple[int, int]], per_image: np.ndarray,
+                    cut: Cut) -> str:
         why = f"{n} tokens cut to {cut.tokens} ({self._limit_text()})"
         if cut.images < len(spans):
             a, b = spans[cut.images]
@@ -199,10 +204,14 @@ class Processor:
 
     def _template_floor(self) -> int:
         """Tokens the chat template puts before the first trained token of the shortest chat
-        (empty question, one-letter answer) plus that token: no sample can be shorter."""
+        (empty question, one-letter answer) plus that token: no trainable sample is shorter.
+        1 when the template will not render that chat (nothing to check against)."""
         conv = Conversation((Turn("user", (Segment(text=""),)),
                              Turn("assistant", (Segment(text="a"),))))
-        text = render(conv, self.tokenizer, self.template)
+        try:
+            text = render(conv, self.tokenizer, self.template)
+        except Exception:  # a strict custom template: records will say what it refuses
+            return 1
         enc = self._tokenize([text])
         ids = np.asarray(enc["input_ids"][0], dtype=np.int32)
         offs = np.asarray(enc["offset_mapping"][0], dtype=np.int64).reshape(-1, 2)
