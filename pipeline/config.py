@@ -57,14 +57,34 @@ class AugmentConfig(_Model):
         return self
 
 
+# Qwen2-VL: 14-pixel patches merged 2x2, so one visual token covers 28x28 resized pixels
+# (tests/preprocess check this against the image processor).
+PIXELS_PER_VISUAL_TOKEN = 28 * 28
+
+
 class PreprocessConfig(_Model):
     tokenizer_dir: str | None = Field(None, description="local tokenizer dir; None = bundled Qwen")
     chat_template: str | None = Field(None, description="'qwen2' | 'qwen3' | a Jinja file path")
     max_seq_len: int = Field(4096, gt=0)
-    truncation: Literal["truncate", "quarantine"] = "truncate"
+    truncation: Literal["truncate", "quarantine"] = Field(
+        "truncate", description="a sample over max_seq_len: cut it (vision-safe, see "
+        "JobConfig.max_sample_tokens) or quarantine it as too_long")
     image_min_pixels: int = Field(56 * 56, gt=0)
     image_max_pixels: int = Field(1024 * 1024, gt=0)
     augment: AugmentConfig = AugmentConfig()
+
+    @model_validator(mode="after")
+    def _pixel_range(self) -> PreprocessConfig:
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError(f"image_min_pixels ({self.image_min_pixels}) > image_max_pixels "
+                             f"({self.image_max_pixels})")
+        return self
+
+    @property
+    def min_image_visual_tokens(self) -> int:
+        """Visual tokens of an image resized to image_min_pixels, the least the image processor
+        gives an image (it enlarges smaller ones)."""
+        return -(-self.image_min_pixels // PIXELS_PER_VISUAL_TOKEN)
 
 
 class BatchingConfig(_Model):
@@ -77,7 +97,10 @@ class BatchingConfig(_Model):
     pool_steps: int | None = Field(
         None, gt=0, description="steps' worth of batches pooled for rank balancing; "
         "None = the planner's default (~256 batches). Smaller starts streaming sooner.")
-    over_budget: Literal["truncate", "alone", "quarantine"] = "truncate"
+    over_budget: Literal["truncate", "alone", "quarantine"] = Field(
+        "truncate", description="a sample over token_budget / max_visual_tokens: `truncate` = "
+        "preprocessing cuts every sample to fit a batch alone (JobConfig.max_sample_tokens); "
+        "`alone` = a batch of its own, flagged; `quarantine` = set aside as over_budget")
 
     def policy(self) -> BatchingPolicy:
         """The planner's policy for this config: the one place a config becomes a policy."""
@@ -99,6 +122,37 @@ class JobConfig(_Model):
     source: SourceConfig
     preprocess: PreprocessConfig = PreprocessConfig()
     batching: BatchingConfig = BatchingConfig()
+
+    @model_validator(mode="after")
+    def _limits_can_hold_a_sample(self) -> JobConfig:
+        cap = self.batching.max_visual_tokens
+        least = self.preprocess.min_image_visual_tokens
+        if cap is not None and cap < least:
+            raise ValueError(
+                f"batching.max_visual_tokens ({cap}) is below the {least} visual tokens of the "
+                f"smallest image (preprocess.image_min_pixels = {self.preprocess.image_min_pixels}"
+                f" pixels): no image could ever be batched; raise it or lower image_min_pixels")
+        return self
+
+    def max_sample_tokens(self) -> int:
+        """The most tokens one preprocessed sample may have: the one owner of this rule.
+
+        `over_budget: truncate`: min(preprocess.max_seq_len, batching.token_budget), so every
+        sample fits a batch alone, the planner never cuts one and the loss tokens measured in
+        preprocessing stay exact. Otherwise preprocess.max_seq_len (the planner then applies
+        `alone` / `quarantine` to samples over the budget). A sample's cost alone is its token
+        count under both collates, so fitting the budget alone means num_tokens <= token_budget.
+        """
+        if self.batching.over_budget == "truncate":
+            return min(self.preprocess.max_seq_len, self.batching.token_budget)
+        return self.preprocess.max_seq_len
+
+    def max_sample_visual_tokens(self) -> int | None:
+        """The most visual tokens one preprocessed sample may carry: batching.max_visual_tokens
+        under `over_budget: truncate` (preprocessing drops trailing images to fit), else None."""
+        if self.batching.over_budget == "truncate":
+            return self.batching.max_visual_tokens
+        return None
 
     def token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The bearer token, read from the environment at use (never stored in the config)."""
