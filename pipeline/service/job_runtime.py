@@ -70,12 +70,7 @@ class StateRolledBack(RuntimeError):
 
 
 def policy_for(job: JobConfig) -> BatchingPolicy:
-    b = job.batching
-    return BatchingPolicy(
-        token_budget=b.token_budget, collate=b.collate, attn_a=b.attn_a, attn_b=b.attn_b,
-        max_visual_tokens=b.max_visual_tokens, buffer_size=b.buffer_size,
-        over_budget=b.over_budget,
-    )
+    return job.batching.policy()
 
 
 def _reason_kind(why: str) -> str:

@@ -19,7 +19,7 @@ WORLD = 2
 
 def config(**kw: Any) -> ServiceConfig:
     job = {"job_id": JOB, "world_size": WORLD, "source": {"paths": ["arrays"]},
-           "batching": {"token_budget": 1024, "buffer_size": 32}}
+           "batching": {"token_budget": 1024, "max_window_samples": 32}}
     return ServiceConfig.model_validate({"grpc": {"port": 0}, "lease_seconds": 5.0,
                                          "metrics_port": 0, "jobs": [job], **kw})
 

@@ -94,7 +94,7 @@ def test_status_quarantine_counts_and_lists_records(capsys) -> None:
     items = [*bad, *synthetic_samples(40, seed=1, max_len=128, vocab=100),
              *synthetic_samples(1, lengths=[5000], source="huge")]  # over the 1024 budget
     with served(items, jobs=[{"job_id": JOB, "world_size": 2, "source": {"paths": ["a"]},
-                              "batching": {"token_budget": 1024, "buffer_size": 8,
+                              "batching": {"token_budget": 1024, "max_window_samples": 8,
                                            "over_budget": "quarantine"}}]) as (svc, mport):
         wait_for(lambda: len(svc.runtimes[JOB].quarantined) == 3, what="quarantine")
         out = _status(capsys, "--metrics-endpoint", f"127.0.0.1:{mport}", "--quarantine")

@@ -116,7 +116,7 @@ def test_multi_epoch_join_sends_end_per_epoch_then_next_epochs_steps():
 
 def test_slow_trainer_bounds_server_and_client_memory():
     samples = synthetic_samples(600, max_len=200)
-    cfg = service_config(job_dict(batching={"token_budget": 256, "buffer_size": 16}),
+    cfg = service_config(job_dict(batching={"token_budget": 256, "max_window_samples": 16}),
                          prefetch_steps=2)
     with serving(cfg, {"j": samples}, pool_steps=4) as svc:
         rt = svc.runtimes["j"]
