@@ -38,7 +38,7 @@ def _config(budget: int, steps: int, prefetch: int):
     from pipeline.config import ServiceConfig
 
     job = {"job_id": "bench", "world_size": WORLD, "source": {"paths": ["arrays"]},
-           "batching": {"token_budget": budget, "buffer_size": 256, "collate": "padded"}}
+           "batching": {"token_budget": budget, "max_window_samples": 256, "collate": "padded"}}
     return ServiceConfig.model_validate({"metrics_port": None,
                                          "grpc": {"port": 0, "prefetch_steps": prefetch,
                                                   "max_message_mb": 256},
