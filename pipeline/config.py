@@ -12,14 +12,12 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import UserError
-
-if TYPE_CHECKING:
-    from pipeline.planner.policy import BatchingPolicy
+from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES, BatchingPolicy
 
 ENV_PREFIX = "ODB_"
 
@@ -88,12 +86,19 @@ class PreprocessConfig(_Model):
 
 
 class BatchingConfig(_Model):
+    """A job's batching settings. These defaults are the only ones: `serve` uses them and `plan`
+    takes its defaults from here too, so a dry run plans what the service would."""
+
     token_budget: int = Field(16384, gt=0)
     collate: Literal["padded", "packed"] = "padded"
     attn_a: float = Field(1.0, ge=0.0, description="compute cost a*L + b*L^2 per sample")
     attn_b: float = Field(0.0, ge=0.0)
     max_visual_tokens: int | None = Field(None, gt=0)
-    buffer_size: int = Field(1024, gt=0)
+    lookahead_tokens: int | None = Field(
+        None, gt=0, description="the planner's online window in tokens (>= token_budget); "
+        f"None = {LOOKAHEAD_BUDGETS} x token_budget")
+    max_window_samples: int = Field(MAX_WINDOW_SAMPLES, gt=0,
+                                    description="safety cap on the samples in that window")
     pool_steps: int | None = Field(
         None, gt=0, description="steps' worth of batches pooled for rank balancing; "
         "None = the planner's default (~256 batches). Smaller starts streaming sooner.")
@@ -102,14 +107,19 @@ class BatchingConfig(_Model):
         "preprocessing cuts every sample to fit a batch alone (JobConfig.max_sample_tokens); "
         "`alone` = a batch of its own, flagged; `quarantine` = set aside as over_budget")
 
-    def policy(self) -> BatchingPolicy:
-        """The planner's policy for this config: the one place a config becomes a policy."""
-        from pipeline.planner.policy import BatchingPolicy
+    @model_validator(mode="after")
+    def _valid_policy(self) -> BatchingConfig:
+        self.policy()  # the planner owns the rules between fields; its ValueError names them
+        return self
 
+    def policy(self) -> BatchingPolicy:
+        """The planner's policy for these settings: the one place a config becomes a policy."""
         return BatchingPolicy(
             token_budget=self.token_budget, collate=self.collate, attn_a=self.attn_a,
             attn_b=self.attn_b, max_visual_tokens=self.max_visual_tokens,
-            buffer_size=self.buffer_size, over_budget=self.over_budget)
+            lookahead_tokens=self.lookahead_tokens, max_window_samples=self.max_window_samples,
+            over_budget=self.over_budget,
+        )
 
 
 class JobConfig(_Model):

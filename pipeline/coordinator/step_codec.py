@@ -43,6 +43,8 @@ def encode_batch(b: Batch) -> bytes:
     d: dict[str, Any] = {"s": [_sample(s) for s in b.samples], "c": int(b.cost)}
     if b.over_budget:
         d["o"] = 1
+    if b.filler:
+        d["f"] = 1
     if b.truncated_to:
         pairs = sorted(((_sid(k), int(v)) for k, v in b.truncated_to.items()),
                        key=lambda kv: _sid_key(kv[0]))
@@ -57,6 +59,7 @@ def decode_batch(data: bytes, rank: int) -> Batch:
         samples=tuple(_unsample(v) for v in d["s"]),
         cost=d["c"],
         over_budget=bool(d.get("o", 0)),
+        filler=bool(d.get("f", 0)),
         truncated_to={k: v for k, v in d.get("t", ())},
     )
 

@@ -29,7 +29,7 @@ class DemoOptions:
     out_dir: Path
     ranks: int = 2
     token_budget: int = 4096
-    buffer_size: int = 128
+    max_window_samples: int = 128
     pool_steps: int = 4  # small balancing pool: the first step streams after ~130 samples
     collate: str = "padded"
     epochs: int = 1
@@ -54,7 +54,8 @@ def demo_config(opts: DemoOptions, redis_url: str) -> ServiceConfig:
             "seed": opts.seed,
             "epochs": opts.epochs,
             "source": {"paths": opts.data},
-            "batching": {"token_budget": opts.token_budget, "buffer_size": opts.buffer_size,
+            "batching": {"token_budget": opts.token_budget,
+                         "max_window_samples": opts.max_window_samples,
                          "pool_steps": opts.pool_steps, "collate": opts.collate,
                          "over_budget": "truncate"},
         }],

@@ -15,9 +15,9 @@ from fault_helpers import RankThread, assert_join_coverage, job_dict, wait_for
 
 from pipeline.config import ServiceConfig
 from pipeline.coordinator import RedisJobState
+from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.redis_server import LocalRedis, free_port
 from pipeline.service.server import start_service
-from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 
 pytestmark = pytest.mark.slow
 W, N, EPOCHS = 3, 700, 2

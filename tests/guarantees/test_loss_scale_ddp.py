@@ -72,7 +72,7 @@ def _samples(paths: list[str], mode: str) -> dict[str, ProcessedSample]:
 
 
 def _steps(samples: dict[str, ProcessedSample], mode: str) -> list[Step]:
-    policy = BatchingPolicy(BUDGET, mode, buffer_size=64, over_budget="truncate")
+    policy = BatchingPolicy(BUDGET, mode, max_window_samples=64, over_budget="truncate")
     planner = StepPlanner(policy, W, seed=3, pool_steps=2)
     events = planner.feed_many(s.measured(mode) for s in samples.values()) + planner.end_epoch()
     return [e for e in events if isinstance(e, Step) and len(e.batches) == W]

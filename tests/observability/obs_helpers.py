@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from pipeline.config import ServiceConfig
+from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.server import RunningService, start_service
-from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 
 JOB = "obs"
 WORLD = 2
@@ -19,7 +19,7 @@ WORLD = 2
 
 def config(**kw: Any) -> ServiceConfig:
     job = {"job_id": JOB, "world_size": WORLD, "source": {"paths": ["arrays"]},
-           "batching": {"token_budget": 1024, "buffer_size": 32}}
+           "batching": {"token_budget": 1024, "max_window_samples": 32}}
     return ServiceConfig.model_validate({"grpc": {"port": 0}, "lease_seconds": 5.0,
                                          "metrics_port": 0, "jobs": [job], **kw})
 

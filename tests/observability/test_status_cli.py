@@ -19,8 +19,8 @@ from obs_helpers import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.cli import main
-from pipeline.preprocess.sample import QuarantinedRecord
 from pipeline.preprocess.array_source import synthetic_samples
+from pipeline.preprocess.sample import QuarantinedRecord
 
 
 def _status(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -97,7 +97,7 @@ def test_status_quarantine_counts_and_lists_records(capsys) -> None:
     items = [*bad, *synthetic_samples(40, seed=1, max_len=128, vocab=100),
              *synthetic_samples(1, lengths=[5000], source="huge")]  # over the 1024 budget
     with served(items, jobs=[{"job_id": JOB, "world_size": 2, "source": {"paths": ["a"]},
-                              "batching": {"token_budget": 1024, "buffer_size": 8,
+                              "batching": {"token_budget": 1024, "max_window_samples": 8,
                                            "over_budget": "quarantine"}}]) as (svc, mport):
         wait_for(lambda: svc.runtimes[JOB].state.counters().quarantined == 3,
                  what="quarantine")

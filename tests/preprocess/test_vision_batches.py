@@ -92,7 +92,7 @@ def test_truncate_under_a_small_budget_gives_model_ready_batches(ray_session, im
     path, pictures = image_chats
     job = make_job([str(path)], image_max_pixels=28 * 28 * 24, batching={
         "token_budget": BUDGET, "max_visual_tokens": VISUAL_CAP, "collate": mode,
-        "over_budget": "truncate", "buffer_size": 16})
+        "over_budget": "truncate", "max_window_samples": 16})
     assert job.max_sample_tokens() == BUDGET < job.preprocess.max_seq_len
     items = list(iter_samples(job, 0))
     samples = {s.sample_id: s for s in items if isinstance(s, ProcessedSample)}
@@ -102,7 +102,7 @@ def test_truncate_under_a_small_budget_gives_model_ready_batches(ray_session, im
     assert len(samples) >= 30
 
     policy = BatchingPolicy(token_budget=BUDGET, collate=mode, max_visual_tokens=VISUAL_CAP,
-                            buffer_size=16, over_budget="truncate")
+                            max_window_samples=16, over_budget="truncate")
     planner = StepPlanner(policy, world_size=2, pool_steps=1)
     events = planner.feed_many(s.measured(mode) for s in samples.values()) + planner.end_epoch()
     assert not [e for e in events if isinstance(e, Quarantined)]

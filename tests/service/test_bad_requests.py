@@ -7,9 +7,9 @@ import pytest
 from service_helpers import RawStream, consume_all, job_dict, open_msg, service_config, serving
 
 from pipeline.preprocess.array_source import synthetic_samples
+from trainer_client import BatchStream, StreamError
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client import BatchStream, StreamError
 
 TOKEN = "s3cret-token"
 

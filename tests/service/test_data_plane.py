@@ -20,9 +20,9 @@ from service_helpers import (
 
 from pipeline.jobstate import MemoryJobState
 from pipeline.preprocess.array_source import synthetic_samples
+from trainer_client import BatchStream, EpochEndInfo, loss_scale
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client import BatchStream, EpochEndInfo, loss_scale
 
 
 def batches(items):
@@ -116,7 +116,7 @@ def test_multi_epoch_join_sends_end_per_epoch_then_next_epochs_steps():
 
 def test_slow_trainer_bounds_server_and_client_memory():
     samples = synthetic_samples(600, max_len=200)
-    cfg = service_config(job_dict(batching={"token_budget": 256, "buffer_size": 16}),
+    cfg = service_config(job_dict(batching={"token_budget": 256, "max_window_samples": 16}),
                          prefetch_steps=2)
     with serving(cfg, {"j": samples}, pool_steps=4) as svc:
         rt = svc.runtimes["j"]

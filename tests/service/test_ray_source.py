@@ -23,7 +23,7 @@ def test_ray_preprocessed_chats_are_served_exactly_once(ray_session, tmp_path, r
     chats = tmp_path / "chats.jsonl"  # a slice keeps the test short; it includes a bad row
     chats.write_bytes(b"".join(CHATS.read_bytes().splitlines(keepends=True)[:60]))
     job = job_dict(source={"paths": [str(chats)]},
-                   batching={"token_budget": 8192, "buffer_size": 64})
+                   batching={"token_budget": 8192, "max_window_samples": 64})
     cfg = service_config(job, redis_url=redis_url)
     svc = start_service(cfg)  # no explicit source: Ray Data, its producer a Ray actor
     try:
