@@ -46,6 +46,7 @@ class BatchInfo:
     rank_loss_tokens: int
     collate: str
     over_budget: bool
+    filler: bool = False  # quota mode's closing step: zero loss weight, not a delivery
 
 
 class StreamBatch(dict):
@@ -84,6 +85,6 @@ def decode_batch(b: pb.Batch) -> StreamBatch:
         sample_ids=tuple(b.sample_ids), step_samples=i.step_samples, step_tokens=i.step_tokens,
         rank_samples=i.rank_samples, rank_tokens=i.rank_tokens,
         step_loss_tokens=i.step_loss_tokens, rank_loss_tokens=i.rank_loss_tokens,
-        collate=b.collate, over_budget=b.over_budget,
+        collate=b.collate, over_budget=b.over_budget, filler=b.filler,
     )
     return out

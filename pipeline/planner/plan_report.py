@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.planner.policy import BatchingPolicy
-from pipeline.planner.types import EpochEnd, PlanEvent, PlannerReason, Quarantined, Step
+from pipeline.planner.types import EpochEnd, PlanEvent, Quarantined, Step
+from pipeline.quarantine import QuarantineReason
 
 
 def _percentile(sorted_vals: list[float], q: float) -> float:
@@ -86,7 +87,7 @@ class PlanReport:
             self._balance.append(max(costs) / mean if mean > 0 else 1.0)
         elif isinstance(ev, Quarantined):
             self.quarantined += 1
-            if ev.reason is not PlannerReason.INVALID_SIZE:
+            if ev.reason is not QuarantineReason.INVALID_SIZE:
                 self.quarantined_over_budget += 1
         elif isinstance(ev, EpochEnd):
             self.epochs += 1

@@ -50,12 +50,12 @@ from pipeline.planner.types import (
     MeasuredSample,
     OverBudgetPolicy,
     PlanEvent,
-    PlannerReason,
     Quarantined,
     SampleId,
     Step,
     StepInfo,
 )
+from pipeline.quarantine import QuarantineReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +309,7 @@ class StepPlanner:
         v = s.num_visual_tokens
         if n <= 0 or v < 0:
             self.quarantined += 1
-            events.append(Quarantined(s, PlannerReason.INVALID_SIZE,
+            events.append(Quarantined(s, QuarantineReason.INVALID_SIZE,
                                       f"num_tokens={n}, num_visual_tokens={v}"))
             return
         vis_over = self._vcap is not None and v > self._vcap
@@ -327,7 +327,7 @@ class StepPlanner:
                 if pol is OverBudgetPolicy.TRUNCATE:
                     why += " (truncation cannot cut visual tokens)"
                 self.quarantined += 1
-                events.append(Quarantined(s, PlannerReason.OVER_VISUAL_CAP, why))
+                events.append(Quarantined(s, QuarantineReason.OVER_VISUAL_CAP, why))
             return
         why = f"num_tokens={n} exceeds token_budget={self._budget}"
         if pol is OverBudgetPolicy.ALONE:
@@ -340,7 +340,7 @@ class StepPlanner:
             if pol is OverBudgetPolicy.TRUNCATE:  # the image tokens alone exceed the budget
                 why += f" and its {v} visual tokens cannot be truncated"
             self.quarantined += 1
-            events.append(Quarantined(s, PlannerReason.OVER_BUDGET, why))
+            events.append(Quarantined(s, QuarantineReason.OVER_BUDGET, why))
 
     def _lengths(self, pb: PendingBatch) -> list[int]:
         if pb.truncated_to:

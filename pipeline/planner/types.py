@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pipeline.quarantine import QuarantineReason
+
 # Opaque and hashable. The service uses "<source>:<row>" strings; the `plan` CLI uses the
 # line number of a lengths file (int) or whatever the JSONL file names.
 SampleId = int | str
@@ -112,20 +114,12 @@ class Step:
         return None
 
 
-class PlannerReason(str, Enum):  # noqa: UP042 (str mixin kept: a contract)
-    """Why the planner set a sample aside: a bounded label (metrics, status), never parsed."""
-
-    INVALID_SIZE = "invalid_size"  # num_tokens <= 0 or num_visual_tokens < 0
-    OVER_BUDGET = "over_budget"  # num_tokens > token_budget and the policy cannot place it
-    OVER_VISUAL_CAP = "over_visual_cap"  # num_visual_tokens > max_visual_tokens
-
-
 @dataclass(frozen=True, slots=True)
 class Quarantined:
     """A sample the planner set aside, with its reason (a label) and a sentence for people."""
 
     sample: MeasuredSample
-    reason: PlannerReason
+    reason: QuarantineReason
     detail: str = ""
 
 

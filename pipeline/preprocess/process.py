@@ -38,7 +38,6 @@ from pipeline.preprocess.chat_template import (
     template_text,
 )
 from pipeline.preprocess.labels import IGNORE, assistant_spans, label_tokens
-from pipeline.preprocess.quarantine_reasons import QuarantineReason as R
 from pipeline.preprocess.records import (
     Conversation,
     RecordError,
@@ -52,6 +51,7 @@ from pipeline.preprocess.sources import SourceFile
 from pipeline.preprocess.tokenizer import load_tokenizer
 from pipeline.preprocess.truncation import Cut, image_spans, vision_safe_cut
 from pipeline.preprocess.vision import VisionProcessor, decode_image
+from pipeline.quarantine import QuarantineReason as R
 
 Item = ProcessedSample | QuarantinedRecord
 

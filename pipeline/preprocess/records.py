@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.preprocess.quarantine_reasons import QuarantineReason as R
+from pipeline.quarantine import QuarantineReason as R
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "model": "assistant", "bot": "assistant"}

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.preprocess.quarantine_reasons import QuarantineReason
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
+from pipeline.quarantine import QuarantineReason
 
 Item = ProcessedSample | QuarantinedRecord
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.planner.types import MeasuredSample
-from pipeline.preprocess.quarantine_reasons import QuarantineReason
+from pipeline.quarantine import QuarantineReason
 
 IGNORE_INDEX = -100  # label of a token that does not count toward the loss
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.config import PreprocessConfig
-from pipeline.preprocess.quarantine_reasons import QuarantineReason as R
 from pipeline.preprocess.records import ImageRef, RecordError
 from pipeline.preprocess.sources import read_bytes, resolve_relative
+from pipeline.quarantine import QuarantineReason as R
 
 
 def decode_image(ref: ImageRef, source_path: str):

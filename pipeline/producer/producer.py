@@ -242,9 +242,9 @@ class Producer:
                 if events and self._take(pending, events):
                     self._publish(pending, planner, epoch, rows)
                     self._wait_for_room()
-            events = planner.end_epoch()
             last = epoch == epochs - 1
-            self._take(pending, events)
+            # The last epoch closes the job: quota mode's remainder forms one aligned step.
+            self._take(pending, planner.end_epoch(last_epoch=last))
             self._publish(pending, planner, epoch + 1, 0, done=last)
         if not self.state.is_done():  # an empty job (zero epochs to run) still finishes
             self._publish(pending, planner, epochs, 0, done=True)

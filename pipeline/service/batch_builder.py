@@ -28,18 +28,19 @@ def batch_message(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
               for p, s in zip(samples, batch.samples, strict=True)]
     arrays = col.collate(pieces, collate, pad_id)
     loss = col.loss_tokens(pieces, collate)
-    if loss != batch.loss_tokens and not batch.truncated_to:
+    if loss != batch.loss_tokens and not (batch.truncated_to or batch.filler):
         log.error("step %d rank %d: %d loss tokens in the payload, %d in the plan (metadata and "
                   "payload disagree)", step.step, rank, loss, batch.loss_tokens)
     out = pb.Batch(step=step.step, epoch=step.epoch, rank=rank,
                    sample_ids=[str(i) for i in batch.sample_ids], collate=collate,
-                   over_budget=batch.over_budget)
+                   over_budget=batch.over_budget, filler=batch.filler)
     info = out.info
     info.step_samples = step.info.step_samples
     info.step_tokens = step.info.step_tokens
-    info.rank_samples = len(batch.samples)
-    info.rank_tokens = batch.num_tokens
     info.step_loss_tokens = step.info.step_loss_tokens
-    info.rank_loss_tokens = loss
+    if not batch.filler:  # a filler keeps the step aligned and weighs nothing
+        info.rank_samples = len(batch.samples)
+        info.rank_tokens = batch.num_tokens
+        info.rank_loss_tokens = loss
     info.world_size = world_size
     return batch_message_bytes(out, arrays)

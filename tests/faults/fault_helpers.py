@@ -131,7 +131,8 @@ class RankThread:
                 for batch in self.stream:
                     self.records.append({"epoch": batch.info.epoch, "step": batch.info.step,
                                          "ids": list(batch.info.sample_ids),
-                                         "digest": batch.digest()})
+                                         "digest": batch.digest(),
+                                         "filler": batch.info.filler})
                     if self.sleep:
                         time.sleep(self.sleep)
                 self.ends.append(self.stream.last_end)
@@ -150,29 +151,43 @@ class RankThread:
 
 
 # ------------------------------------------------------------------ coverage checks
-def unique_steps(records: Iterable[dict]) -> dict[int, dict]:
-    """step -> record; a step delivered twice (redelivery of an unacked step) must be
-    byte-identical to its first delivery."""
+def unique_steps(records: Iterable[dict], max_redelivered: int = 0) -> dict[int, dict]:
+    """step -> its first delivery. Redeliveries are counted, not hidden: each must be
+    byte-identical to the first delivery, and there may be at most `max_redelivered` of them (a
+    live client never receives a step twice; a rank process restarted from its state_dict gets
+    at most the step in progress again, once per restart)."""
     out: dict[int, dict] = {}
+    redelivered = 0
     for rec in records:
         first = out.setdefault(rec["step"], rec)
+        if first is rec:
+            continue
+        redelivered += 1
         assert first["digest"] == rec["digest"] and first["ids"] == rec["ids"], (
             f"step {rec['step']} was redelivered with different content")
+    assert redelivered <= max_redelivered, (
+        f"{redelivered} redelivered batches, at most {max_redelivered} expected")
     return out
 
 
-def ids_by_epoch(per_rank: Iterable[Iterable[dict]]) -> dict[int, Counter]:
-    """epoch -> Counter of delivered sample ids across ranks (duplicates by step removed)."""
+def ids_by_epoch(per_rank: Iterable[Iterable[dict]],
+                 max_redelivered: Iterable[int] | None = None) -> dict[int, Counter]:
+    """epoch -> Counter of delivered sample ids across ranks (first deliveries; quota mode's
+    filler batches deliver nothing)."""
     out: dict[int, Counter] = {}
-    for records in per_rank:
-        for rec in unique_steps(records).values():
-            out.setdefault(rec["epoch"], Counter()).update(rec["ids"])
+    per_rank = list(per_rank)
+    bounds = list(max_redelivered) if max_redelivered is not None else [0] * len(per_rank)
+    for records, bound in zip(per_rank, bounds, strict=True):
+        for rec in unique_steps(records, bound).values():
+            if not rec.get("filler"):
+                out.setdefault(rec["epoch"], Counter()).update(rec["ids"])
     return out
 
 
-def assert_join_coverage(per_rank: list[list[dict]], all_ids: list[str], epochs: int) -> None:
+def assert_join_coverage(per_rank: list[list[dict]], all_ids: list[str], epochs: int,
+                         max_redelivered: list[int] | None = None) -> None:
     """Join mode: every sample of every epoch delivered exactly once across the ranks."""
-    got = ids_by_epoch(per_rank)
+    got = ids_by_epoch(per_rank, max_redelivered)
     want = Counter(all_ids)
     for e in range(epochs):
         have = got.get(e, Counter())

@@ -47,7 +47,8 @@ def main() -> None:
             while not stream.done:
                 for batch in stream:
                     emit({"epoch": batch.info.epoch, "step": batch.info.step,
-                          "ids": list(batch.info.sample_ids), "digest": batch.digest()})
+                          "ids": list(batch.info.sample_ids), "digest": batch.digest(),
+                          "filler": batch.info.filler})
                     time.sleep(args.sleep)  # "training"
                     tmp = state.with_suffix(".tmp")
                     tmp.write_text(json.dumps(stream.state_dict()))

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow
 W, EPOCHS = 3, 2
 
 
-# quota: samples that each fill the budget (unsplittable), 151 of them for 3 ranks, so each
-# epoch carries samples over into the next (or past the end).
+# quota: samples that each fill the budget (unsplittable), 151 of them for 3 ranks, so the
+# first epoch carries samples over into the next and the last closes with filler batches.
 @pytest.mark.parametrize(("mode", "n", "full_len"), [("join", 700, 0), ("quota", 151, 512)])
 def test_server_sigkill_mid_epoch_then_restart_loses_and_duplicates_nothing(
         redis_client, redis_url, mode, n, full_len):
@@ -70,6 +70,8 @@ def test_server_sigkill_mid_epoch_then_restart_loses_and_duplicates_nothing(
     st = RedisJobState.attach(redis_url, "kill")
     carried = [Counter(str(s.sample_id) for s in end.carried_over) for end in st.epoch_ends()]
     assert sum(sum(c.values()) for c in carried) > 0  # the carry-over path really ran
+    assert not carried[-1]  # nothing is left over after the last epoch
+    assert any(rec["filler"] for rec in per_rank[0] + per_rank[1] + per_rank[2])
     got = ids_by_epoch(per_rank)
     want = Counter(all_ids)
     prev = Counter()

@@ -54,8 +54,8 @@ def test_template_error_is_quarantined(tmp_path):
 
 def test_reasons_are_one_vocabulary_from_record_to_row(image_dir):
     """The reason stays the vocabulary member through the Arrow row (no sentence parsing)."""
-    from pipeline.preprocess.quarantine_reasons import QuarantineReason
     from pipeline.preprocess.rows import from_table, to_table
+    from pipeline.quarantine import QuarantineReason
 
     assert all(r.meaning and r.value == r.value.lower() for r in QuarantineReason)
     out = processor_for(make_job()).process(

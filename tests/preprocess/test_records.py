@@ -7,7 +7,7 @@ import base64
 import pytest
 
 from pipeline.preprocess import records as R
-from pipeline.preprocess.quarantine_reasons import QuarantineReason as Q
+from pipeline.quarantine import QuarantineReason as Q
 
 
 def test_openai_messages_with_system_and_image_parts():

@@ -44,7 +44,8 @@ def ddp(args: argparse.Namespace) -> None:
             (loss * loss_scale(batch)).backward()
             opt.step()
             opt.zero_grad()
-            records.append({"step": batch.info.step, "ids": list(batch.info.sample_ids)})
+            records.append({"step": batch.info.step, "ids": list(batch.info.sample_ids),
+                            "filler": batch.info.filler})
         end = stream.last_end
     # All ranks agree on the weights afterwards: Join kept the all-reduces matched.
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

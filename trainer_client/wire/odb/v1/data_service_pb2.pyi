@@ -110,7 +110,7 @@ class StepInfo(_message.Message):
     def __init__(self, step_samples: _Optional[int] = ..., step_tokens: _Optional[int] = ..., rank_samples: _Optional[int] = ..., rank_tokens: _Optional[int] = ..., step_loss_tokens: _Optional[int] = ..., rank_loss_tokens: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("step", "epoch", "rank", "sample_ids", "info", "collate", "over_budget", "tensors")
+    __slots__ = ("step", "epoch", "rank", "sample_ids", "info", "collate", "over_budget", "tensors", "filler")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class Batch(_message.Message):
     COLLATE_FIELD_NUMBER: _ClassVar[int]
     OVER_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FILLER_FIELD_NUMBER: _ClassVar[int]
     step: int
     epoch: int
     rank: int
@@ -127,7 +128,8 @@ class Batch(_message.Message):
     collate: str
     over_budget: bool
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ..., info: _Optional[_Union[StepInfo, _Mapping]] = ..., collate: _Optional[str] = ..., over_budget: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    filler: bool
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ..., info: _Optional[_Union[StepInfo, _Mapping]] = ..., collate: _Optional[str] = ..., over_budget: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., filler: _Optional[bool] = ...) -> None: ...
 
 class End(_message.Message):
     __slots__ = ("epoch", "final_step", "mode", "epoch_steps", "job_done")

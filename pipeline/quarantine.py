@@ -1,10 +1,11 @@
-"""The quarantine reasons preprocessing can give a record: one closed vocabulary.
+"""Why a record was set aside: one closed vocabulary for preprocessing and the planner.
 
-A reason is a short machine word that travels as a field from the record that raised it
-(`RecordError.reason`) through `QuarantinedRecord.reason` and the Arrow row's
-`quarantine_reason` to counters and metric labels, never parsed back out of a sentence. The
-human-readable detail travels beside it (`QuarantinedRecord.detail`). Owns nothing else: no I/O,
-no counting. Adding a reason means adding a member here with its meaning.
+A reason is a short machine word that travels as a field from where it was raised
+(`RecordError.reason` in preprocessing, `Quarantined.reason` in the planner) through the job
+state's quarantine list and counters to `status` and metric labels, never parsed back out of a
+sentence. The human-readable detail travels beside it. A leaf module (no imports of the
+project), so the pure planner can use it too. Adding a reason means adding a member here with its
+meaning.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from enum import StrEnum
 
 
 class QuarantineReason(StrEnum):
-    """Why preprocessing set a record aside. Values are the labels operators and metrics see."""
+    """Why a record was set aside. Values are the labels operators and metrics see."""
 
     BAD_UTF8 = "bad_utf8"
     BAD_JSON = "bad_json"
@@ -26,6 +27,10 @@ class QuarantineReason(StrEnum):
     TOO_LONG = "too_long"
     NO_LOSS_TOKENS = "no_loss_tokens"
     PREPROCESS_ERROR = "preprocess_error"
+    # The planner's (a sample that was preprocessed but cannot be placed in a batch):
+    INVALID_SIZE = "invalid_size"
+    OVER_BUDGET = "over_budget"
+    OVER_VISUAL_CAP = "over_visual_cap"
 
     @property
     def meaning(self) -> str:
@@ -49,4 +54,9 @@ _MEANING: dict[QuarantineReason, str] = {
                                      "train on (e.g. an image too big to fit precedes every "
                                      "answer)",
     QuarantineReason.PREPROCESS_ERROR: "an unforeseen failure, kept with its exception message",
+    QuarantineReason.INVALID_SIZE: "num_tokens <= 0 or num_visual_tokens < 0",
+    QuarantineReason.OVER_BUDGET: "num_tokens > token_budget and batching.over_budget is "
+                                  "quarantine",
+    QuarantineReason.OVER_VISUAL_CAP: "num_visual_tokens > max_visual_tokens and the policy "
+                                      "cannot place it",
 }
