@@ -1,0 +1,52 @@
+"""The `locality` knob and its measure.
+
+Knob: SDO feeds the ordinary planner in traversal order; the planner's online window
+(`buffer_size`) then decides how far the order may be re-sorted by length. A window of a couple
+of batches keeps each batch a run of neighboring visits (locality); the job's full window sorts
+by length over many regions (padding efficiency). `locality` in [0, 1] interpolates the window
+geometrically between the two: 0 = the job's `batching.buffer_size`, 1 = two batches' worth.
+
+Measure: the mean pairwise cosine of the embeddings within a batch, averaged over the batches
+with two or more samples (`batch_locality`); `pair_baseline` is the same figure for random pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+
+def samples_per_batch(token_budget: int, mean_tokens: float) -> float:
+    """About how many samples of mean length fill one batch."""
+    return token_budget / max(1.0, mean_tokens)
+
+
+def planner_buffer_size(locality: float, buffer_size: int, per_batch: float) -> int:
+    """The planner window for `locality` (see the module docstring)."""
+    if not 0.0 <= locality <= 1.0:
+        raise ValueError(f"organization.locality must be in [0, 1], got {locality}")
+    lo = max(2, math.ceil(2 * per_batch))
+    hi = max(lo, buffer_size)
+    return max(1, round(hi ** (1.0 - locality) * lo ** locality))
+
+
+def _mean_pair_cosine(rows: np.ndarray) -> float:
+    # Rows are unit vectors: sum over pairs i != j of v_i.v_j = |sum v|^2 - b.
+    b = len(rows)
+    s = rows.sum(axis=0, dtype=np.float64)
+    return float((s @ s - b) / (b * (b - 1)))
+
+
+def batch_locality(batches: Iterable[Sequence], vector_of: Callable[[object], np.ndarray],
+                   ) -> float | None:
+    """Mean over batches (>= 2 samples) of the mean pairwise cosine inside the batch; None when
+    no batch has two samples. `vector_of(id)` gives a batch member's unit embedding."""
+    vals = [_mean_pair_cosine(np.stack([vector_of(i) for i in b])) for b in batches if len(b) > 1]
+    return float(np.mean(vals)) if vals else None
+
+
+def pair_baseline(vectors: np.ndarray) -> float | None:
+    """Mean cosine over all pairs of distinct samples: what random batches score on average."""
+    return _mean_pair_cosine(vectors) if len(vectors) > 1 else None
