@@ -36,6 +36,7 @@ from pipeline.organization.traversal import neighborhood_walk
 from pipeline.planner.types import MeasuredSample, SampleId
 
 VISIT_SEP = "#"
+DEFAULT_REPEAT_GAP = 256
 
 
 def visit_id(sample_id: SampleId, k: int) -> str:
@@ -126,11 +127,13 @@ def _streams(seed: int, epoch: int) -> tuple[random.Random, np.random.Generator]
 
 def plan_epoch_visits(graph: KnnGraph, ledger: ExposureLedger, epoch: int, *, seed: int,
                       coverage_epochs: int, visits_per_epoch: int | None = None,
+                      repeat_gap: int = DEFAULT_REPEAT_GAP,
                       ) -> tuple[EpochVisits, ExposureLedger]:
     """The visits of epoch `epoch` and the ledger after it (`ledger.next_epoch` must be `epoch`).
 
-    `visits_per_epoch` None = the graph's size. Raises ValueError when the ledger belongs to
-    another graph or epoch, or the coverage floor cannot hold with these settings.
+    `visits_per_epoch` None = the graph's size. `repeat_gap`: fewest visits between two visits
+    of one sample (pass the planner's window so they do not share a batch). Raises ValueError
+    when the ledger belongs to another graph or epoch, or the coverage floor cannot hold.
     """
     n = graph.size
     if ledger.graph_digest != graph.digest or ledger.size != n:
@@ -156,7 +159,7 @@ def plan_epoch_visits(graph: KnnGraph, ledger: ExposureLedger, epoch: int, *, se
     rest = rest[np.lexsort((tie[rest], -owed[rest]))]
     jump_order = np.concatenate((by_deadline[:m], rest))
     order = neighborhood_walk(graph, budget=budget, mandatory=mandatory, owed=owed,
-                              jump_order=jump_order, rng=walk_rng)
+                              jump_order=jump_order, repeat_gap=repeat_gap, rng=walk_rng)
     counts = np.zeros(n, dtype=np.int64)
     visits = []
     for i in order:

@@ -13,7 +13,11 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 
-from pipeline.organization.epoch_visits import EpochVisits, plan_epoch_visits
+from pipeline.organization.epoch_visits import (
+    DEFAULT_REPEAT_GAP,
+    EpochVisits,
+    plan_epoch_visits,
+)
 from pipeline.organization.exposure_ledger import ExposureLedger
 from pipeline.organization.knn_graph import KnnGraph
 
@@ -68,8 +72,8 @@ class MemoryLedgerStore(LedgerStore):
 
 
 def epoch_visits_for(store: LedgerStore, job_id: str, graph: KnnGraph, epoch: int, *,
-                     seed: int, coverage_epochs: int,
-                     visits_per_epoch: int | None = None) -> EpochVisits:
+                     seed: int, coverage_epochs: int, visits_per_epoch: int | None = None,
+                     repeat_gap: int = DEFAULT_REPEAT_GAP) -> EpochVisits:
     """The visits of `epoch`: read back when already planned, else planned and saved.
 
     Planning needs the ledger before `epoch`, i.e. the stored latest ledger at `epoch` (or a
@@ -83,6 +87,7 @@ def epoch_visits_for(store: LedgerStore, job_id: str, graph: KnnGraph, epoch: in
               else ExposureLedger.from_dict(raw))
     visits, after = plan_epoch_visits(graph, ledger, epoch, seed=seed,
                                       coverage_epochs=coverage_epochs,
-                                      visits_per_epoch=visits_per_epoch)
+                                      visits_per_epoch=visits_per_epoch,
+                                      repeat_gap=repeat_gap)
     store.save(job_id, visits.to_dict(), after.to_dict())
     return visits

@@ -41,10 +41,21 @@ def _mean_pair_cosine(rows: np.ndarray) -> float:
 
 def batch_locality(batches: Iterable[Sequence], vector_of: Callable[[object], np.ndarray],
                    ) -> float | None:
-    """Mean over batches (>= 2 samples) of the mean pairwise cosine inside the batch; None when
-    no batch has two samples. `vector_of(id)` gives a batch member's unit embedding."""
-    vals = [_mean_pair_cosine(np.stack([vector_of(i) for i in b])) for b in batches if len(b) > 1]
+    """Mean over batches (>= 2 distinct samples) of the mean pairwise cosine of the distinct
+    samples inside the batch (two visits of one sample would score a cosine of 1: counted by
+    `batches_with_repeats` instead); None when no batch has two. `vector_of(sample_id)` gives
+    a sample's unit embedding."""
+    vals = []
+    for b in batches:
+        distinct = list(dict.fromkeys(b))
+        if len(distinct) > 1:
+            vals.append(_mean_pair_cosine(np.stack([vector_of(i) for i in distinct])))
     return float(np.mean(vals)) if vals else None
+
+
+def batches_with_repeats(batches: Iterable[Sequence]) -> int:
+    """Batches that hold one sample more than once (two visits in one batch)."""
+    return sum(len(set(b)) < len(b) for b in batches)
 
 
 def pair_baseline(vectors: np.ndarray) -> float | None:

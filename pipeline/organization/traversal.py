@@ -7,15 +7,17 @@ start of `jump_order`. Whether a popped node may be visited:
 
 - a *mandatory* node not yet visited this epoch (coverage floor): always;
 - once only mandatory visits fit the budget that is left (`forced`): nothing else;
-- a node visited within the last `recent` visits: never (no repeats inside one batch);
+- a node visited within the last `repeat_gap` visits: never (the caller passes the planner's
+  window, so two visits of a sample are not in the window together and so not in one batch);
 - a node still *owed* visits (`owed[i] - visits so far > 0`, see `epoch_visits`): always;
 - otherwise with probability exp(-STRENGTH * (1 - owed_now)) * min(1, k / in_degree): the
   exposure ledger's discount, and a hub's discount for being reachable from many lists.
 
 Jumps take the first node of `jump_order` not yet visited this epoch (a second pass allows one
-more visit, and so on), ignoring the discounts, so the walk always ends with `budget` visits and,
-because mandatory nodes come first there, every mandatory node among them. Deterministic in its
-inputs and `rng`; pure (no I/O).
+more visit, and so on; the repeat gap holds there too unless no node satisfies it), ignoring
+the discounts, so the walk always ends with `budget` visits and, because mandatory nodes come
+first there, every mandatory node among them. A gap of the graph's size or more means no repeats
+within an epoch of at most that many visits. Deterministic in its inputs and `rng`; pure.
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ import numpy as np
 from pipeline.organization.knn_graph import KnnGraph
 
 STRENGTH = 3.0  # how hard the ledger pushes back on a node past its share (per visit)
-RECENT = 256  # visits inside which a node is not repeated (longer than one batch)
 
 
 def neighborhood_walk(graph: KnnGraph, *, budget: int, mandatory: np.ndarray,
-                      owed: np.ndarray, jump_order: np.ndarray,
+                      owed: np.ndarray, jump_order: np.ndarray, repeat_gap: int,
                       rng: random.Random) -> list[int]:
     """`budget` node indices in visit order.
 
@@ -55,7 +56,7 @@ def neighborhood_walk(graph: KnnGraph, *, budget: int, mandatory: np.ndarray,
     jumps = jump_order.tolist()
     if sorted(jumps) != list(range(n)):
         raise ValueError("jump_order must hold every node once")
-    recent = min(RECENT, max(1, n // 2))
+    recent = max(1, repeat_gap)
 
     count = [0] * n
     last = [-recent - 1] * n
@@ -86,12 +87,16 @@ def neighborhood_walk(graph: KnnGraph, *, budget: int, mandatory: np.ndarray,
                 v = u
                 break
         if v < 0:  # frontier dry: jump
+            scanned = 0
             while True:
                 if jp == n:
                     jp, jpass = 0, jpass + 1
                 u = jumps[jp]
                 jp += 1
-                if (must[u] and not count[u]) or (not forced and count[u] <= jpass):
+                scanned += 1
+                if (must[u] and not count[u]) or (
+                        not forced and count[u] <= jpass
+                        and (not count[u] or len(order) - last[u] > recent or scanned > 2 * n)):
                     v = u
                     break
         if must[v] and not count[v]:
