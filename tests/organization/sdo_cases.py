@@ -25,7 +25,7 @@ def graph_of(n: int, k: int = 8, seed: int = 0, **kw) -> tuple[KnnGraph, np.ndar
 
 def run_epochs(graph: KnnGraph, epochs: int, *, seed: int = 0, coverage_epochs: int = 2,
                visits_per_epoch: int | None = None, ledger: ExposureLedger | None = None,
-               first_epoch: int = 0):
+               first_epoch: int = 0, repeat_gap: int = 256):
     """Plan `epochs` epochs; returns ([EpochVisits], final ledger)."""
     if ledger is None:
         ledger = ExposureLedger.initial(graph.digest, graph.size)
@@ -33,6 +33,7 @@ def run_epochs(graph: KnnGraph, epochs: int, *, seed: int = 0, coverage_epochs: 
     for e in range(first_epoch, first_epoch + epochs):
         v, ledger = plan_epoch_visits(graph, ledger, e, seed=seed,
                                       coverage_epochs=coverage_epochs,
-                                      visits_per_epoch=visits_per_epoch)
+                                      visits_per_epoch=visits_per_epoch,
+                                      repeat_gap=repeat_gap)
         out.append(v)
     return out, ledger
