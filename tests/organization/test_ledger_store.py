@@ -40,7 +40,7 @@ def test_epochs_are_written_once_and_in_order():
     assert other.visits != v0.visits
     with pytest.raises(ValueError, match="already planned differently"):
         store.save("j", other.to_dict(), l1.to_dict())
-    v1, l2 = plan_epoch_visits(g, l1, 1, seed=0, coverage_epochs=2)
+    _, l2 = plan_epoch_visits(g, l1, 1, seed=0, coverage_epochs=2)
     v2, l3 = plan_epoch_visits(g, l2, 2, seed=0, coverage_epochs=2)
     with pytest.raises(ValueError, match="out of order"):
         store.save("j", v2.to_dict(), l3.to_dict())
