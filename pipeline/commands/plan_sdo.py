@@ -63,6 +63,7 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
     none_batches: list[list] = []
     quarantine_lines: list[str] = []
     planner = organization = emb = None
+    lost = 0
     out = open_emit_plan(args)
     t0 = time.perf_counter()
     try:
@@ -93,6 +94,7 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
                 except ValueError as exc:
                     raise UserError(str(exc)) from None
                 samples = visits.planner_samples({m.sample_id: m for m in measured})
+                lost += len(visits.visits) - len(samples)  # quarantined in this epoch only
                 report.samples_in += len(samples)
                 events = planner.feed_many(samples) + planner.end_epoch()
                 if out is not None:
@@ -125,6 +127,7 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
             "coverage_epochs": org.coverage_epochs,
             "visits_per_epoch": org.visits_per_epoch or graph.size,
             "planner_buffer_size": organization.buffer_size,
+            "visits_without_sample": lost,
             "graph": {"nodes": graph.size, "k": graph.k, "digest": graph.digest,
                       "max_in_degree": int(graph.in_degree.max()) if graph.size else 0},
             "embedding": {

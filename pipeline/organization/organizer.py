@@ -46,7 +46,7 @@ def organize(job: JobConfig, table: EmbeddingTable, measured: Sequence[MeasuredS
         graph = build_knn_graph(members, table.vectors[rows], org.knn_k)
         if gpath is not None:
             embedding_cache.save_graph(gpath, graph)
-    mean = float(np.mean([m.num_tokens for m in measured if m.sample_id in table.row]))
-    per_batch = samples_per_batch(job.batching.token_budget, mean)
+    median = float(np.median([m.num_tokens for m in measured if m.sample_id in table.row]))
+    per_batch = samples_per_batch(job.batching.token_budget, median)
     buffer = planner_buffer_size(org.locality, job.batching.buffer_size, per_batch)
     return Organization(graph, buffer, len(measured) - len(members))
