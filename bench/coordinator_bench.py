@@ -37,12 +37,13 @@ import redis.connection
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.service.job_state import PlannerCheckpoint  # noqa: E402
+
 from pipeline.coordinator import RedisJobState  # noqa: E402
 from pipeline.coordinator.step_codec import encode_step  # noqa: E402
 from pipeline.planner.types import Batch, MeasuredSample, Step, StepInfo  # noqa: E402
 from pipeline.redis_client import connect  # noqa: E402
 from pipeline.redis_server import LocalRedis  # noqa: E402
-from pipeline.service.job_state import PlannerCheckpoint  # noqa: E402
 
 OUT_DIR = ROOT / "bench" / "results" / "coordinator"
 SAMPLES_PER_BATCH = 8  # e.g. 16k token budget, ~2k-token samples

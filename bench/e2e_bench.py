@@ -168,7 +168,7 @@ def part_scaling(cfg: dict, svc: ServiceProcess, tmp: Path) -> dict:
     path = replicated_chats(cfg["ray_copies"], tmp)
     out["ray"] = scaling.ray_workers(path, cfg["ray_order"], 256, log)
     # Simulated job: W ranks, cv0.48 workload at sim_scale, enough samples for ~sim_steps steps.
-    from pipeline.service.sources import synthetic_samples
+    from pipeline.preprocess.array_source import synthetic_samples
 
     s = cfg["sim_scale"]
     world = max(w for _, _, w in cfg["sim_states"])

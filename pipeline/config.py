@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import UserError
+from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES, BatchingPolicy
 
 ENV_PREFIX = "ODB_"
 
@@ -54,27 +55,71 @@ class AugmentConfig(_Model):
         return self
 
 
+# Qwen2-VL: 14-pixel patches merged 2x2, so one visual token covers 28x28 resized pixels
+# (tests/preprocess check this against the image processor).
+PIXELS_PER_VISUAL_TOKEN = 28 * 28
+
+
 class PreprocessConfig(_Model):
     tokenizer_dir: str | None = Field(None, description="local tokenizer dir; None = bundled Qwen")
     chat_template: str | None = Field(None, description="'qwen2' | 'qwen3' | a Jinja file path")
     max_seq_len: int = Field(4096, gt=0)
-    truncation: Literal["truncate", "quarantine"] = "truncate"
+    truncation: Literal["truncate", "quarantine"] = Field(
+        "truncate", description="a sample over max_seq_len: cut it (vision-safe, see "
+        "JobConfig.max_sample_tokens) or quarantine it as too_long")
     image_min_pixels: int = Field(56 * 56, gt=0)
     image_max_pixels: int = Field(1024 * 1024, gt=0)
     augment: AugmentConfig = AugmentConfig()
 
+    @model_validator(mode="after")
+    def _pixel_range(self) -> PreprocessConfig:
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError(f"image_min_pixels ({self.image_min_pixels}) > image_max_pixels "
+                             f"({self.image_max_pixels})")
+        return self
+
+    @property
+    def min_image_visual_tokens(self) -> int:
+        """Visual tokens of an image resized to image_min_pixels, the least the image processor
+        gives an image (it enlarges smaller ones)."""
+        return -(-self.image_min_pixels // PIXELS_PER_VISUAL_TOKEN)
+
 
 class BatchingConfig(_Model):
+    """A job's batching settings. These defaults are the only ones: `serve` uses them and `plan`
+    takes its defaults from here too, so a dry run plans what the service would."""
+
     token_budget: int = Field(16384, gt=0)
     collate: Literal["padded", "packed"] = "padded"
     attn_a: float = Field(1.0, ge=0.0, description="compute cost a*L + b*L^2 per sample")
     attn_b: float = Field(0.0, ge=0.0)
     max_visual_tokens: int | None = Field(None, gt=0)
-    buffer_size: int = Field(1024, gt=0)
+    lookahead_tokens: int | None = Field(
+        None, gt=0, description="the planner's online window in tokens (>= token_budget); "
+        f"None = {LOOKAHEAD_BUDGETS} x token_budget")
+    max_window_samples: int = Field(MAX_WINDOW_SAMPLES, gt=0,
+                                    description="safety cap on the samples in that window")
     pool_steps: int | None = Field(
         None, gt=0, description="steps' worth of batches pooled for rank balancing; "
         "None = the planner's default (~256 batches). Smaller starts streaming sooner.")
-    over_budget: Literal["truncate", "alone", "quarantine"] = "truncate"
+    over_budget: Literal["truncate", "alone", "quarantine"] = Field(
+        "truncate", description="a sample over token_budget / max_visual_tokens: `truncate` = "
+        "preprocessing cuts every sample to fit a batch alone (JobConfig.max_sample_tokens); "
+        "`alone` = a batch of its own, flagged; `quarantine` = set aside as over_budget")
+
+    @model_validator(mode="after")
+    def _valid_policy(self) -> BatchingConfig:
+        self.policy()  # the planner owns the rules between fields; its ValueError names them
+        return self
+
+    def policy(self) -> BatchingPolicy:
+        """The planner's policy for these settings: the one place a config becomes a policy."""
+        return BatchingPolicy(
+            token_budget=self.token_budget, collate=self.collate, attn_a=self.attn_a,
+            attn_b=self.attn_b, max_visual_tokens=self.max_visual_tokens,
+            lookahead_tokens=self.lookahead_tokens, max_window_samples=self.max_window_samples,
+            over_budget=self.over_budget,
+        )
 
 
 class EmbeddingConfig(_Model):
@@ -117,6 +162,37 @@ class JobConfig(_Model):
     batching: BatchingConfig = BatchingConfig()
     organization: OrganizationConfig = OrganizationConfig()
 
+    @model_validator(mode="after")
+    def _limits_can_hold_a_sample(self) -> JobConfig:
+        cap = self.batching.max_visual_tokens
+        least = self.preprocess.min_image_visual_tokens
+        if cap is not None and cap < least:
+            raise ValueError(
+                f"batching.max_visual_tokens ({cap}) is below the {least} visual tokens of the "
+                f"smallest image (preprocess.image_min_pixels = {self.preprocess.image_min_pixels}"
+                f" pixels): no image could ever be batched; raise it or lower image_min_pixels")
+        return self
+
+    def max_sample_tokens(self) -> int:
+        """The most tokens one preprocessed sample may have: the one owner of this rule.
+
+        `over_budget: truncate`: min(preprocess.max_seq_len, batching.token_budget), so every
+        sample fits a batch alone, the planner never cuts one and the loss tokens measured in
+        preprocessing stay exact. Otherwise preprocess.max_seq_len (the planner then applies
+        `alone` / `quarantine` to samples over the budget). A sample's cost alone is its token
+        count under both collates, so fitting the budget alone means num_tokens <= token_budget.
+        """
+        if self.batching.over_budget == "truncate":
+            return min(self.preprocess.max_seq_len, self.batching.token_budget)
+        return self.preprocess.max_seq_len
+
+    def max_sample_visual_tokens(self) -> int | None:
+        """The most visual tokens one preprocessed sample may carry: batching.max_visual_tokens
+        under `over_budget: truncate` (preprocessing drops trailing images to fit), else None."""
+        if self.batching.over_budget == "truncate":
+            return self.batching.max_visual_tokens
+        return None
+
     def token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The bearer token, read from the environment at use (never stored in the config)."""
         if self.token_env is None:
@@ -151,8 +227,26 @@ class RayConfig(_Model):
     object_store_mb: int = Field(512, gt=0)
 
 
+def default_state_dir() -> str:
+    """Where the embedded default keeps its state: $XDG_STATE_HOME/odb-pipeline, else
+    ~/.local/state/odb-pipeline."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                             "state")
+    return os.path.join(base, "odb-pipeline")
+
+
 class ServiceConfig(_Model):
-    redis_url: str | None = Field(None, description="None = start an embedded local Redis")
+    redis_url: str | None = Field(
+        None, description="None = the embedded default: a private Redis with its AOF in "
+        "state_dir, so restarting `serve` resumes every job where it was")
+    state_dir: str = Field(default_factory=default_state_dir,
+                           description="the embedded Redis's data directory (AOF)")
+    fsync_publish: bool = Field(
+        False, description="wait until Redis fsynced each publication (WAITAOF: Redis >= 7.2 "
+        "or Valkey with appendonly) so a step a rank saw survives a Redis crash")
+    resume_grace_seconds: float = Field(
+        2.0, ge=0, description="how long an Open naming a step beyond the plan waits for a "
+        "restarting producer before OUT_OF_RANGE")
     lease_seconds: float = Field(10.0, gt=0)
     rank_timeout_seconds: float = Field(60.0, gt=0)
     # What the live ranks get once a rank's lease has lapsed for rank_timeout_seconds: `fail` =

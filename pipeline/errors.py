@@ -1,5 +1,76 @@
-"""Errors a user can act on: the CLI prints them as one line and exits 2, no traceback."""
+"""The project's one error hierarchy.
+
+    OdbError
+    ├── UserError            wrong input, config or request: the CLI prints one line, exit 2
+    │   ├── JobMismatch, SchemaMismatch, UnknownJob, DurabilityUnavailable
+    └── StateError           a refusal of a job's shared state (it is left unchanged)
+        ├── StepConflict     a step or END published twice with different content
+        ├── StepGap          a step published past `published_through + 1`
+        ├── CheckpointConflict  a checkpoint that goes backwards or claims unpublished steps
+        ├── AckAheadOfPlan   a rank acknowledged a step that is not published
+        ├── RankHeld         another live client holds the rank's lease
+        ├── Fenced           a producer whose lease generation is no longer current
+        └── StateUnavailable the state could not be reached (Redis down after retries)
+
+Every refusal leaves the state as it was (the Redis scripts check before their first write), so a
+caller may retry or give up without repairing anything.
+"""
+
+from __future__ import annotations
 
 
-class UserError(Exception):
+class OdbError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class UserError(OdbError):
     """Wrong input, config or request: the message names the field/file and the bad value."""
+
+
+class JobMismatch(UserError):
+    """The job id exists in the state with a different config hash or mode."""
+
+
+class SchemaMismatch(UserError):
+    """Redis holds coordinator state of another schema version than this build speaks."""
+
+
+class UnknownJob(UserError):
+    """No such job in this state."""
+
+
+class DurabilityUnavailable(UserError):
+    """fsync_publish was asked for but this Redis cannot confirm fsync (no WAITAOF or no AOF)."""
+
+
+class StateError(OdbError):
+    """A job state refused a change; nothing was written."""
+
+
+class StepConflict(StateError):
+    """A step number (or an epoch's END) was published twice with different content."""
+
+
+class StepGap(StateError):
+    """A step was published past `published_through + 1`: ranks would wait for the gap."""
+
+
+class CheckpointConflict(StateError):
+    """A checkpoint that goes backwards or claims steps that are not published."""
+
+
+class AckAheadOfPlan(StateError):
+    """A rank acknowledged a step that is not published (a client or server bug)."""
+
+
+class RankHeld(StateError):
+    """Another live client holds this rank's lease."""
+
+
+class Fenced(StateError):
+    """A producer tried to act with a lease generation that is no longer the job's current one
+    (another producer took over): it must stop, it can never publish again."""
+
+
+class StateUnavailable(StateError):
+    """The job state could not be reached after bounded retries (e.g. Redis restarting)."""

@@ -12,9 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-
-class RedisUnavailable(RuntimeError):
-    """Redis could not be reached after the configured retries."""
+from pipeline.errors import StateUnavailable
 
 
 def connect(url: str, retries: int = 5, socket_timeout: float = 5.0,
@@ -61,7 +59,7 @@ def ping(client: redis.Redis, url_for_message: str = "") -> None:
         client.ping()
     except (RedisConnectionError, RedisTimeoutError) as exc:
         where = f" at {redact(url_for_message)}" if url_for_message else ""
-        raise RedisUnavailable(f"Redis unreachable{where}: {exc}") from exc
+        raise StateUnavailable(f"Redis unreachable{where}: {exc}") from exc
 
 
 def redact(url: str) -> str:

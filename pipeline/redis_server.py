@@ -56,6 +56,7 @@ class LocalRedis:
         self.appendonly = appendonly
         self.password = password
         self.proc: subprocess.Popen | None = None
+        self._lock = None  # the state-dir lock of a durable embedded server
 
     @property
     def url(self) -> str:
@@ -115,8 +116,32 @@ class LocalRedis:
 
     def cleanup(self) -> None:
         self.stop()
+        if self._lock is not None:
+            self._lock.close()  # closing the file drops the flock
+            self._lock = None
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    @classmethod
+    def durable(cls, state_dir: str | Path) -> LocalRedis:
+        """The embedded default of `serve`: AOF in `<state_dir>/redis`, so a restarted process
+        finds every job where it was. One process per state dir (an exclusive lock): two Redis
+        servers appending to one AOF would corrupt it."""
+        import fcntl
+
+        data = Path(state_dir) / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        lock = open(data / "odb.lock", "w")  # noqa: SIM115 - held for the server's lifetime
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise UserError(f"state_dir {state_dir} is in use by another odb-pipeline process "
+                            "(its embedded Redis); give each process its own state_dir, or "
+                            "share one Redis with redis_url") from None
+        server = cls(data_dir=data, appendonly=True)
+        server._lock = lock
+        return server
 
     def __enter__(self) -> LocalRedis:
         return self.start()

@@ -9,7 +9,8 @@ import pytest
 
 from pipeline import cli
 from pipeline.config import ConfigError, env_var_names, load_config
-from pipeline.redis_client import RedisUnavailable, connect, ping, redact
+from pipeline.errors import StateUnavailable
+from pipeline.redis_client import connect, ping, redact
 from pipeline.redis_server import LocalRedis, free_port
 
 JOB = {"job_id": "sft-1", "world_size": 2, "source": {"paths": ["data.jsonl"]}}
@@ -88,5 +89,5 @@ def test_redis_password_from_url():
 
 def test_unreachable_redis_is_a_clear_error():
     client = connect(f"redis://127.0.0.1:{free_port()}/0", retries=1, socket_timeout=0.5)
-    with pytest.raises(RedisUnavailable, match="Redis unreachable"):
+    with pytest.raises(StateUnavailable, match="Redis unreachable"):
         ping(client, f"redis://127.0.0.1:{free_port()}/0")

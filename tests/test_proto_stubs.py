@@ -1,4 +1,4 @@
-"""Generated gRPC stubs under trainer_client/wire/ must match proto/ (regenerate: proto/generate.py)."""
+"""Generated gRPC stubs under trainer_client/wire/ match proto/ (regenerate: proto/generate.py)."""
 
 import subprocess
 import sys

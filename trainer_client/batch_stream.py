@@ -33,9 +33,9 @@ from typing import Any
 
 import grpc
 
+from trainer_client.decode import StreamBatch, decode_batch
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client.decode import StreamBatch, decode_batch
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,

@@ -123,7 +123,7 @@ def job_config_dict(job_id: str, world: int, budget: int, buffer: int, path: str
         "job_id": job_id, "world_size": world, "mode": "join", "seed": 0,
         "source": {"paths": [path]},
         "preprocess": {"max_seq_len": max_seq_len, "augment": {"enabled": False}},
-        "batching": {"token_budget": budget, "collate": "padded", "buffer_size": buffer,
+        "batching": {"token_budget": budget, "collate": "padded", "max_window_samples": buffer,
                      "over_budget": "truncate"},
     }
 

@@ -136,8 +136,8 @@ def _worker(conn) -> None:  # runs in the spawned process
 
     logging.basicConfig(level=logging.WARNING)
     from pipeline.config import load_config
+    from pipeline.preprocess.array_source import ArraySource, RaySource
     from pipeline.service.server import start_service
-    from pipeline.service.sources import ArraySource, RaySource
 
     _install_timers()
     svc = None

@@ -15,7 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", action="append", metavar="FILE",
                         help="JSONL/Parquet chats (default: the shipped sample dataset)")
     parser.add_argument("--token-budget", type=int, default=4096)
-    parser.add_argument("--buffer-size", type=int, default=128)
+    parser.add_argument("--max-window-samples", type=int, default=128,
+                        help="planner window cap in samples (small: the first step comes sooner)")
     parser.add_argument("--collate", choices=["padded", "packed"], default="padded")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -42,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).resolve()
     report = run_demo(DemoOptions(
         data=data, out_dir=out_dir, ranks=args.ranks, token_budget=args.token_budget,
-        buffer_size=args.buffer_size, collate=args.collate, epochs=args.epochs, seed=args.seed,
-        standard=args.standard, redis_url=args.redis_url,
+        max_window_samples=args.max_window_samples, collate=args.collate, epochs=args.epochs,
+        seed=args.seed, standard=args.standard, redis_url=args.redis_url,
     ))
     if args.json:
         print(json.dumps(report, indent=2, default=str))

@@ -14,7 +14,8 @@ import sys
 
 from pipeline.config import JobConfig
 from pipeline.errors import UserError
-from pipeline.preprocess.local_ray import PrivateRay, job_config
+from pipeline.preprocess.cli_job import job_config
+from pipeline.ray_runtime import PrivateRay
 
 _TABLE_ROWS = 25
 

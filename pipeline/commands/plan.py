@@ -3,10 +3,12 @@
 `--lengths FILE` plans recorded token counts. `--data FILE...` runs the real preprocessing
 (private local Ray, as `inspect` does) and plans each sample's measured size, epoch by epoch
 (augmentation seeded per epoch); the JSON adds `quarantined_records`, `preprocess_epochs` and
-`rows`. `--config FILE [--job ID]` takes the job's settings as defaults; explicit flags win.
+`rows`. `--config FILE [--job ID]` takes the job's settings as defaults; explicit flags win;
+without it the defaults are the job config's own (pipeline/config.py), the ones `serve` uses.
 Prints a summary (or one JSON object with --json) of the plan the service would make: steps,
 padding efficiency, budget violations, over-budget handling, per-rank steps, rank balance,
-carry-over. `--emit-plan OUT.jsonl` writes the plan itself, one step per line.
+carry-over, quota mode's filler batches. `--emit-plan OUT.jsonl` writes the plan itself, one
+step per line.
 """
 
 from __future__ import annotations
@@ -23,29 +25,42 @@ from pipeline.errors import UserError
 HELP = "dry-run batching on a dataset or a lengths file (steps, padding efficiency, balance)"
 
 
-# Batching flags that a --config job supplies: dest -> (job field path, default without --config).
-_JOB_FLAGS: dict[str, tuple[tuple[str, ...], object]] = {
-    "world_size": (("world_size",), None),
-    "token_budget": (("batching", "token_budget"), None),
-    "mode": (("mode",), "join"),
-    "buffer_size": (("batching", "buffer_size"), 2048),
-    "collate": (("batching", "collate"), "padded"),
-    "over_budget": (("batching", "over_budget"), "alone"),
-    "max_visual_tokens": (("batching", "max_visual_tokens"), None),
-    "attn_a": (("batching", "attn_a"), 1.0),
-    "attn_b": (("batching", "attn_b"), 0.0),
-    "pool_steps": (("batching", "pool_steps"), None),
-    "epochs": (("epochs",), 1),
-    "seed": (("seed",), 0),
-    # SDO (docs/sdo.md); unset = the job's organization block (OrganizationConfig defaults).
-    "organization": (("organization", "kind"), "none"),
-    "knn_k": (("organization", "knn_k"), None),
-    "locality": (("organization", "locality"), None),
-    "coverage_epochs": (("organization", "coverage_epochs"), None),
-    "visits_per_epoch": (("organization", "visits_per_epoch"), None),
-    "embedding_model": (("organization", "embedding", "model"), None),
-    "embedding_column": (("organization", "embedding", "column"), None),
+# Flags that a --config job supplies: dest -> job field path. Without --config a flag left out
+# takes the job config's own default (pipeline/config.py), so `plan` plans what `serve` would;
+# --world-size and --token-budget must then be given.
+_JOB_FLAGS: dict[str, tuple[str, ...]] = {
+    "world_size": ("world_size",),
+    "token_budget": ("batching", "token_budget"),
+    "mode": ("mode",),
+    "lookahead_tokens": ("batching", "lookahead_tokens"),
+    "max_window_samples": ("batching", "max_window_samples"),
+    "collate": ("batching", "collate"),
+    "over_budget": ("batching", "over_budget"),
+    "max_visual_tokens": ("batching", "max_visual_tokens"),
+    "attn_a": ("batching", "attn_a"),
+    "attn_b": ("batching", "attn_b"),
+    "pool_steps": ("batching", "pool_steps"),
+    "epochs": ("epochs",),
+    "seed": ("seed",),
+    # SDO (docs/sdo.md): the job's organization block.
+    "organization": ("organization", "kind"),
+    "knn_k": ("organization", "knn_k"),
+    "locality": ("organization", "locality"),
+    "coverage_epochs": ("organization", "coverage_epochs"),
+    "visits_per_epoch": ("organization", "visits_per_epoch"),
+    "embedding_model": ("organization", "embedding", "model"),
+    "embedding_column": ("organization", "embedding", "column"),
 }
+_REQUIRED_WITHOUT_CONFIG = ("world_size", "token_budget")
+
+
+def _config_default(path: tuple[str, ...]) -> object:
+    from pipeline.config import JobConfig
+
+    value = JobConfig.model_fields[path[0]].get_default()
+    for key in path[1:]:  # a nested block's default is its model with its own defaults
+        value = getattr(value, key)
+    return value
 _QUARANTINE_SHOWN = 20
 
 
@@ -92,8 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["join", "quota"], default=None,
                         help="DGAP mode (default join)")
     parser.add_argument(
-        "--buffer-size", type=int, default=None, metavar="N",
-        help="online window (samples; default 2048)",
+        "--lookahead-tokens", type=int, default=None, metavar="N",
+        help="online window in tokens (>= the budget; default 128 x the budget)",
+    )
+    parser.add_argument(
+        "--max-window-samples", type=int, default=None, metavar="N",
+        help="safety cap on the samples in that window (default 65536)",
     )
     parser.add_argument("--collate", choices=["padded", "packed"], default=None,
                         help="default padded")
@@ -101,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--over-budget",
         choices=["truncate", "alone", "quarantine"],
         default=None,
-        help="what to do with a sample that cannot fit a batch on its own (default alone)",
+        help="what to do with a sample that cannot fit a batch on its own (default truncate)",
     )
     parser.add_argument(
         "--max-visual-tokens", type=int, default=None, metavar="V", help="cap per batch"
@@ -161,8 +180,11 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--world-size must be >= 1, got {args.world_size}")
     if args.token_budget <= 0:
         raise UserError(f"--token-budget must be > 0, got {args.token_budget}")
-    if args.buffer_size < 1:
-        raise UserError(f"--buffer-size must be >= 1, got {args.buffer_size}")
+    if args.lookahead_tokens is not None and args.lookahead_tokens < args.token_budget:
+        raise UserError(f"--lookahead-tokens must be >= the token budget ({args.token_budget}),"
+                        f" got {args.lookahead_tokens}")
+    if args.max_window_samples < 1:
+        raise UserError(f"--max-window-samples must be >= 1, got {args.max_window_samples}")
     if args.epochs < 1:
         raise UserError(f"--epochs must be >= 1, got {args.epochs}")
     if args.pool_steps is not None and args.pool_steps < 1:
@@ -188,7 +210,7 @@ def _job_overrides(args: argparse.Namespace, names) -> dict:
     """The flags `names` as a partial job mapping (for JobConfig validation)."""
     out: dict = {}
     for name in names:
-        path, _ = _JOB_FLAGS[name]
+        path = _JOB_FLAGS[name]
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -199,13 +221,13 @@ def _job_overrides(args: argparse.Namespace, names) -> dict:
 def _resolve(args: argparse.Namespace):
     """Fill unset flags from the --config job (or the plan defaults). Returns the JobConfig the
     --data path preprocesses with (None for --lengths without --config)."""
-    from pipeline.preprocess.local_ray import job_config
+    from pipeline.preprocess.cli_job import job_config
 
     explicit = [n for n in _JOB_FLAGS if getattr(args, n) is not None]
     base = None
     if args.config or args.job:
         base = job_config(args.config, args.job, args.data, default_job_id="plan")
-    for name, (path, default) in _JOB_FLAGS.items():
+    for name, path in _JOB_FLAGS.items():
         if getattr(args, name) is not None:
             continue
         if base is not None:
@@ -213,8 +235,8 @@ def _resolve(args: argparse.Namespace):
             for key in path:
                 value = getattr(value, key)
             setattr(args, name, value)
-        else:
-            setattr(args, name, default)
+        elif name not in _REQUIRED_WITHOUT_CONFIG:
+            setattr(args, name, _config_default(path))
     _check(args)
     if not args.data:
         return None
@@ -226,24 +248,24 @@ def _resolve(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from pipeline.config import BatchingConfig
     from pipeline.planner.plan_report import PlanReport
-    from pipeline.planner.policy import BatchingPolicy
     from pipeline.planner.step_planner import StepPlanner
     from pipeline.planner.types import Quarantined, Step
 
     _check_input(args)
     job = _resolve(args)
+    batching = {path[1]: getattr(args, name) for name, path in _JOB_FLAGS.items()
+                if path[0] == "batching"}
     try:
-        policy = BatchingPolicy(
-            token_budget=args.token_budget,
-            collate=args.collate,
-            attn_a=args.attn_a,
-            attn_b=args.attn_b,
-            max_visual_tokens=args.max_visual_tokens,
-            buffer_size=args.buffer_size,
-            over_budget=args.over_budget,
-        )
+        policy = BatchingConfig.model_validate(batching).policy()
         planner = StepPlanner(policy, args.world_size, args.mode, args.seed, args.pool_steps)
+    except ValidationError as exc:
+        raise UserError("; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'batching'}: "
+            + e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -272,17 +294,22 @@ def run(args: argparse.Namespace) -> int:
                 counted = _Counted(epoch_order(args, source.epoch(epoch), epoch))
                 events = planner.feed_many(counted)
                 report.samples_in += counted.n
-                events.extend(planner.end_epoch())
+                events.extend(planner.end_epoch(last_epoch=epoch == args.epochs - 1))
                 for ev in events:
                     report.observe(ev)
                     if out is not None and isinstance(ev, Step):
                         out.write(step_json(ev) + "\n")
                     elif isinstance(ev, Quarantined) and len(quarantine_lines) < _QUARANTINE_SHOWN:
-                        quarantine_lines.append(f"  {ev.sample.sample_id}: {ev.reason}")
+                        quarantine_lines.append(quarantine_line(ev))
     finally:
         if out is not None:
             out.close()
-    return print_result(args, source, report, quarantine_lines, time.perf_counter() - t0)
+    return print_result(args, source, report, policy, quarantine_lines,
+                        time.perf_counter() - t0)
+
+
+def quarantine_line(ev) -> str:
+    return f"  {ev.sample.sample_id}: {ev.reason.value}: {ev.detail}"
 
 
 def open_emit_plan(args: argparse.Namespace):
@@ -304,14 +331,15 @@ def epoch_order(args: argparse.Namespace, samples, epoch: int):
     return order
 
 
-def print_result(args: argparse.Namespace, source, report, quarantine_lines: list[str],
+def print_result(args: argparse.Namespace, source, report, policy, quarantine_lines: list[str],
                  elapsed: float, extra: dict | None = None, extra_text: str = "") -> int:
     """Print the plan's summary (or one JSON object), with a mode's `extra` keys and lines."""
     result = report.to_dict()
     result["mode"] = args.mode
     result["world_size"] = args.world_size
     result["token_budget"] = args.token_budget
-    result["buffer_size"] = args.buffer_size
+    result["lookahead_tokens"] = policy.lookahead_tokens
+    result["max_window_samples"] = policy.max_window_samples
     result["collate"] = args.collate
     result["planning_seconds"] = round(elapsed, 4)
     result["samples_per_second"] = round(report.samples_in / elapsed) if elapsed > 0 else None
@@ -324,7 +352,7 @@ def print_result(args: argparse.Namespace, source, report, quarantine_lines: lis
     else:
         print(
             f"plan: {source.name}  W={args.world_size}  budget={args.token_budget}"
-            f"  mode={args.mode}  collate={args.collate}  buffer={args.buffer_size}"
+            f"  mode={args.mode}  collate={args.collate}  lookahead={policy.lookahead_tokens}"
         )
         if isinstance(source, _DataSource):
             print(source.summary_text())
@@ -379,7 +407,7 @@ class _DataSource:
     planner sees `ProcessedSample.measured()`, quarantined records are counted by reason."""
 
     def __init__(self, job, limit: int | None, export_path: str | None) -> None:
-        from pipeline.preprocess.local_ray import PrivateRay
+        from pipeline.ray_runtime import PrivateRay
 
         self.job = job
         self.limit = limit
@@ -499,6 +527,7 @@ def step_json(step) -> str:
                     "samples": list(b.sample_ids),
                     "cost": b.cost,
                     **({"over_budget": True} if b.over_budget else {}),
+                    **({"filler": True} if b.filler else {}),
                     **(
                         {"truncated_to": {str(k): v for k, v in b.truncated_to.items()}}
                         if b.truncated_to

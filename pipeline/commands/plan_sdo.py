@@ -38,6 +38,7 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
         epoch_order,
         open_emit_plan,
         print_result,
+        quarantine_line,
         step_json,
     )
     from pipeline.organization.embed_stage import embed_dataset
@@ -71,8 +72,9 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
             emb = embed_dataset(job, limit=args.limit)
             for epoch in range(args.epochs):
                 measured = list(source.epoch(epoch))
+                last = epoch == args.epochs - 1
                 events = none_planner.feed_many(epoch_order(args, measured, epoch))
-                events += none_planner.end_epoch()
+                events += none_planner.end_epoch(last_epoch=last)
                 none_report.samples_in += len(measured)
                 for ev in events:
                     none_report.observe(ev)
@@ -83,20 +85,21 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
                     except ValueError as exc:
                         raise UserError(f"--organization sdo: {exc}") from None
                     planner = StepPlanner(
-                        dataclasses.replace(policy, buffer_size=organization.buffer_size),
+                        dataclasses.replace(policy,
+                                            lookahead_tokens=organization.lookahead_tokens),
                         args.world_size, args.mode, args.seed, args.pool_steps)
                 try:
                     visits = epoch_visits_for(
                         store, job.job_id, organization.graph, epoch, seed=args.seed,
                         coverage_epochs=org.coverage_epochs,
                         visits_per_epoch=org.visits_per_epoch,
-                        repeat_gap=2 * organization.buffer_size)
+                        repeat_gap=organization.repeat_gap)
                 except ValueError as exc:
                     raise UserError(str(exc)) from None
                 samples = visits.planner_samples({m.sample_id: m for m in measured})
                 lost += len(visits.visits) - len(samples)  # quarantined in this epoch only
                 report.samples_in += len(samples)
-                events = planner.feed_many(samples) + planner.end_epoch()
+                events = planner.feed_many(samples) + planner.end_epoch(last_epoch=last)
                 if out is not None:
                     out.write(json.dumps(visits.to_dict(), separators=(",", ":")) + "\n")
                 for ev in events:
@@ -104,7 +107,7 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
                     if out is not None and isinstance(ev, Step):
                         out.write(step_json(ev) + "\n")
                     elif isinstance(ev, Quarantined) and len(quarantine_lines) < _QUARANTINE_SHOWN:
-                        quarantine_lines.append(f"  {ev.sample.sample_id}: {ev.reason}")
+                        quarantine_lines.append(quarantine_line(ev))
                 _batches(events, sdo_batches)
     finally:
         if out is not None:
@@ -126,7 +129,8 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
             "kind": "sdo", "knn_k": org.knn_k, "locality": org.locality,
             "coverage_epochs": org.coverage_epochs,
             "visits_per_epoch": org.visits_per_epoch or graph.size,
-            "planner_buffer_size": organization.buffer_size,
+            "planner_lookahead_tokens": organization.lookahead_tokens,
+            "repeat_gap": organization.repeat_gap,
             "visits_without_sample": lost,
             "graph": {"nodes": graph.size, "k": graph.k, "digest": graph.digest,
                       "max_in_degree": int(graph.in_degree.max()) if graph.size else 0},
@@ -134,8 +138,9 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
                 "made_by": table.made_by, "dim": table.dim, "cached": emb.cached,
                 "path": str(emb.path), "samples_without_vector": organization.without_vector,
                 "quarantined": {"total": len(q),
-                                "by_reason": dict(sorted(Counter(r.reason for r in q).items())),
-                                "examples": [{"sample_id": r.sample_id, "reason": r.reason,
+                                "by_reason": dict(sorted(Counter(r.reason.value
+                                                                 for r in q).items())),
+                                "examples": [{"sample_id": r.sample_id, "reason": r.reason.value,
                                               "detail": r.detail} for r in q[:_SHOWN]]},
             },
             "none": {"padding_efficiency": round(none_report.padding_efficiency, 6),
@@ -150,7 +155,8 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
     text = "\n".join([
         f"organization       sdo: {graph.size} samples in the graph (k={graph.k}), "
         f"{extra['organization']['visits_per_epoch']} visits/epoch, window "
-        f"{organization.buffer_size}, embeddings {'cached' if emb.cached else 'computed'}"
+        f"{organization.lookahead_tokens} tokens, embeddings "
+        f"{'cached' if emb.cached else 'computed'}"
         f" ({table.made_by}, {table.dim}-d), {len(q)} record(s) without a vector",
         f"locality           sdo {_fmt(sdo_loc)}  none {_fmt(none_loc)}  random pairs "
         f"{_fmt(pair_baseline(members))}  (mean pairwise cosine within a batch)",
@@ -159,7 +165,7 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
         f"exposure           min {ex['min']}  p50 {ex['p50']}  max {ex['max']} visits over "
         f"{ex['epochs']} epoch(s); longest unseen run {ex['max_epochs_unseen']} epoch(s)",
     ])
-    return print_result(args, source, report, quarantine_lines, elapsed, extra, text)
+    return print_result(args, source, report, policy, quarantine_lines, elapsed, extra, text)
 
 
 def _round(x: float | None) -> float | None:

@@ -1,14 +1,16 @@
-"""`odb-pipeline serve --config FILE`: Ray preprocessing, planner and gRPC server for the jobs.
+"""`odb-pipeline serve --config FILE`: one serving replica of the jobs in the config.
 
-SIGINT/SIGTERM drain: health goes NOT_SERVING, producers stop, open streams get UNAVAILABLE
-(clients reconnect elsewhere or later), then Ray shuts down.
+Without `redis_url` it starts the embedded default: a private Redis whose AOF lives in
+`state_dir` (printed at start), so restarting `serve` resumes every job where it was. With
+`redis_url` (and `ray.address`) the same command started N times is one service of N replicas.
+SIGINT/SIGTERM drain: health goes NOT_SERVING, open streams get UNAVAILABLE (clients reconnect to
+another replica or later), then Ray is left (a private Ray is shut down).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import threading
 
@@ -24,22 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="override grpc.port (0 = a free port)")
 
 
-def _init_ray(config) -> None:
-    import ray
-
-    # A private local Ray: no token-auth files, workers not starved (see NOTES.md).
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if ray.is_initialized():
-        return
-    if config.ray.address:
-        ray.init(address=config.ray.address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=config.ray.num_cpus, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=config.ray.object_store_mb * 1024 * 1024)
-
-
 def run(args: argparse.Namespace) -> int:
     grpc_over = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     config = load_config(args.config, overrides={"grpc": grpc_over} if grpc_over else None)
@@ -47,41 +33,51 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.config}: no jobs configured (add a `jobs:` list)")
     for job in config.jobs:
         job.token()  # fail now, with the variable's name, if a token is missing
-    from pipeline.observability import configure_logging
+    from pipeline.observability import configure_logging, start_metrics_server
+    from pipeline.ray_runtime import PrivateRay, join_cluster
+    from pipeline.redis_server import LocalRedis
     from pipeline.service.server import start_service
 
     configure_logging(config.log_format, config.log_level)
     embedded = None
     if config.redis_url is None:
-        # The embedded default: a private Redis for this process, stopped on exit.
-        from pipeline.redis_server import LocalRedis
-
-        embedded = LocalRedis().start()
+        embedded = LocalRedis.durable(config.state_dir).start()
         config = config.model_copy(update={"redis_url": embedded.url})
-        log.info("no redis_url configured: started an embedded Redis on port %d", embedded.port)
-    _init_ray(config)
+        print(f"odb-pipeline serve: embedded Redis with its state in {embedded.data_dir}",
+              flush=True)
+    private_ray = None
     try:
-        svc = start_service(config)
-    except OSError as exc:
-        if embedded is not None:
-            embedded.cleanup()
-        raise UserError(str(exc)) from None
-    # After ray.init, which installs its own SIGTERM handler (it would abort the process).
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"odb-pipeline serve: listening on {config.grpc.host}:{svc.port} "
-          f"for job(s) {', '.join(j.job_id for j in config.jobs)}"
-          + (f"; metrics on :{svc.metrics_port}" if svc.metrics_port else ""), flush=True)
-    try:
-        while not stop.wait(0.5):
-            pass
+        if config.ray.address:
+            join_cluster(config.ray.address)
+        else:
+            private_ray = PrivateRay(num_cpus=config.ray.num_cpus,
+                                     object_store_mb=config.ray.object_store_mb,
+                                     prefix="odb-serve-ray-").__enter__()
+        try:
+            svc = start_service(config)
+        except OSError as exc:
+            raise UserError(str(exc)) from None
+        metrics_port = None
+        if config.metrics_port is not None:
+            _, metrics_port = start_metrics_server(config.metrics_port, svc,
+                                                   host=config.grpc.host)
+        # After ray.init, which installs its own SIGTERM handler (it would abort the process).
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"odb-pipeline serve: replica {svc.replica_id} listening on "
+              f"{config.grpc.host}:{svc.port} for job(s) "
+              f"{', '.join(j.job_id for j in config.jobs)}"
+              + (f"; metrics on :{metrics_port}" if metrics_port else ""), flush=True)
+        try:
+            while not stop.wait(0.5):
+                pass
+        finally:
+            print("odb-pipeline serve: draining", flush=True)
+            svc.stop(grace=2.0)
     finally:
-        print("odb-pipeline serve: draining", flush=True)
-        svc.stop(grace=2.0)
-        import ray
-
-        ray.shutdown()
+        if private_ray is not None:
+            private_ray.close()
         if embedded is not None:
             embedded.cleanup()
     print("odb-pipeline serve: stopped", flush=True)

@@ -2,7 +2,7 @@
 
 The project's `connect()` (pipeline/redis_client.py) already retries transient errors with
 bounded exponential backoff; here every coordinator call is wrapped so that, once those retries
-are spent, the caller sees `RedisUnavailable` naming the (password-redacted) URL, never a raw
+are spent, the caller sees `StateUnavailable` naming the (password-redacted) URL, never a raw
 redis-py ConnectionError from deep inside.
 """
 
@@ -15,7 +15,8 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pipeline.redis_client import RedisUnavailable, connect, pool_exhausted, redact
+from pipeline.errors import StateUnavailable
+from pipeline.redis_client import connect, pool_exhausted, redact
 
 
 def open_client(client_or_url: redis.Redis | str, *, retries: int = 5,
@@ -37,10 +38,10 @@ def unavailable_as_error(where: str) -> Iterator[None]:
         yield
     except (RedisConnectionError, RedisTimeoutError) as exc:
         if pool_exhausted(exc):
-            raise RedisUnavailable(
+            raise StateUnavailable(
                 f"Redis client connection pool exhausted for {where}: every connection of the "
                 f"pool was in use ({exc}); Redis itself may be fine. Size the pool for the "
                 "number of concurrent callers (RedisJobState.connect: max_connections, default "
                 "max(64, 2 * world_size + 16))") from exc
-        raise RedisUnavailable(
+        raise StateUnavailable(
             f"Redis coordinator unreachable at {where} after bounded retries: {exc}") from exc

@@ -29,7 +29,7 @@ class JobKeys:
         return f"{PREFIX}:{{{self.job_id}}}:"
 
     @property
-    def meta(self) -> str:  # hash: config and progress scalars
+    def meta(self) -> str:  # hash: config, progress scalars, the producer lease, epoch starts
         return self.base + "meta"
 
     def step(self, n: int) -> str:  # hash: "h" -> header, "<rank>" -> that rank's batch
@@ -67,7 +67,16 @@ class JobKeys:
     def counters(self) -> str:  # hash: counter name -> integer
         return self.base + "counters"
 
+    @property
+    def quarantine_ids(self) -> str:  # set: sample ids ever quarantined (each counted once)
+        return self.base + "qids"
+
+    @property
+    def quarantine(self) -> str:  # list: the first records quarantined, bounded
+        return self.base + "quarantine"
+
     def fixed(self) -> list[str]:
         """All keys except the per-step ones (those are found from meta's step range)."""
         return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
-                self.lease_exp, self.lease, self.lapsed, self.counters]
+                self.lease_exp, self.lease, self.lapsed, self.counters, self.quarantine_ids,
+                self.quarantine]

@@ -11,17 +11,20 @@ import redis
 
 from pipeline.coordinator import registry
 from pipeline.coordinator.connection import unavailable_as_error
-from pipeline.coordinator.redis_job_state import RankHealth, RedisJobState
+from pipeline.coordinator.redis_job_state import RedisJobState
+from pipeline.jobstate.interface import JobCounters, ProducerLease, RankHealth
 
 
 @dataclass(frozen=True)
 class JobSummary:
     job: registry.JobRecord
-    retained_steps: int  # steps still readable in Redis (unacked + history)
+    retained_steps: int  # steps still readable in Redis (the epochs ranks may replay)
     min_acked: int
     ranks: list[RankHealth]
     lapsed_ranks: list[int]
-    counters: dict[str, int]
+    counters: JobCounters
+    producer: ProducerLease | None
+    error: str | None
     epoch_ends: int  # END records published
 
 
@@ -46,5 +49,7 @@ def job_summary(client: redis.Redis, job_id: str) -> JobSummary | None:
         ranks=ranks,
         lapsed_ranks=[r.rank for r in ranks if r.lapsed],
         counters=st.counters(),
+        producer=st.producer_lease(),
+        error=st.error(),
         epoch_ends=n_ends,
     )

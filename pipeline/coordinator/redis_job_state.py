@@ -1,16 +1,17 @@
-"""`RedisJobState`: the `JobState` protocol kept in Redis (keys: docs/redis-schema.md).
+"""`RedisJobState`: the `JobState` contract kept in Redis (keys: docs/redis-schema.md).
 
 Cost per rank per step is O(1) round trips: one HMGET fetches the rank's batch (plus the step
-header), one EVALSHA acknowledges and renews the lease together. A server replica serving many
-ranks can do both for all of them in one round trip each (`get_step_for`, `ack_heartbeat_many`).
-Publishing is one EVALSHA per call whatever the number of steps, and carries the planner
-checkpoint, so a plan and the input position that produced it are never out of step.
+header), one EVALSHA acknowledges and renews the lease together; a replica serving many ranks
+does both for all of them in one round trip each (`get_step_for`, `ack_many`). A publication is
+one EVALSHA whatever its size and carries the planner checkpoint, the counters and the
+quarantine records, so a plan, the input position that produced it and what it counted are never
+out of step; the producer's fencing token is checked inside the same script.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -18,39 +19,37 @@ from redis.exceptions import NoScriptError
 
 from pipeline.coordinator import keys, registry, scripts, step_codec
 from pipeline.coordinator.connection import open_client, unavailable_as_error
-from pipeline.coordinator.errors import (
+from pipeline.errors import (
     AckAheadOfPlan,
     CheckpointConflict,
     DurabilityUnavailable,
+    Fenced,
+    RankHeld,
+    StepConflict,
     StepGap,
     UnknownJob,
 )
+from pipeline.jobstate.interface import (
+    JobCounters,
+    JobState,
+    PlannerCheckpoint,
+    ProducerLease,
+    Publication,
+    QuarantineEntry,
+    RankHealth,
+    RankLease,
+)
 from pipeline.planner.types import EpochEnd, Step, StepInfo
-from pipeline.service.job_state import PlannerCheckpoint, RankHeld, RankLease, StepConflict
 
 if TYPE_CHECKING:
     from pipeline.config import JobConfig
 
-
-@dataclass(frozen=True)
-class RankHealth:
-    """One rank as the failure policy sees it (times in unix seconds, Redis clock)."""
-
-    rank: int
-    acked: int  # last acknowledged step, -1 if none
-    client_id: str | None  # lease holder (None: never claimed or released)
-    lease_expires_at: float | None
-    heartbeat_age: float | None  # seconds since the holder's last claim/heartbeat/ack
-    lapsed_for: float  # seconds since the lease expired; 0.0 while live or without a lease
-
-    @property
-    def lapsed(self) -> bool:
-        return self.lapsed_for > 0.0
+QUARANTINE_LIST_CAP = 10_000  # records listed per job; the counts stay exact past it
 
 
 def pool_size_for(world_size: int) -> int:
-    """Redis connections one server process may use concurrently for a job of `world_size`
-    ranks (an ack reader and a sender per rank stream, the producer, status calls)."""
+    """Redis connections one process may use concurrently for a job of `world_size` ranks (an
+    ack reader and a sender per rank stream, the producer, status calls)."""
     return max(64, 2 * world_size + 16)
 
 
@@ -58,23 +57,19 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-class RedisJobState:
-    """One job's shared state. Constructing it registers the job (or verifies the resume).
+class RedisJobState(JobState):
+    """One job's state in Redis. Constructing it registers the job (or verifies the resume).
 
-    `client_or_url`: a redis-py client (e.g. from `pipeline.redis_client.connect`) or a URL
-    (`redis://user:pass@host:port/db`, `rediss://` for TLS). `history_steps`: how many steps
-    every rank has acknowledged stay readable for operators before they are trimmed.
-    `fsync_publish`: each publish waits until Redis fsynced it (WAITAOF), so a step a rank can
-    see survives a Redis crash even with `appendfsync everysec` (see docs/redis-schema.md).
-    Raises JobMismatch (config hash / world size / mode differ from the stored job),
-    SchemaMismatch, DurabilityUnavailable, RedisUnavailable.
+    `client_or_url`: a redis-py client or a URL (`redis://user:pass@host:port/db`, `rediss://`
+    for TLS). `fsync_publish`: each publication waits until Redis fsynced it (WAITAOF), so a
+    step a rank can see survives a Redis crash even with `appendfsync everysec`. Raises
+    JobMismatch, SchemaMismatch, DurabilityUnavailable, StateUnavailable.
     """
 
     def __init__(self, client_or_url: redis.Redis | str, job_id: str, *, config_hash: str,
-                 world_size: int, mode: str = "join", seed: int = 0, history_steps: int = 64,
-                 retries: int = 5, socket_timeout: float = 5.0,
-                 fsync_publish: bool = False, max_connections: int | None = None,
-                 pool_timeout: float = 30.0) -> None:
+                 world_size: int, mode: str = "join", seed: int = 0, retries: int = 5,
+                 socket_timeout: float = 5.0, fsync_publish: bool = False,
+                 max_connections: int | None = None, pool_timeout: float = 30.0) -> None:
         self.client, self._where = open_client(client_or_url, retries=retries,
                                                socket_timeout=socket_timeout,
                                                max_connections=max_connections,
@@ -89,12 +84,9 @@ class RedisJobState:
                 self._waitaof()  # fail at start, not at the first publish
             self.created = registry.register_job(
                 self.client, job_id, config_hash=config_hash, world_size=world_size,
-                mode=self.mode, seed=seed, history_steps=history_steps)
+                mode=self.mode, seed=seed)
 
     def _waitaof(self, timeout_ms: int = 5000) -> None:
-        """Block until this connection's writes are fsynced to the local AOF (WAITAOF, Redis
-        >= 7.2 / Valkey). Makes a publish durable before any rank can see the step, with
-        `appendfsync everysec` instead of fsyncing every ack (`always`)."""
         try:
             local, _ = self.client.execute_command("WAITAOF", 1, 0, timeout_ms)
         except redis.ResponseError as exc:
@@ -106,24 +98,18 @@ class RedisJobState:
                 f"WAITAOF: the publish was not fsynced within {timeout_ms} ms at {self._where}")
 
     @classmethod
-    def connect(cls, client_or_url: redis.Redis | str, job: JobConfig, *,
-                history_steps: int = 64, retries: int = 5, socket_timeout: float = 5.0,
-                fsync_publish: bool = False, max_connections: int | None = None,
-                pool_timeout: float = 30.0) -> RedisJobState:
-        """The state of a configured job: hash, world size, mode and seed from its JobConfig.
-
-        Given a URL, the client's pool is sized for the job: a server runs one ack reader and
-        one sender per rank stream plus the producer, so `max_connections` defaults to
-        `pool_size_for(world_size)`; it is a BlockingConnectionPool, so a burst past it waits
-        up to `pool_timeout` seconds for a free connection instead of failing with "Too many
-        connections". A client passed in keeps its own pool."""
+    def connect(cls, client_or_url: redis.Redis | str, job: JobConfig, *, retries: int = 5,
+                socket_timeout: float = 5.0, fsync_publish: bool = False,
+                max_connections: int | None = None, pool_timeout: float = 30.0
+                ) -> RedisJobState:
+        """The state of a configured job (hash, world size, mode and seed from its config).
+        Given a URL, the client's blocking pool is sized for the job (`pool_size_for`)."""
         if max_connections is None:
             max_connections = pool_size_for(job.world_size)
         return cls(client_or_url, job.job_id, config_hash=registry.config_hash(job),
-                   world_size=job.world_size, mode=job.mode, seed=job.seed,
-                   history_steps=history_steps, retries=retries, socket_timeout=socket_timeout,
-                   fsync_publish=fsync_publish, max_connections=max_connections,
-                   pool_timeout=pool_timeout)
+                   world_size=job.world_size, mode=job.mode, seed=job.seed, retries=retries,
+                   socket_timeout=socket_timeout, fsync_publish=fsync_publish,
+                   max_connections=max_connections, pool_timeout=pool_timeout)
 
     @classmethod
     def attach(cls, client_or_url: redis.Redis | str, job_id: str, *, retries: int = 5,
@@ -138,6 +124,7 @@ class RedisJobState:
             raise UnknownJob(f"job {job_id!r} is not registered in Redis")
         self.job_id, self.world_size, self.mode = job_id, rec.world_size, rec.mode
         self.keys = keys.JobKeys(job_id)
+        self.fsync_publish = False
         self.created = False
         return self
 
@@ -151,82 +138,82 @@ class RedisJobState:
                 self._raise_mapped(str(exc), rank)
                 raise
 
-    def _raise_mapped(self, msg: str, rank: int | None = None) -> None:
+    def _error_for(self, msg: str, rank: int | None = None) -> Exception | None:
         code, *rest = msg.split()
         job = self.job_id
         if code == "ODB_CONFLICT":
-            raise StepConflict(f"job {job!r}: step {rest[0]} is already published with "
-                               f"different content (steps are write-once)") from None
+            return StepConflict(f"job {job!r}: step {rest[0]} is already published with "
+                                f"different content (steps are write-once)")
         if code == "ODB_END_CONFLICT":
-            raise StepConflict(f"job {job!r}: epoch {rest[0]} already has a different END "
-                               f"record") from None
+            return StepConflict(f"job {job!r}: epoch {rest[0]} already has a different END "
+                                f"record")
         if code == "ODB_GAP":
-            raise StepGap(f"job {job!r}: cannot publish step {rest[0]}, the next step to "
-                          f"publish is {rest[1]} (steps are contiguous)") from None
+            return StepGap(f"job {job!r}: cannot publish step {rest[0]}, the next step to "
+                           f"publish is {rest[1]} (steps are contiguous)")
         if code == "ODB_DONE":
-            raise StepConflict(f"job {job!r} is marked done: no new steps") from None
+            return StepConflict(f"job {job!r} is marked done: no new steps")
         if code == "ODB_CKPT":
             what, got, bound = rest
-            why = ("goes backwards from next_step" if what == "backwards"
+            why = ("goes backwards from" if what == "backwards"
                    else "claims steps that are not published; next unpublished step is")
-            raise CheckpointConflict(f"job {job!r}: checkpoint next_step={got} {why} {bound}"
-                                     ) from None
+            return CheckpointConflict(f"job {job!r}: checkpoint {got} {why} {bound}")
+        if code == "ODB_FENCED":
+            return Fenced(f"job {job!r}: producer generation {rest[0]} may not write "
+                          f"(current: {rest[1]}): another producer took over")
         if code == "ODB_HELD":
             exp_ms, now_ms, holder = int(rest[0]), int(rest[1]), " ".join(rest[2:])
             which = "a rank" if rank is None else f"rank {rank}"
-            raise RankHeld(f"job {job!r}: {which} is held by client {holder!r} for "
-                           f"{(exp_ms - now_ms) / 1000:.1f}s more (lease expires at "
-                           f"{exp_ms / 1000:.3f} unix s)") from None
+            return RankHeld(f"job {job!r}: {which} is held by client {holder!r} for "
+                            f"{(exp_ms - now_ms) / 1000:.1f}s more (lease expires at "
+                            f"{exp_ms / 1000:.3f} unix s)")
         if code == "ODB_AHEAD":
-            raise AckAheadOfPlan(f"job {job!r}: ack of step {rest[0]} but only steps "
-                                 f"through {rest[1]} are published") from None
+            return AckAheadOfPlan(f"job {job!r}: ack of step {rest[0]} but only steps "
+                                  f"through {rest[1]} are published")
         if code == "ODB_NOJOB":
-            raise UnknownJob(f"job {job!r} is not registered in Redis (deleted?)") from None
+            return UnknownJob(f"job {job!r} is not registered in Redis (deleted?)")
+        return None
+
+    def _raise_mapped(self, msg: str, rank: int | None = None) -> None:
+        exc = self._error_for(msg, rank)
+        if exc is not None:
+            raise exc from None
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"job {self.job_id!r}: rank {rank} outside 0..{self.world_size - 1}")
 
-    def _meta(self, field: str) -> bytes | None:
+    def _meta(self, *fields: str) -> list[bytes | None]:
         with unavailable_as_error(self._where):
-            return self.client.hget(self.keys.meta, field)
+            return self.client.hmget(self.keys.meta, list(fields))
 
     # ------------------------------------------------------------ the plan
-    def publish_steps(self, steps: Iterable[Step], checkpoint: PlannerCheckpoint | None = None,
-                      epoch_ends: Iterable[EpochEnd] = ()) -> int:
-        """Publish steps (and END records, and the planner checkpoint) in one atomic script.
-
-        Steps must continue the plan contiguously; a step already published with identical
-        content is a no-op, with different content StepConflict (checked inside Lua, so racing
-        publishers can never create two plans for one step). Nothing is written unless
-        everything is valid. Returns how many steps were new.
-        """
-        args: list[Any] = [self.keys.base, 0]
-        count = 0
-        for step in steps:
+    def publish(self, publication: Publication, *, fence: int) -> int:
+        cp = publication.checkpoint
+        args: list[Any] = [self.keys.base, fence, cp.epoch, cp.samples_consumed, cp.next_step,
+                           step_codec.encode_checkpoint(cp), "1" if publication.done else "0",
+                           publication.samples_in, QUARANTINE_LIST_CAP,
+                           len(publication.steps)]
+        for step in publication.steps:
             header, blobs = step_codec.encode_step(step)
             for b in step.batches:
                 self._check_rank(b.rank)
-            args += [step.epoch, step.step, header, len(blobs)]
+            args += [step.epoch, step.step, header, step.info.step_samples,
+                     step.info.step_tokens, len(blobs)]
             for rank, blob in blobs:
                 args += [rank, blob]
-            count += 1
-        args[1] = count
-        ends = list(epoch_ends)
-        args.append(len(ends))
-        for end in ends:
+        args.append(len(publication.ends))
+        for end in publication.ends:
             args += [end.epoch, step_codec.encode_epoch_end(end)]
-        if checkpoint is None:
-            args.append(0)
-        else:
-            args += [1, checkpoint.next_step, step_codec.encode_checkpoint(checkpoint)]
+        args.append(len(publication.quarantined))
+        for q in publication.quarantined:
+            args += [q.sample_id, q.reason, step_codec.encode_quarantine(q)]
         k = self.keys
-        ks = [k.meta, k.digests, k.ends, k.checkpoint]
+        ks = [k.meta, k.digests, k.ends, k.checkpoint, k.counters, k.quarantine_ids,
+              k.quarantine]
         if not self.fsync_publish:
             new, _ = self._run(scripts.publish, ks, args)
             return int(new)
-        # WAITAOF covers the writes of its own connection: send both in one pipeline (one
-        # connection, one round trip).
+        # WAITAOF covers the writes of its own connection: send both in one pipeline.
         for attempt in (0, 1):
             with unavailable_as_error(self._where):
                 pipe = self.client.pipeline(transaction=False)
@@ -246,11 +233,7 @@ class RedisJobState:
             return int(res[0])
         raise AssertionError("unreachable")
 
-    def publish_step(self, step: Step) -> None:
-        self.publish_steps([step])
-
     def get_step(self, step: int) -> Step | None:
-        """The whole step, or None if not published or already trimmed."""
         with unavailable_as_error(self._where):
             raw = self.client.hgetall(self.keys.step(step))
         if not raw:
@@ -259,10 +242,6 @@ class RedisJobState:
         return step_codec.decode_step(header, {int(r): v for r, v in raw.items()})
 
     def get_step_for(self, step: int, ranks: Sequence[int]) -> Step | None:
-        """The step restricted to `ranks`' batches (info stays the all-rank totals): one HMGET.
-
-        Ranks without a batch at this step are simply absent, as in the full step.
-        """
         with unavailable_as_error(self._where):
             raw = self.client.hmget(self.keys.step(step), ["h", *ranks])
         if raw[0] is None:
@@ -270,21 +249,18 @@ class RedisJobState:
         h = step_codec.decode_header(raw[0])
         wanted = {r: blob for r, blob in zip(ranks, raw[1:], strict=True) if blob is not None}
         return Step(epoch=h["e"], step=h["n"], info=StepInfo(*h["i"]),
-                     batches=tuple(step_codec.decode_batch(wanted[r], r)
-                                   for r in h["r"] if r in wanted))
+                    batches=tuple(step_codec.decode_batch(wanted[r], r)
+                                  for r in h["r"] if r in wanted))
 
     def published_through(self) -> int:
-        v = self._meta("published_through")
+        (v,) = self._meta("published_through")
         if v is None:
             raise UnknownJob(f"job {self.job_id!r} is not registered in Redis (deleted?)")
         return int(v)
 
     def trimmed_through(self) -> int:
-        """Steps <= this were acknowledged by every rank and dropped from Redis."""
-        return int(self._meta("trimmed_through") or -1)
-
-    def publish_epoch_end(self, end: EpochEnd) -> None:
-        self.publish_steps([], epoch_ends=[end])
+        (v,) = self._meta("trimmed_through")
+        return int(v or -1)
 
     def epoch_ends(self) -> list[EpochEnd]:
         with unavailable_as_error(self._where):
@@ -292,31 +268,40 @@ class RedisJobState:
         return sorted((step_codec.decode_epoch_end(v) for v in raw.values()),
                       key=lambda e: e.epoch)
 
-    def carried_over(self, epoch: int) -> tuple:
-        """Quota mode: the samples epoch `epoch` carried into the next one (persisted in END)."""
-        with unavailable_as_error(self._where):
-            raw = self.client.hget(self.keys.ends, epoch)
-        return step_codec.decode_epoch_end(raw).carried_over if raw else ()
-
-    def epoch(self) -> int:
-        return int(self._meta("epoch") or 0)
-
-    def mark_done(self) -> None:
-        with unavailable_as_error(self._where):
-            self.client.hset(self.keys.meta, "state", "done")
-
     def is_done(self) -> bool:
-        return self._meta("state") == b"done"
-
-    # ------------------------------------------------------ planner position
-    def save_checkpoint(self, checkpoint: PlannerCheckpoint) -> None:
-        """CheckpointConflict if it goes backwards or its next_step is not yet published."""
-        self.publish_steps([], checkpoint)
+        return self._meta("state")[0] == b"done"
 
     def load_checkpoint(self) -> PlannerCheckpoint | None:
         with unavailable_as_error(self._where):
             raw = self.client.get(self.keys.checkpoint)
         return step_codec.decode_checkpoint(raw) if raw else None
+
+    # ------------------------------------------------------ the producer lease
+    def claim_producer(self, holder: str, lease_seconds: float) -> int | None:
+        if not holder:
+            raise ValueError("holder must be non-empty")
+        res = self._run(scripts.producer_claim, [self.keys.meta], [holder, _ms(lease_seconds)])
+        return None if isinstance(res, list) else int(res)
+
+    def renew_producer(self, generation: int, lease_seconds: float) -> None:
+        self._run(scripts.producer_renew, [self.keys.meta], [generation, _ms(lease_seconds)])
+
+    def release_producer(self, generation: int) -> None:
+        with contextlib.suppress(Fenced):  # another producer holds it: nothing of ours to release
+            self._run(scripts.producer_renew, [self.keys.meta], [generation, 0])
+
+    def producer_lease(self) -> ProducerLease | None:
+        gen, holder, exp = self._meta("producer_gen", "producer_holder", "producer_exp")
+        if not gen or int(gen) == 0:
+            return None
+        return ProducerLease(int(gen), (holder or b"").decode(), int(exp or 0) / 1000.0)
+
+    def set_error(self, message: str, *, fence: int) -> None:
+        self._run(scripts.set_error, [self.keys.meta], [fence, message])
+
+    def error(self) -> str | None:
+        (v,) = self._meta("error")
+        return v.decode() if v else None
 
     # --------------------------------------------------- ranks: leases, cursors
     def _ack_keys(self) -> list[str]:
@@ -331,68 +316,56 @@ class RedisJobState:
                           "1" if soft else "0"], rank=rank)
 
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
-        """Take or renew the lease; RankHeld while another client's lease is live. A restarted
-        server re-claims with the same client_id at once, or any client after the lapse."""
         if not client_id:
             raise ValueError("client_id must be non-empty")
         exp, _ = self._ack(rank, client_id, lease_seconds, -1)
         return RankLease(rank, client_id, exp / 1000.0)
 
     def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
-        """Renew (or retake after a lapse) the lease. Like MemoryJobState, a heartbeat from a
-        client that lost the rank to another live client changes nothing and raises nothing;
-        returns whether this client holds the lease now."""
         if not client_id:
             raise ValueError("client_id must be non-empty")
         exp, _ = self._ack(rank, client_id, lease_seconds, -1, soft=True)
         return int(exp) != -2
 
-    def ack_heartbeat(self, rank: int, client_id: str, step: int,
-                      lease_seconds: float) -> RankLease:
-        """ack + heartbeat in one EVALSHA: the per-step call of a serving rank."""
-        if not client_id:
-            raise ValueError("client_id must be non-empty")
-        exp, _ = self._ack(rank, client_id, lease_seconds, step)
-        return RankLease(rank, client_id, exp / 1000.0)
+    def ack(self, rank: int, step: int) -> None:
+        if step < 0:
+            return
+        self._ack(rank, "", 0, step)
 
-    def ack_heartbeat_many(self, acks: Sequence[tuple[int, str, int]],
-                           lease_seconds: float) -> None:
-        """(rank, client_id, step) for several ranks a replica serves: one pipelined round trip.
-
-        Not atomic across ranks (each rank's ack is); the first error is raised after all ran.
-        """
-        k = self.keys
+    def ack_many(self, acks: Sequence[tuple[int, int]]) -> list[Exception | None]:
         ks = self._ack_keys()
-        for rank, _, _ in acks:
-            self._check_rank(rank)
+        out: list[Exception | None] = [None] * len(acks)
+        todo = []
+        for i, (rank, step) in enumerate(acks):
+            if not 0 <= rank < self.world_size:
+                out[i] = ValueError(f"job {self.job_id!r}: rank {rank} outside "
+                                    f"0..{self.world_size - 1}")
+            elif step >= 0:
+                todo.append(i)
+        if not todo:
+            return out
         for attempt in (0, 1):
             with unavailable_as_error(self._where):
                 pipe = self.client.pipeline(transaction=False)
-                for rank, cid, step in acks:
-                    pipe.evalsha(scripts.ack.sha, len(ks), *ks, k.base, rank, cid,
-                                 _ms(lease_seconds), step, "0")
+                for i in todo:
+                    rank, step = acks[i]
+                    pipe.evalsha(scripts.ack.sha, len(ks), *ks, self.keys.base, rank, "", 0,
+                                 step, "0")
                 results = pipe.execute(raise_on_error=False)
-            errors = [r for r in results if isinstance(r, Exception)]
-            if attempt == 0 and any(isinstance(e, NoScriptError) for e in errors):
-                # Acks are idempotent (cursor max, lease renew): reload and redo all.
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                # Acks are idempotent (cursor max): reload and redo all.
                 with unavailable_as_error(self._where):
                     self.client.script_load(scripts.ack.source)
                 continue
-            for (rank, _, _), res in zip(acks, results, strict=True):
+            for i, res in zip(todo, results, strict=True):
                 if isinstance(res, Exception):
-                    self._raise_mapped(str(res), rank)
-                    raise res
-            return
+                    out[i] = self._error_for(str(res), acks[i][0]) or res
+            return out
+        raise AssertionError("unreachable")
 
     def release_rank(self, rank: int, client_id: str) -> None:
         self._check_rank(rank)
         self._run(scripts.release, [self.keys.lease, self.keys.lease_exp], [rank, client_id])
-
-    def ack(self, rank: int, step: int) -> None:
-        """Monotonic cursor (lower values ignored); AckAheadOfPlan past published_through."""
-        if step < 0:
-            return
-        self._ack(rank, "", 0, step)
 
     def acked(self, rank: int) -> int:
         self._check_rank(rank)
@@ -401,12 +374,13 @@ class RedisJobState:
         return -1 if v is None else int(v)
 
     def acked_all(self) -> list[int]:
-        """Every rank's cursor in one round trip (ZRANGE), index = rank."""
         with unavailable_as_error(self._where):
             rows = self.client.zrange(self.keys.acked, 0, -1, withscores=True)
         out = [-1] * self.world_size
         for member, score in rows:
-            out[int(member)] = int(score)
+            r = int(member)
+            if r < self.world_size:
+                out[r] = int(score)
         return out
 
     def lease(self, rank: int) -> RankLease | None:
@@ -421,12 +395,6 @@ class RedisJobState:
             return None
         return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0)
 
-    def min_acked(self) -> int:
-        """The slowest rank's cursor: steps after it are still needed by someone."""
-        with unavailable_as_error(self._where):
-            lo = self.client.zrange(self.keys.acked, 0, 0, withscores=True)
-        return int(lo[0][1]) if lo else -1
-
     # ------------------------------------------------------------- failures
     def _lapsed(self, older_than_seconds: float) -> tuple[dict[int, float], set[int]]:
         offset_ms = round(older_than_seconds * 1000) if older_than_seconds > 0 else 0
@@ -437,19 +405,13 @@ class RedisJobState:
         return live, {int(r) for r in history}
 
     def lapsed_ranks(self) -> list[int]:
-        """Ranks whose lease expired without release: lapsed now, or lapsed and since taken
-        over by another client (as MemoryJobState reports them). O(log W + k)."""
         live, history = self._lapsed(0)
         return sorted(set(live) | history)
 
-    def timed_out_ranks(self, rank_timeout_seconds: float) -> dict[int, float]:
-        """Ranks whose lease is lapsed *now* for longer than the timeout -> seconds lapsed.
-        The server's cheap check (O(log W + k)) before telling waiting ranks that a peer is
-        gone (Guarantee 4); a re-claimed rank is no longer listed."""
-        return dict(sorted(self._lapsed(rank_timeout_seconds)[0].items()))
+    def timed_out_ranks(self, timeout_seconds: float) -> dict[int, float]:
+        return dict(sorted(self._lapsed(timeout_seconds)[0].items()))
 
     def rank_health(self) -> list[RankHealth]:
-        """Every rank's cursor, lease and heartbeat age at one instant (O(W), one EVALSHA)."""
         k = self.keys
         now_ms, acked, exps, leases = self._run(scripts.health, [k.acked, k.lease_exp, k.lease],
                                                 [])
@@ -473,25 +435,25 @@ class RedisJobState:
             ))
         return out
 
-    # ------------------------------------------------------------- counters
-    def add_counters(self, samples: int = 0, tokens: int = 0,
-                     quarantined: Mapping[str, int] | None = None) -> None:
-        """Bump the job's counters atomically (MULTI/EXEC, one round trip). A retry after a lost
-        reply may count twice: these are metrics, not the ledger."""
-        with unavailable_as_error(self._where):
-            pipe = self.client.pipeline(transaction=True)
-            if samples:
-                pipe.hincrby(self.keys.counters, "samples_emitted", samples)
-            if tokens:
-                pipe.hincrby(self.keys.counters, "tokens_emitted", tokens)
-            for reason, n in (quarantined or {}).items():
-                pipe.hincrby(self.keys.counters, f"quarantined:{reason}", n)
-            pipe.execute()
-
-    def counters(self) -> dict[str, int]:
+    # ------------------------------------------------------------- counts
+    def counters(self) -> JobCounters:
         with unavailable_as_error(self._where):
             raw = self.client.hgetall(self.keys.counters)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        c = {k.decode(): int(v) for k, v in raw.items()}
+        reasons = {k.split(":", 1)[1]: n for k, n in sorted(c.items())
+                   if k.startswith("quarantined:")}
+        return JobCounters(samples_in=c.get("samples_in", 0),
+                           samples_planned=c.get("samples_planned", 0),
+                           tokens_planned=c.get("tokens_planned", 0),
+                           quarantined=sum(reasons.values()), quarantined_by_reason=reasons,
+                           lease_lapses=c.get("lease_lapses", 0))
+
+    def quarantine(self, limit: int = 1000) -> list[QuarantineEntry]:
+        if limit <= 0:
+            return []
+        with unavailable_as_error(self._where):
+            raw = self.client.lrange(self.keys.quarantine, 0, limit - 1)
+        return [step_codec.decode_quarantine(r) for r in raw]
 
     def close(self) -> None:
         self.client.close()

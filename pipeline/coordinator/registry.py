@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from pipeline.coordinator import keys, scripts
-from pipeline.coordinator.errors import JobMismatch, SchemaMismatch
+from pipeline.errors import JobMismatch, SchemaMismatch
 
 if TYPE_CHECKING:
     from pipeline.config import JobConfig
@@ -33,7 +33,6 @@ class JobRecord:
     epoch: int  # highest epoch with a published step or END
     published_through: int
     trimmed_through: int  # steps <= this are dropped (their digests stay, for write-once)
-    history_steps: int
     checkpoint_next_step: int
     created_at: float  # unix seconds, Redis clock
 
@@ -46,17 +45,15 @@ def config_hash(job: JobConfig) -> str:
 
 
 def register_job(client: redis.Redis, job_id: str, *, config_hash: str, world_size: int,
-                 mode: str, seed: int = 0, history_steps: int = 64) -> bool:
+                 mode: str, seed: int = 0) -> bool:
     """Create the job, or verify a resume matches it. True if created, False if resumed."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if history_steps < 0:
-        raise ValueError(f"history_steps must be >= 0, got {history_steps}")
     k = keys.JobKeys(job_id)
     try:
         created = scripts.register(
             client, [keys.SCHEMA_VERSION_KEY, keys.JOBS_KEY, k.meta, k.acked],
-            [keys.SCHEMA_VERSION, job_id, config_hash, world_size, mode, seed, history_steps])
+            [keys.SCHEMA_VERSION, job_id, config_hash, world_size, mode, seed])
     except redis.ResponseError as exc:
         msg = str(exc)
         if msg.startswith("ODB_SCHEMA"):
@@ -96,7 +93,6 @@ def read_job(client: redis.Redis, job_id: str) -> JobRecord | None:
         epoch=_int(g.get("epoch")),
         published_through=_int(g.get("published_through"), -1),
         trimmed_through=_int(g.get("trimmed_through"), -1),
-        history_steps=_int(g.get("history_steps")),
         checkpoint_next_step=_int(g.get("ckpt_next_step")),
         created_at=_int(g.get("created_ms")) / 1000.0,
     )

@@ -3,9 +3,9 @@
 Scripts are loaded once per client and called by EVALSHA; after a Redis restart (scripts are not
 persisted) the NOSCRIPT reply triggers one SCRIPT LOAD and a retry. Each script validates
 everything before its first write, because a script that errors half-way is not rolled back.
-Times come from the Redis clock (TIME), so leases mean the same to every server replica.
-Errors are replies starting with a code (ODB_CONFLICT, ODB_HELD, ...) that the caller maps to
-Python exceptions.
+Times come from the Redis clock (TIME), so leases mean the same to every replica and producer.
+Errors are replies starting with a code (ODB_CONFLICT, ODB_FENCED, ...) that the caller maps to
+the exceptions of `pipeline.errors`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError
 _NOW = "local _t = redis.call('TIME'); local now = _t[1] * 1000 + math.floor(_t[2] / 1000)\n"
 
 # KEYS: schema_version, jobs, meta, acked
-# ARGV: schema_version, job_id, config_hash, world_size, mode, seed, history_steps
+# ARGV: schema_version, job_id, config_hash, world_size, mode, seed
 REGISTER = _NOW + """
 local v = redis.call('GET', KEYS[1])
 if v and v ~= ARGV[1] then return redis.error_reply('ODB_SCHEMA ' .. v) end
@@ -30,14 +30,13 @@ if m[1] then
   if m[2] ~= ARGV[4] then return redis.error_reply('ODB_JOB world_size ' .. m[2]) end
   if m[3] ~= ARGV[5] then return redis.error_reply('ODB_JOB mode ' .. m[3]) end
   if m[1] ~= ARGV[3] then return redis.error_reply('ODB_JOB config_hash ' .. m[1]) end
-  -- history is an operator knob, not part of the plan: a restart may change it.
-  redis.call('HSET', KEYS[3], 'history_steps', ARGV[7])
   return 0
 end
 if not v then redis.call('SET', KEYS[1], ARGV[1]) end
 redis.call('HSET', KEYS[3], 'config_hash', ARGV[3], 'world_size', ARGV[4], 'mode', ARGV[5],
-  'seed', ARGV[6], 'history_steps', ARGV[7], 'state', 'planning', 'epoch', 0,
-  'published_through', -1, 'trimmed_through', -1, 'ckpt_next_step', 0, 'created_ms', now)
+  'seed', ARGV[6], 'state', 'planning', 'epoch', 0, 'published_through', -1,
+  'trimmed_through', -1, 'trim_epoch', 0, 'ckpt_epoch', -1, 'ckpt_rows', 0, 'ckpt_next_step', 0,
+  'producer_gen', 0, 'producer_holder', '', 'producer_exp', 0, 'created_ms', now)
 -- Every rank starts at -1 so the minimum cursor (what trimming may drop) counts silent ranks.
 local w = tonumber(ARGV[4])
 local r = 0
@@ -52,21 +51,74 @@ redis.call('SADD', KEYS[2], ARGV[2])
 return 1
 """
 
-# KEYS: meta, digests, ends, ckpt
-# ARGV: base, n_steps, [epoch, step, header, n_batches, (rank, blob)*]*, n_ends,
-#       [epoch, blob]*, has_ckpt, ckpt_next_step, ckpt_blob
-# Returns {new_steps, published_through}.
-PUBLISH = """
-local m = redis.call('HMGET', KEYS[1], 'published_through', 'state', 'ckpt_next_step', 'epoch')
+# The producer lease. KEYS: meta. ARGV: holder, lease_ms.
+# Returns the new generation, or {0, holder, expiry} while another holder's lease is live.
+PRODUCER_CLAIM = _NOW + """
+local m = redis.call('HMGET', KEYS[1], 'producer_gen', 'producer_holder', 'producer_exp')
 if not m[1] then return redis.error_reply('ODB_NOJOB') end
+if m[2] ~= '' and m[2] ~= ARGV[1] and tonumber(m[3]) > now then return {0, m[2], m[3]} end
+local gen = tonumber(m[1]) + 1
+redis.call('HSET', KEYS[1], 'producer_gen', gen, 'producer_holder', ARGV[1],
+  'producer_exp', now + tonumber(ARGV[2]))
+return gen
+"""
+
+# KEYS: meta. ARGV: generation, lease_ms (0 = release). Returns 1, or ODB_FENCED.
+PRODUCER_RENEW = _NOW + """
+local g = redis.call('HGET', KEYS[1], 'producer_gen')
+if not g then return redis.error_reply('ODB_NOJOB') end
+if g ~= ARGV[1] then return redis.error_reply('ODB_FENCED ' .. ARGV[1] .. ' ' .. g) end
+local ms = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'producer_exp', ms > 0 and now + ms or 0)
+return 1
+"""
+
+# The fence every producer write checks: the caller's generation is current and its lease live.
+_FENCE = """
+local function fenced(m_gen, m_exp, fence)
+  if m_gen ~= fence then return 'ODB_FENCED ' .. fence .. ' ' .. m_gen end
+  if tonumber(m_exp) <= now then return 'ODB_FENCED ' .. fence .. ' expired' end
+  return nil
+end
+"""
+
+# KEYS: meta. ARGV: generation, message.
+SET_ERROR = _NOW + _FENCE + """
+local m = redis.call('HMGET', KEYS[1], 'producer_gen', 'producer_exp')
+if not m[1] then return redis.error_reply('ODB_NOJOB') end
+local f = fenced(m[1], m[2], ARGV[1])
+if f then return redis.error_reply(f) end
+redis.call('HSET', KEYS[1], 'error', ARGV[2])
+return 1
+"""
+
+# One publication: steps + END records + checkpoint + counters + quarantine, all or nothing.
+# KEYS: meta, digests, ends, ckpt, counters, quarantine_ids, quarantine
+# ARGV: base, fence, ckpt_epoch, ckpt_rows, ckpt_next_step, ckpt_blob, done, samples_in,
+#       quarantine_cap,
+#       n_steps, [epoch, step, header, samples, tokens, n_batches, (rank, blob)*]*,
+#       n_ends, [epoch, blob]*, n_quarantined, [sample_id, reason, record]*
+# Returns {new_steps, published_through}.
+PUBLISH = _NOW + _FENCE + """
+local m = redis.call('HMGET', KEYS[1], 'published_through', 'state', 'ckpt_next_step', 'epoch',
+  'producer_gen', 'producer_exp', 'ckpt_epoch', 'ckpt_rows')
+if not m[1] then return redis.error_reply('ODB_NOJOB') end
+local f = fenced(m[5], m[6], ARGV[2])
+if f then return redis.error_reply(f) end
+local ce, cr = tonumber(ARGV[3]), tonumber(ARGV[4])
+local oe, orows = tonumber(m[7]), tonumber(m[8])
+if ce < oe or (ce == oe and cr < orows) then
+  return redis.error_reply('ODB_CKPT backwards ' .. ce .. ':' .. cr .. ' ' .. oe .. ':' .. orows)
+end
+local retry = ce == oe and cr == orows
 local expect = tonumber(m[1]) + 1
 local epoch = tonumber(m[4])
-local i = 3
+local i = 11
 local new = {}
 local pending = {}
-for s = 1, tonumber(ARGV[2]) do
-  local e, n, nb = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 3])
-  local first, last = i + 4, i + 3 + 2 * nb
+for s = 1, tonumber(ARGV[10]) do
+  local n, nb = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 5])
+  local first, last = i + 6, i + 5 + 2 * nb
   local parts = {ARGV[i + 2]}
   for j = first, last, 2 do parts[#parts + 1] = ARGV[j] .. '=' .. ARGV[j + 1] end
   local d = redis.sha1hex(table.concat(parts, '\\n'))
@@ -74,7 +126,7 @@ for s = 1, tonumber(ARGV[2]) do
   if old then
     if old ~= d then return redis.error_reply('ODB_CONFLICT ' .. n) end
   elseif n == expect then
-    new[#new + 1] = {n, d, i, e}
+    new[#new + 1] = {n, d, i}
     pending[n] = d
     expect = n + 1
   else
@@ -95,28 +147,25 @@ for s = 1, ne do
   end
   i = i + 2
 end
-local has_ckpt = ARGV[i] == '1'
-if has_ckpt then
-  local cn = tonumber(ARGV[i + 1])
-  if cn < tonumber(m[3]) then
-    return redis.error_reply('ODB_CKPT backwards ' .. cn .. ' ' .. m[3])
-  end
-  if cn > expect then return redis.error_reply('ODB_CKPT unpublished ' .. cn .. ' ' .. expect) end
-end
+local cn = tonumber(ARGV[5])
+if cn < tonumber(m[3]) then return redis.error_reply('ODB_CKPT backwards ' .. cn .. ' ' .. m[3]) end
+if cn > expect then return redis.error_reply('ODB_CKPT unpublished ' .. cn .. ' ' .. expect) end
 -- All checks passed: write.
 for _, p in ipairs(new) do
-  local n, d, j, e = p[1], p[2], p[3], p[4]
+  local n, d, j = p[1], p[2], p[3]
+  local e = tonumber(ARGV[j])
   local key = ARGV[1] .. 'step:' .. n
   redis.call('HSET', key, 'h', ARGV[j + 2])
-  local nb = tonumber(ARGV[j + 3])
-  local k = j + 4
-  local stop = j + 3 + 2 * nb
+  local k, stop = j + 6, j + 5 + 2 * tonumber(ARGV[j + 5])
   while k <= stop do
     local chunk = math.min(stop, k + 1999)
     redis.call('HSET', key, unpack(ARGV, k, chunk))
     k = chunk + 1
   end
   redis.call('HSET', KEYS[2], n, d)
+  redis.call('HSETNX', KEYS[1], 'ef:' .. e, n)  -- the epoch's first step (trimming)
+  redis.call('HINCRBY', KEYS[5], 'samples_planned', ARGV[j + 3])
+  redis.call('HINCRBY', KEYS[5], 'tokens_planned', ARGV[j + 4])
   if e > epoch then epoch = e end
 end
 for _, j in ipairs(ends) do
@@ -124,11 +173,23 @@ for _, j in ipairs(ends) do
   local e = tonumber(ARGV[j])
   if e > epoch then epoch = e end
 end
-redis.call('HSET', KEYS[1], 'published_through', expect - 1, 'epoch', epoch)
-if has_ckpt then
-  redis.call('SET', KEYS[4], ARGV[i + 2])
-  redis.call('HSET', KEYS[1], 'ckpt_next_step', ARGV[i + 1])
+if not retry then
+  redis.call('HINCRBY', KEYS[5], 'samples_in', ARGV[8])
+  local nq = tonumber(ARGV[i])
+  i = i + 1
+  local cap = tonumber(ARGV[9])
+  for s = 1, nq do
+    if redis.call('SADD', KEYS[6], ARGV[i]) == 1 then  -- a record is counted and listed once
+      redis.call('HINCRBY', KEYS[5], 'quarantined:' .. ARGV[i + 1], 1)
+      if redis.call('LLEN', KEYS[7]) < cap then redis.call('RPUSH', KEYS[7], ARGV[i + 2]) end
+    end
+    i = i + 3
+  end
 end
+redis.call('HSET', KEYS[1], 'published_through', expect - 1, 'epoch', epoch,
+  'ckpt_next_step', cn, 'ckpt_epoch', ce, 'ckpt_rows', cr)
+redis.call('SET', KEYS[4], ARGV[6])
+if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'state', 'done') end
 return {#new, expect - 1}
 """
 
@@ -137,6 +198,10 @@ return {#new, expect - 1}
 # ARGV: base, rank, client_id ('' = no lease change), lease_ms, step (< 0 = no ack),
 #       soft ('1': another live holder is not an error, nothing changes, returns -2)
 # Returns {lease_expiry_ms (-1 if no lease change, -2 if soft-refused), now_ms}.
+#
+# Trimming keeps the plan of the epoch the slowest rank is in and of the one before it, so any
+# step of the current epoch can be replayed (a trainer restored from an old checkpoint): steps
+# before the first step of epoch (E - 1) go, E being the epoch of the slowest rank's next step.
 ACK = _NOW + """
 local rank, cid = ARGV[2], ARGV[3]
 local step = tonumber(ARGV[5])
@@ -157,7 +222,7 @@ if cid ~= '' then
 end
 local m
 if step >= 0 then
-  m = redis.call('HMGET', KEYS[1], 'published_through', 'trimmed_through', 'history_steps')
+  m = redis.call('HMGET', KEYS[1], 'published_through', 'trimmed_through', 'trim_epoch')
   if not m[1] then return redis.error_reply('ODB_NOJOB') end
   if step > tonumber(m[1]) then return redis.error_reply('ODB_AHEAD ' .. step .. ' ' .. m[1]) end
 end
@@ -173,15 +238,22 @@ if cid ~= '' then
 end
 if step >= 0 then
   redis.call('ZADD', KEYS[2], 'GT', step, rank)
-  -- Trim steps every rank acknowledged, beyond the retained history; at most 64 per call so
-  -- no single ack runs long (the rest goes with the next acks): amortized O(1) per step.
   local lo = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-  local floor = tonumber(lo[2]) - tonumber(m[3])
-  local tt = tonumber(m[2])
-  if floor > tt then
-    local upto = math.min(floor, tt + 64)
-    for n = tt + 1, upto do redis.call('UNLINK', ARGV[1] .. 'step:' .. n) end
-    redis.call('HSET', KEYS[1], 'trimmed_through', upto)
+  local need = tonumber(lo[2]) + 1
+  local te = tonumber(m[3])
+  while true do
+    local f = redis.call('HGET', KEYS[1], 'ef:' .. (te + 1))
+    if f and tonumber(f) <= need then te = te + 1 else break end
+  end
+  if te ~= tonumber(m[3]) then redis.call('HSET', KEYS[1], 'trim_epoch', te) end
+  if te >= 1 then
+    local keep = tonumber(redis.call('HGET', KEYS[1], 'ef:' .. (te - 1)) or 0)
+    local tt = tonumber(m[2])
+    if keep - 1 > tt then
+      local upto = math.min(keep - 1, tt + 64)  -- at most 64 per call: amortized O(1)
+      for n = tt + 1, upto do redis.call('UNLINK', ARGV[1] .. 'step:' .. n) end
+      redis.call('HSET', KEYS[1], 'trimmed_through', upto)
+    end
   end
 end
 return {exp, now}
@@ -231,9 +303,11 @@ class Script:
 
 
 register = Script(REGISTER)
+producer_claim = Script(PRODUCER_CLAIM)
+producer_renew = Script(PRODUCER_RENEW)
+set_error = Script(SET_ERROR)
 publish = Script(PUBLISH)
 ack = Script(ACK)
 release = Script(RELEASE)
 lapsed = Script(LAPSED)
 health = Script(HEALTH)
-ALL = (register, publish, ack, release, lapsed, health)

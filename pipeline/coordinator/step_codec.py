@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pipeline.jobstate.interface import PlannerCheckpoint, QuarantineEntry
 from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
-from pipeline.service.job_state import PlannerCheckpoint
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
 
@@ -43,6 +43,8 @@ def encode_batch(b: Batch) -> bytes:
     d: dict[str, Any] = {"s": [_sample(s) for s in b.samples], "c": int(b.cost)}
     if b.over_budget:
         d["o"] = 1
+    if b.filler:
+        d["f"] = 1
     if b.truncated_to:
         pairs = sorted(((_sid(k), int(v)) for k, v in b.truncated_to.items()),
                        key=lambda kv: _sid_key(kv[0]))
@@ -57,6 +59,7 @@ def decode_batch(data: bytes, rank: int) -> Batch:
         samples=tuple(_unsample(v) for v in d["s"]),
         cost=d["c"],
         over_budget=bool(d.get("o", 0)),
+        filler=bool(d.get("f", 0)),
         truncated_to={k: v for k, v in d.get("t", ())},
     )
 
@@ -116,3 +119,12 @@ def decode_checkpoint(data: bytes) -> PlannerCheckpoint:
     d = json.loads(data)
     return PlannerCheckpoint(epoch=d["e"], samples_consumed=d["c"], next_step=d["n"],
                              state=d["s"].encode("latin-1"))
+
+
+def encode_quarantine(q: QuarantineEntry) -> bytes:
+    return _dumps({"i": q.sample_id, "r": q.reason, "d": q.detail}).encode()
+
+
+def decode_quarantine(data: bytes) -> QuarantineEntry:
+    d = json.loads(data)
+    return QuarantineEntry(d["i"], d["r"], d["d"])

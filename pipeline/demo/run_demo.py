@@ -8,12 +8,10 @@ service only over gRPC, as they would on a cluster. Every rank writes a per-step
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +29,7 @@ class DemoOptions:
     out_dir: Path
     ranks: int = 2
     token_budget: int = 4096
-    buffer_size: int = 128
+    max_window_samples: int = 128
     pool_steps: int = 4  # small balancing pool: the first step streams after ~130 samples
     collate: str = "padded"
     epochs: int = 1
@@ -56,7 +54,8 @@ def demo_config(opts: DemoOptions, redis_url: str) -> ServiceConfig:
             "seed": opts.seed,
             "epochs": opts.epochs,
             "source": {"paths": opts.data},
-            "batching": {"token_budget": opts.token_budget, "buffer_size": opts.buffer_size,
+            "batching": {"token_budget": opts.token_budget,
+                         "max_window_samples": opts.max_window_samples,
                          "pool_steps": opts.pool_steps, "collate": opts.collate,
                          "over_budget": "truncate"},
         }],
@@ -147,19 +146,15 @@ def _standard_batches(samples: list, opts: DemoOptions, path: Path) -> int:
 
 def run_demo(opts: DemoOptions) -> dict:
     """Run ODB (and, with `standard`, the fixed-size baseline); return the report dict."""
-    import ray
-
     from pipeline.demo.report import build_report, write_outputs
+    from pipeline.ray_runtime import PrivateRay
     from pipeline.service.server import start_service
 
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     token = os.urandom(16).hex()
     opts.extra_env[TOKEN_ENV] = token
     redis = None if opts.redis_url else LocalRedis().start()
-    ray_tmp = tempfile.mkdtemp(prefix="odb-demo-ray-", dir="/tmp")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray = PrivateRay(num_cpus=2, prefix="odb-demo-ray-")
     svc = None
     procs: list[subprocess.Popen] = []
     runs: dict[str, dict] = {}
@@ -167,9 +162,7 @@ def run_demo(opts: DemoOptions) -> dict:
         config = demo_config(opts, opts.redis_url or redis.url)
         print(f"demo: redis {'(embedded) ' if redis else ''}ready; starting local Ray...",
               file=sys.stderr)
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_tmp, log_to_driver=False,
-                 logging_level=logging.WARNING, object_store_memory=256 * 1024 * 1024)
-        logging.getLogger("ray.data").setLevel(logging.WARNING)  # keep the progress bar clean
+        ray.__enter__()
         svc = start_service(config, tokens={DEMO_JOB: token})
         print(f"demo: service on {svc.address}; {opts.ranks} trainer ranks (gloo DDP, Join)",
               file=sys.stderr)
@@ -179,12 +172,13 @@ def run_demo(opts: DemoOptions) -> dict:
         procs = _spawn_ranks(opts, odb_logs, ["--endpoint", svc.address, "--job", DEMO_JOB,
                                               "--token-env", TOKEN_ENV])
         _watch(procs, odb_logs, total, "odb", opts.rank_timeout_s)
-        runtime = svc.runtimes[DEMO_JOB]
+        state = svc.runtimes[DEMO_JOB].state
         runs["odb"] = {
             "logs": odb_logs,
-            "quarantined": list(runtime.quarantined),
+            "quarantined": [f"{q.sample_id}: {q.reason}: {q.detail}"
+                            for q in state.quarantine()],
             # over_budget=truncate: the planner quarantines nothing, every sample must arrive.
-            "expected_samples": runtime.samples_in,
+            "expected_samples": state.counters().samples_in,
             "epochs": opts.epochs,
         }
         if opts.standard:
@@ -212,9 +206,7 @@ def run_demo(opts: DemoOptions) -> dict:
                 p.wait(10)
         if svc is not None:
             svc.stop()
-        if ray.is_initialized():
-            ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        ray.close()
         if redis is not None:
             redis.cleanup()
     report = build_report(runs, opts)

@@ -100,7 +100,8 @@ class _Handler(BaseHTTPRequestHandler):
 def start_metrics_server(port: int, running_service: RunningService, *,
                          host: str = "0.0.0.0") -> tuple[MetricsServer, int]:
     """Serve metrics + status for `running_service` on `port` (0 = a free port), in a daemon
-    thread. Returns (server, bound port); `server.close()` stops it."""
-    view = ServiceView(running_service.runtimes)
+    thread, stopped with the service. Returns (server, bound port)."""
+    view = ServiceView(running_service.runtimes, running_service.replica_id)
     httpd = MetricsServer((host, port), view).start()
+    running_service.on_stop.append(httpd.close)
     return httpd, httpd.port

@@ -1,13 +1,14 @@
-"""Emission counters derived from the published plan, so the data plane keeps no second ledger.
+"""Consumption counters derived from the published plan, so the data plane keeps no ledger.
 
-A step is write-once and every rank's delivered step is known (`RankInfo.delivered`), so "what
-was emitted to rank r" is exactly "r's batches in published steps up to the highest step sent to
-r". `PlanTotals` scans each newly published step once (incrementally, on scrape), keeps per-step
-per-rank figures only until every rank present in the step has been counted, and sums them.
+A step is write-once and every rank's acknowledged step is in the job state, so "what rank r
+consumed" is exactly "r's batches in published steps up to r's cursor": the same figure on every
+replica, whichever replica served the rank. `PlanTotals` scans each newly published step once
+(incrementally, on scrape), keeps per-step per-rank figures only until every rank present in the
+step has been counted, and sums them.
 
-Counting starts at the lowest acknowledged step seen when the tracker is created: a restarted
-server (plan kept in Redis) reports what *it* emitted, and Prometheus treats the fresh counters as
-a reset. Steps trimmed from Redis before they were scanned are skipped (counted in `steps_missing`).
+Counting starts at the lowest acknowledged step seen when the tracker is created (a replica that
+starts later reports from there; Prometheus treats the fresh counters as a reset). Steps trimmed
+from the state before they were scanned are skipped (counted in `steps_missing`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ import bisect
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from pipeline.jobstate.interface import JobState
 from pipeline.planner.types import Batch, Step
-
-if TYPE_CHECKING:
-    from pipeline.service.job_runtime import JobRuntime
 
 STALL_AFTER_S = 30.0  # a rank with waiting work and no ack progress this long is "stalled"
 
@@ -56,12 +54,13 @@ def batch_figures(batch: Batch, collate: str) -> BatchFigures:
 class PlanTotals:
     """Per-job totals; `update()` is cheap when nothing new was published or delivered."""
 
-    def __init__(self, rt: JobRuntime) -> None:
-        self.rt = rt
+    def __init__(self, state: JobState, collate: str) -> None:
+        self.state = state
+        self.collate = collate
         self.started_at = time.time()
         self._lock = threading.Lock()
-        w = rt.world_size
-        acked = [rt.state.acked(r) for r in range(w)]
+        w = state.world_size
+        acked = state.acked_all()
         start = min(acked, default=-1)
         self.scanned_through = start  # highest published step already scanned
         self.published_samples = 0  # all-rank samples of scanned steps (for the planner buffer)
@@ -71,14 +70,14 @@ class PlanTotals:
         self._unacked: list[list[int]] = [[] for _ in range(w)]  # rank -> its steps > acked
 
     def update(self, acked: list[int] | None = None) -> None:
-        """Catch up with the plan and the ranks; `acked` (index = rank) saves W reads."""
+        """Catch up with the plan and the ranks' cursors (`acked`, index = rank: one read)."""
         if acked is None:
-            acked = [self.rt.state.acked(r) for r in range(len(self.ranks))]
+            acked = self.state.acked_all()
         with self._lock:
             self._scan_published()
             now = time.time()
             for r, tot in enumerate(self.ranks):
-                self._count_rank(r, tot)
+                self._count_rank(r, tot, acked[r])
                 if acked[r] != tot.last_acked:
                     tot.last_acked, tot.progress_at = acked[r], now
                 steps = self._unacked[r]
@@ -90,23 +89,22 @@ class PlanTotals:
                 del self._pending[n]
 
     def _scan_published(self) -> None:
-        through = self.rt.state.published_through()
+        through = self.state.published_through()
         for n in range(self.scanned_through + 1, through + 1):
-            step: Step | None = self.rt.state.get_step(n)
+            step: Step | None = self.state.get_step(n)
             self.scanned_through = n
             if step is None:  # trimmed before we saw it
                 self.steps_missing += 1
                 continue
             self.published_samples += step.info.step_samples
-            self._pending[n] = {b.rank: batch_figures(b, self.rt.collate) for b in step.batches}
+            self._pending[n] = {b.rank: batch_figures(b, self.collate) for b in step.batches}
             for b in step.batches:
                 self._unacked[b.rank].append(n)
 
-    def _count_rank(self, rank: int, tot: RankTotals) -> None:
-        delivered = self.rt.ranks[rank].delivered
-        if delivered <= tot.counted_through:
+    def _count_rank(self, rank: int, tot: RankTotals, acked: int) -> None:
+        if acked <= tot.counted_through:
             return
-        for n in sorted(k for k in self._pending if tot.counted_through < k <= delivered):
+        for n in sorted(k for k in self._pending if tot.counted_through < k <= acked):
             fig = self._pending[n].get(rank)
             if fig is not None:
                 tot.batches += 1
@@ -114,7 +112,7 @@ class PlanTotals:
                 tot.tokens += fig.tokens
                 tot.padded_tokens += fig.padded_tokens
                 tot.cost += fig.cost
-        tot.counted_through = delivered
+        tot.counted_through = acked
 
     def lag(self, rank: int) -> int:
         """Published steps of `rank` after its last ack (as of the last update)."""

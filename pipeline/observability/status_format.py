@@ -35,21 +35,24 @@ def _job(job: dict[str, Any], show_records: bool) -> list[str]:
         lines.append(f"  padding efficiency {_pct(job.get('padding_efficiency'))}  "
                      f"budget utilisation {_pct(job.get('budget_utilisation'))}  "
                      f"(token budget {_v(job.get('token_budget'))})")
-    if "planner_buffer_samples" in job:
-        lines.append(f"  planner buffer {job['planner_buffer_samples']} samples  "
-                     f"payload cache {job['payload_cache_samples']} samples  "
-                     f"source backlog {_v(job.get('source_backlog_samples'))}")
-    header = ("rank", "delivered", "acked", "lag", "connected", "heartbeat", "stalled",
+    prod = job.get("producer")
+    if prod:
+        lines.append(f"  producer generation {prod['generation']} "
+                     f"({'live' if prod['live'] else 'no live lease'}) held by {prod['holder']}")
+    header = ("rank", "delivered*", "acked", "lag", "connected*", "heartbeat", "stalled",
               "lapsed", "client")
     rows = [header] + [(
-        str(r["rank"]), _v(r.get("delivered_step")), _v(r.get("acked_step")),
-        _v(r.get("lag_steps")), _v(r.get("connected")),
+        str(r["rank"]), _v((r.get("replica") or {}).get("delivered_step")),
+        _v(r.get("acked_step")), _v(r.get("lag_steps")),
+        _v((r.get("replica") or {}).get("connected")),
         _v(r.get("heartbeat_age_s"), "{:.1f}s"), _v(r.get("stalled")), _v(r.get("lapsed")),
         r.get("client_id") or "-",
     ) for r in job.get("ranks", [])]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
+    replica = (job.get("replica") or {}).get("id")
+    lines.append(f"  * as seen by replica {replica or '-'}")
     q = job.get("quarantine") or {}
     reasons = q.get("by_reason")
     lines.append(f"  quarantined {q.get('total', 0)}"
@@ -65,7 +68,7 @@ def _job(job: dict[str, Any], show_records: bool) -> list[str]:
     if "redis" in job:
         rd = job["redis"]
         lines.append(f"  redis: state={rd['state']}  retained_steps={rd['retained_steps']}  "
-                     f"min_acked={rd['min_acked']}  counters={rd['counters'] or {}}")
+                     f"min_acked={rd['min_acked']}")
     return lines
 
 

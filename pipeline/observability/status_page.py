@@ -41,8 +41,7 @@ def _job(job: dict[str, Any]) -> str:
         f'budget utilisation {_pct(job["budget_utilisation"])}, '
         f'{t["samples_per_s"]:.1f} samples/s, {t["tokens_per_s"]:.0f} tokens/s '
         f'<span class="muted">(since start)</span>; '
-        f'planner buffer {job["planner_buffer_samples"]}, '
-        f'payload cache {job["payload_cache_samples"]} samples; '
+        f'{job["planned"]["samples"]} samples planned; '
         f'quarantined {q["total"]} '
         + escape(", ".join(f"{k}={v}" for k, v in q["by_reason"].items())) + "</p>"
     )
@@ -54,17 +53,19 @@ def _job(job: dict[str, Any]) -> str:
                                    "is-lapsed" if r["lapsed"] else "") if c)
         rows.append(
             f'<tr data-rank="{r["rank"]}" class="{cls}">' + "".join([
-                _cell("rank", r["rank"]), _cell("delivered", r["delivered_step"]),
+                _cell("rank", r["rank"]),
+                _cell("delivered", r["replica"]["delivered_step"]),
                 _cell("acked", r["acked_step"]), _cell("lag", r["lag_steps"]),
-                _cell("connected", "yes" if r["connected"] else "no", num=False),
+                _cell("connected", "yes" if r["replica"]["connected"] else "no", num=False),
                 _cell("stalled", "yes" if r["stalled"] else "no", num=False),
                 _cell("batches", r["batches_emitted"]), _cell("samples", r["samples_emitted"]),
                 _cell("tokens", r["tokens_emitted"]),
                 _cell("client", r["client_id"] or "—", num=False),
             ]) + "</tr>")
     table = (
-        f'<table class="ranks" data-job="{jid}"><tr><th>rank</th><th>delivered step</th>'
-        "<th>acked step</th><th>lag (steps)</th><th>connected</th><th>stalled</th>"
+        f'<table class="ranks" data-job="{jid}"><tr><th>rank</th>'
+        "<th>delivered step (this replica)</th><th>acked step</th><th>lag (steps)</th>"
+        "<th>connected here</th><th>stalled</th>"
         "<th>batches</th><th>samples</th><th>tokens</th><th>client</th></tr>"
         + "".join(rows) + "</table>"
     )

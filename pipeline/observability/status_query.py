@@ -70,9 +70,11 @@ def _grpc_job(src: Sources, job_id: str) -> dict[str, Any]:
         "error": st.error or None, "samples_in": st.samples_in,
         "quarantine": {"total": st.quarantined},
         "lapsed_ranks": list(st.lapsed_ranks),
-        "ranks": [{"rank": r.rank, "client_id": r.client_id, "connected": r.connected,
-                   "delivered_step": r.delivered_step, "acked_step": r.acked_step}
+        "ranks": [{"rank": r.rank, "acked_step": r.acked_step,
+                   "replica": {"connected": r.connected, "delivered_step": r.delivered_step,
+                               "client_id": r.client_id}}
                   for r in st.ranks],
+        "replica": {"id": st.replica_id},
         "epoch_ends": [{"epoch": e.epoch, "steps": e.steps, "final_step": list(e.final_step),
                         "carried_over": e.carried_over} for e in st.epoch_ends],
     }
@@ -100,13 +102,14 @@ def _http_snapshot(src: Sources, job: str | None) -> dict[str, Any]:
 def _redis(src: Sources) -> Any:
     from redis.exceptions import RedisError
 
-    from pipeline.redis_client import RedisUnavailable, connect, redact
+    from pipeline.errors import StateUnavailable
+    from pipeline.redis_client import connect, redact
 
     if src._redis is None:
         try:
             src._redis = connect(src.redis_url, retries=1, socket_timeout=RPC_TIMEOUT_S)
             src._redis.ping()
-        except (RedisUnavailable, OSError, RedisError) as exc:
+        except (StateUnavailable, OSError, RedisError) as exc:
             raise UserError(f"cannot reach Redis at {redact(src.redis_url)} ({exc})") from None
     return src._redis
 
@@ -118,7 +121,7 @@ def _redis_call(src: Sources, fn: Any, *args: Any) -> Any:
         return fn(_redis(src), *args)
     except UserError:
         raise
-    except Exception as exc:  # RedisUnavailable and redis-py errors: one line
+    except Exception as exc:  # StateUnavailable and redis-py errors: one line
         raise UserError(f"Redis at {redact(src.redis_url)}: {exc}") from None
 
 
@@ -128,11 +131,19 @@ def _redis_job(src: Sources, job_id: str) -> dict[str, Any] | None:
     s = _redis_call(src, job_summary, job_id)
     if s is None:
         return None
+    c = s.counters
     return {
         "state": s.job.state, "world_size": s.job.world_size, "mode": s.job.mode,
         "published_through": s.job.published_through,
         "trimmed_through": s.job.trimmed_through, "retained_steps": s.retained_steps,
-        "min_acked": s.min_acked, "epoch_ends": s.epoch_ends, "counters": s.counters,
+        "min_acked": s.min_acked, "epoch_ends": s.epoch_ends,
+        "samples_in": c.samples_in, "planned": {"samples": c.samples_planned,
+                                                "tokens": c.tokens_planned},
+        "quarantine": {"total": c.quarantined, "by_reason": dict(c.quarantined_by_reason)},
+        "lease_lapses": c.lease_lapses, "error": s.error,
+        "producer": None if s.producer is None else {
+            "generation": s.producer.generation, "holder": s.producer.holder,
+            "live": s.producer.expires_at > time.time()},
         "lapsed_ranks": s.lapsed_ranks, "created_at": s.job.created_at,
         "ranks": [{"rank": h.rank, "acked_step": h.acked, "client_id": h.client_id,
                    "heartbeat_age_s": h.heartbeat_age, "lapsed_for_s": h.lapsed_for}
@@ -142,18 +153,13 @@ def _redis_job(src: Sources, job_id: str) -> dict[str, Any] | None:
 
 # --- merging ----------------------------------------------------------------------------------
 def _from_redis_only(job_id: str, r: dict[str, Any]) -> dict[str, Any]:
-    c = r["counters"]
     return {
         "job_id": job_id, "world_size": r["world_size"], "mode": r["mode"],
         "published_through": r["published_through"], "done": r["state"] == "done",
-        "error": None, "lapsed_ranks": r["lapsed_ranks"],
+        "error": r["error"], "lapsed_ranks": r["lapsed_ranks"], "samples_in": r["samples_in"],
+        "planned": r["planned"], "producer": r["producer"], "quarantine": r["quarantine"],
         "ranks": [{"rank": h["rank"], "acked_step": h["acked_step"],
                    "client_id": h["client_id"] or ""} for h in r["ranks"]],
-        "totals": {"samples_emitted": c.get("samples_emitted", 0),
-                   "tokens_emitted": c.get("tokens_emitted", 0)},
-        "quarantine": {"total": sum(v for k, v in c.items() if k.startswith("quarantined:")),
-                       "by_reason": {k.split(":", 1)[1]: v for k, v in c.items()
-                                     if k.startswith("quarantined:")}},
     }
 
 
@@ -182,8 +188,7 @@ def _merge(job_id: str, grpc_job: dict | None, http_job: dict | None,
     pt = out.get("published_through", -1)
     for r in out.get("ranks", []):
         r.setdefault("lag_steps", max(0, pt - r.get("acked_step", -1)))
-        r.setdefault("delivered_step", None)
-        r.setdefault("connected", None)
+        r.setdefault("replica", None)
         r.setdefault("stalled", None)
         r.setdefault("lapsed", r["rank"] in out.get("lapsed_ranks", []))
     if "state" not in out or http_job is None:

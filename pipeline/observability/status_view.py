@@ -1,8 +1,11 @@
-"""One JSON-able picture of the jobs a running service serves: the single source for `/metrics`,
+"""One JSON-able picture of the jobs a replica serves: the single source for `/metrics`,
 `/status.json`, the HTML page and `odb-pipeline status`, so every view shows the same numbers.
 
-Everything is read from the live `JobRuntime`s at call time (no double bookkeeping); emission
-totals come from the published plan (`plan_totals.py`).
+Job-wide facts are read from each job's state (the same on every replica: plan, cursors,
+counters, quarantine, producer lease, errors); consumption totals are derived from the plan up
+to each rank's acknowledged step (`plan_totals.py`), so they are exact with N replicas. What only
+this replica knows (which ranks are connected *here*, what it delivered, which payloads it
+fetched) comes from the runtimes' published `facts()` and sits under `replica` keys.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline.observability.plan_totals import STALL_AFTER_S, PlanTotals
-from pipeline.observability.quarantine import PLANNER_REASONS, by_reason, parse_record
 
 if TYPE_CHECKING:
     from pipeline.service.job_runtime import JobRuntime
@@ -61,30 +63,23 @@ def rates(now: Mapping[str, int], before: Mapping[str, int] | None, window_s: fl
     }
 
 
-def _last_finals(rt: JobRuntime) -> list[int] | None:
-    ends = sorted(rt.state.epoch_ends(), key=lambda e: e.epoch)
-    if len(ends) < rt.job.epochs:
-        return None
-    return [-1 if s is None else s for s in ends[-1].final_step]
-
-
 class ServiceView:
-    """Snapshots of `runtimes` (RunningService.runtimes); one PlanTotals per job."""
+    """Snapshots of a replica's jobs (`RunningService.runtimes`); one PlanTotals per job."""
 
-    def __init__(self, runtimes: Mapping[str, JobRuntime]) -> None:
+    def __init__(self, runtimes: Mapping[str, JobRuntime], replica_id: str = "") -> None:
         self.runtimes = runtimes
+        self.replica_id = replica_id
         self.started_at = time.time()
         self._lock = threading.Lock()
         self._totals: dict[str, PlanTotals] = {}
-        for job_id in list(runtimes):
-            self._tracker(job_id)
+        for rt in runtimes.values():  # count from the cursors as they are now
+            self._tracker(rt)
 
-    def _tracker(self, job_id: str) -> PlanTotals:
+    def _tracker(self, rt: JobRuntime) -> PlanTotals:
         with self._lock:
-            rt = self.runtimes[job_id]
-            pt = self._totals.get(job_id)
-            if pt is None or pt.rt is not rt:
-                pt = self._totals[job_id] = PlanTotals(rt)
+            pt = self._totals.get(rt.job.job_id)
+            if pt is None or pt.state is not rt.state:
+                pt = self._totals[rt.job.job_id] = PlanTotals(rt.state, rt.collate)
             return pt
 
     def job_ids(self) -> list[str]:
@@ -93,68 +88,72 @@ class ServiceView:
     def snapshot(self, *, job: str | None = None, quarantine: bool = False) -> dict[str, Any]:
         ids = [job] if job is not None else self.job_ids()
         return {"generated_at": time.time(), "service_started_at": self.started_at,
+                "replica_id": self.replica_id,
                 "jobs": [self.job(j, quarantine=quarantine) for j in ids if j in self.runtimes]}
 
     def job(self, job_id: str, *, quarantine: bool = False) -> dict[str, Any]:
         rt = self.runtimes[job_id]
-        pt = self._tracker(job_id)
         st = rt.state
-        # One read of every cursor (RedisJobState has a batch call; W calls otherwise).
-        acked = (st.acked_all() if hasattr(st, "acked_all")
-                 else [st.acked(r) for r in range(rt.world_size)])
+        pt = self._tracker(rt)
+        health = st.rank_health()  # every cursor, lease and heartbeat at one instant
+        acked = [h.acked for h in health]
         pt.update(acked)
         now = time.time()
         lapsed = set(st.lapsed_ranks())
-        health = {h.rank: h for h in st.rank_health()} if hasattr(st, "rank_health") else {}
+        facts = rt.facts()
         ranks = []
-        for r, info in enumerate(rt.ranks):
+        for h in health:
+            r = h.rank
             tot = pt.ranks[r]
             lag = pt.lag(r)
             quiet = pt.seconds_since_progress(r, now)
-            h = health.get(r)
+            conn = facts.ranks[r]
             ranks.append({
-                "rank": r, "client_id": info.client_id, "connected": info.connected,
-                "delivered_step": info.delivered, "acked_step": acked[r], "lag_steps": lag,
+                "rank": r, "acked_step": h.acked, "lag_steps": lag,
                 "seconds_since_progress": round(quiet, 3),
                 "stalled": lag > 0 and quiet >= STALL_AFTER_S,
-                "lapsed": r in lapsed,
-                "heartbeat_age_s": h.heartbeat_age if h is not None else None,
+                "lapsed": r in lapsed, "client_id": h.client_id or "",
+                "heartbeat_age_s": h.heartbeat_age,
                 "batches_emitted": tot.batches, "samples_emitted": tot.samples,
                 "tokens_emitted": tot.tokens, "padded_tokens": tot.padded_tokens,
                 "batch_cost": tot.cost,
+                "replica": {"connected": conn.connected, "delivered_step": conn.delivered,
+                            "samples_fetched": facts.fetched_by_rank.get(r, 0)},
             })
         totals = {k: sum(r[k] for r in ranks) for k in TOTAL_KEYS}
-        records = list(rt.quarantined)  # a copy: the producer appends concurrently
-        reasons = by_reason(records)
-        planner_q = sum(n for reason, n in reasons.items() if reason in PLANNER_REASONS)
+        counts = st.counters()
         done = st.is_done()
-        # Fed to the planner but not yet in a published step (window + balancing pool).
-        buffer = 0 if done else max(0, rt.samples_in - pt.published_samples - planner_q)
-        backlog = getattr(rt.source, "backlog", None)  # optional SourceSample hook (Ray queue)
+        ends = st.epoch_ends()
+        finals = ([-1 if s is None else s for s in ends[-1].final_step]
+                  if len(ends) >= rt.job.epochs else None)
+        lease = st.producer_lease()
+        error = st.error()
         uptime = now - pt.started_at
         budget = rt.job.batching.token_budget
         out: dict[str, Any] = {
             "job_id": job_id, "mode": rt.mode, "world_size": rt.world_size,
             "epochs": rt.job.epochs, "collate": rt.collate, "token_budget": budget,
-            "state": job_state(error=rt.error, done=done,
-                               published_through=st.published_through(),
-                               epochs=rt.job.epochs, final_steps=_last_finals(rt),
-                               acked=[r["acked_step"] for r in ranks]),
-            "published_through": st.published_through(), "done": done, "error": rt.error,
-            "samples_in": rt.samples_in, "uptime_s": round(uptime, 3),
+            "state": job_state(error=error, done=done, published_through=pt.scanned_through,
+                               epochs=rt.job.epochs, final_steps=finals, acked=acked),
+            "published_through": pt.scanned_through, "done": done, "error": error,
+            "samples_in": counts.samples_in,
+            "planned": {"samples": counts.samples_planned, "tokens": counts.tokens_planned},
+            "producer": None if lease is None else {
+                "generation": lease.generation, "holder": lease.holder,
+                "live": lease.expires_at > now},
+            "uptime_s": round(uptime, 3),
             "ranks": ranks, "lapsed_ranks": sorted(lapsed), "totals": totals,
             **derived(totals, budget),
             "throughput": rates(totals, None, uptime, "uptime"),
-            "quarantine": {"total": len(records), "by_reason": reasons},
-            "planner_buffer_samples": buffer,
-            "payload_cache_samples": rt.cache_size(),
-            "source_backlog_samples": backlog() if callable(backlog) else None,
+            "quarantine": {"total": counts.quarantined,
+                           "by_reason": dict(counts.quarantined_by_reason)},
             "epoch_ends": [{"epoch": e.epoch, "steps": e.steps,
                             "final_step": [-1 if s is None else s for s in e.final_step],
-                            "carried_over": len(e.carried_over)}
-                           for e in sorted(st.epoch_ends(), key=lambda e: e.epoch)],
+                            "carried_over": len(e.carried_over)} for e in ends],
+            "replica": {"id": self.replica_id, "uptime_s": round(facts.uptime_s, 3)},
         }
         if quarantine:
-            out["quarantine"]["records"] = [parse_record(t).as_dict()
-                                            for t in records[:MAX_RECORDS]]
+            out["quarantine"]["records"] = [
+                {"sample_id": q.sample_id, "reason": q.reason, "detail": q.detail}
+                for q in st.quarantine(MAX_RECORDS)]
         return out

@@ -31,6 +31,7 @@ from pipeline.organization.embedding_table import (
 from pipeline.organization.embedding_text import TEXT_RECIPE, conversation_text, decode_record
 from pipeline.organization.encoder import DEFAULT_MODEL, Encoder, EncoderError, resolve_model
 from pipeline.preprocess.process import make_sample_id
+from pipeline.preprocess.quarantine_reasons import QuarantineReason
 from pipeline.preprocess.records import RecordError, parse_record
 from pipeline.preprocess.sample import QuarantinedRecord
 from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk
@@ -84,9 +85,9 @@ class _EmbedChunks:
                         texts.append(text or "")
                         slots.append(len(vecs))
                 except RecordError as exc:
-                    reason, detail = exc.reason, exc.detail
+                    reason, detail = exc.reason.value, exc.detail
                 except BadVector as exc:
-                    reason, detail = BAD_EMBEDDING, f"column {self.column!r}: {exc}"
+                    reason, detail = BAD_EMBEDDING.value, f"column {self.column!r}: {exc}"
                 vecs.append(vec)
                 reasons.append(reason)
                 details.append(detail)
@@ -95,13 +96,13 @@ class _EmbedChunks:
                 try:
                     vecs[slot] = check_vector(v, self.encoder.dim).tobytes()
                 except BadVector as exc:  # a model that yields NaN for some input
-                    reasons[slot], details[slot] = BAD_EMBEDDING, f"model output {exc}"
+                    reasons[slot], details[slot] = BAD_EMBEDDING.value, f"model output {exc}"
         return pa.table([sids, vecs, reasons, details], schema=_SCHEMA)
 
 
 def _quarantine(sid: str, reason: str, detail: str) -> QuarantinedRecord:
     source, _, row = sid.rpartition(":")
-    return QuarantinedRecord(source, int(row), reason, detail)
+    return QuarantinedRecord(source, int(row), QuarantineReason(reason), detail)
 
 
 def _collect(rows: list[tuple[str, bytes, str, str]], made_by: str,

@@ -23,6 +23,7 @@ from pipeline.config import JobConfig
 from pipeline.errors import UserError
 from pipeline.organization.embedding_table import EmbeddingTable
 from pipeline.organization.knn_graph import KnnGraph
+from pipeline.preprocess.quarantine_reasons import QuarantineReason
 from pipeline.preprocess.sample import QuarantinedRecord
 from pipeline.preprocess.sources import SourceFile, _fs, _is_uri
 
@@ -78,7 +79,7 @@ def _write(path: Path, **arrays) -> None:
 
 
 def save_table(path: Path, table: EmbeddingTable) -> None:
-    q = [[r.source, r.row, r.reason, r.detail] for r in table.quarantined]
+    q = [[r.source, r.row, r.reason.value, r.detail] for r in table.quarantined]
     _write(path, vectors=table.vectors,
            meta=np.array(json.dumps({"ids": list(table.ids), "made_by": table.made_by,
                                      "quarantined": q})))
@@ -93,7 +94,8 @@ def load_table(path: Path) -> EmbeddingTable | None:
             meta = json.loads(str(z["meta"]))
             vectors = z["vectors"]
         return EmbeddingTable(tuple(meta["ids"]), vectors, meta["made_by"],
-                              tuple(QuarantinedRecord(*q) for q in meta["quarantined"]))
+                              tuple(QuarantinedRecord(s, r, QuarantineReason(why), detail)
+                                    for s, r, why, detail in meta["quarantined"]))
     except (OSError, ValueError, KeyError):
         return None
 

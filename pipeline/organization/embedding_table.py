@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.preprocess.quarantine_reasons import QuarantineReason
 from pipeline.preprocess.sample import QuarantinedRecord
 
-BAD_EMBEDDING = "bad_embedding"
+BAD_EMBEDDING = QuarantineReason.BAD_EMBEDDING
 
 
 class BadVector(ValueError):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.preprocess.records import BAD_RECORD, Conversation, RecordError, decode_line
+from pipeline.preprocess.quarantine_reasons import QuarantineReason
+from pipeline.preprocess.records import Conversation, RecordError, decode_line
 
 TEXT_RECIPE = "turns-v1"  # part of the cache key: change it when the text above changes
 
@@ -31,5 +32,6 @@ def decode_record(raw: Any) -> dict[str, Any]:
     """A source row (JSONL line bytes or a Parquet row dict) -> the record's JSON object."""
     rec = decode_line(raw) if isinstance(raw, (bytes, bytearray)) else raw
     if not isinstance(rec, dict):
-        raise RecordError(BAD_RECORD, f"expected a record, got {type(rec).__name__}")
+        raise RecordError(QuarantineReason.BAD_RECORD,
+                          f"expected a record, got {type(rec).__name__}")
     return rec

@@ -1,11 +1,11 @@
 """The `locality` knob and its measure.
 
-Knob: SDO feeds the ordinary planner in traversal order; the planner's online window
-(`buffer_size`) then decides how far the order may be re-sorted by length. A window of a couple
-of batches keeps each batch a run of neighboring visits (locality); the job's full window sorts
-by length over many regions (padding efficiency). `locality` in [0, 1] interpolates the window
-geometrically between the two: 0 = the job's `batching.buffer_size`, 1 = two typical
-batches' worth (of median-length samples).
+Knob: SDO feeds the ordinary planner in traversal order; the planner's online window (bounded
+in tokens: `lookahead_tokens`) then decides how far the order may be re-sorted by length. A
+window of two budgets keeps each batch a run of neighboring visits (locality); the job's full
+window (128 budgets by default) sorts by length over many regions (padding efficiency).
+`locality` in [0, 1] interpolates the window geometrically between the two: 0 = the job's
+`batching.lookahead_tokens`, 1 = 2 x `token_budget`.
 
 Measure: the mean pairwise cosine of the embeddings within a batch, averaged over the batches
 with two or more samples (`batch_locality`); `pair_baseline` is the same figure for random pairs.
@@ -19,20 +19,19 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 
-def samples_per_batch(token_budget: int, median_tokens: float) -> float:
-    """About how many samples of median length fill one batch. The median, not the mean: with
-    a long tail the mean-length batch is far smaller than a typical batch, and a window that
-    cannot hold a typical batch cuts under-filled ones (measured: 2.6x the batches)."""
-    return token_budget / max(1.0, median_tokens)
-
-
-def planner_buffer_size(locality: float, buffer_size: int, per_batch: float) -> int:
-    """The planner window for `locality` (see the module docstring)."""
+def planner_lookahead(locality: float, lookahead_tokens: int, token_budget: int) -> int:
+    """The planner window (tokens) for `locality` (see the module docstring)."""
     if not 0.0 <= locality <= 1.0:
         raise ValueError(f"organization.locality must be in [0, 1], got {locality}")
-    lo = max(2, math.ceil(2 * per_batch))
-    hi = max(lo, buffer_size)
-    return max(1, round(hi ** (1.0 - locality) * lo ** locality))
+    lo = 2 * token_budget
+    hi = max(lo, lookahead_tokens)
+    return max(token_budget, round(hi ** (1.0 - locality) * lo ** locality))
+
+
+def repeat_gap(lookahead_tokens: int, mean_tokens: float) -> int:
+    """Visits between two visits of one sample: twice the samples a window holds, so the first
+    has normally left the window (been cut into a batch) before the second arrives."""
+    return max(1, math.ceil(2 * lookahead_tokens / max(1.0, mean_tokens)))
 
 
 def _mean_pair_cosine(rows: np.ndarray) -> float:

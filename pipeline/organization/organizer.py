@@ -1,4 +1,5 @@
-"""One SDO job's organization: its graph over the samples, and the planner window it plans with.
+"""One SDO job's organization: its graph over the samples, and the planner window it plans with
+(`lookahead_tokens` from `locality`) and the repeat gap that goes with that window.
 
 Members of the graph are the samples preprocessing produced (`MeasuredSample`s of the job's
 first epoch) that also have a vector: a record quarantined by preprocessing or by the embedding
@@ -18,14 +19,15 @@ from pipeline.config import JobConfig
 from pipeline.organization import embedding_cache
 from pipeline.organization.embedding_table import EmbeddingTable
 from pipeline.organization.knn_graph import KnnGraph, build_knn_graph
-from pipeline.organization.locality import planner_buffer_size, samples_per_batch
+from pipeline.organization.locality import planner_lookahead, repeat_gap
 from pipeline.planner.types import MeasuredSample
 
 
 @dataclass(frozen=True)
 class Organization:
     graph: KnnGraph
-    buffer_size: int  # the planner window `locality` asks for
+    lookahead_tokens: int  # the planner window `locality` asks for
+    repeat_gap: int  # visits between two visits of one sample (see `locality.repeat_gap`)
     without_vector: int  # measured samples left out: their record got no vector
 
 
@@ -46,7 +48,7 @@ def organize(job: JobConfig, table: EmbeddingTable, measured: Sequence[MeasuredS
         graph = build_knn_graph(members, table.vectors[rows], org.knn_k)
         if gpath is not None:
             embedding_cache.save_graph(gpath, graph)
-    median = float(np.median([m.num_tokens for m in measured if m.sample_id in table.row]))
-    per_batch = samples_per_batch(job.batching.token_budget, median)
-    buffer = planner_buffer_size(org.locality, job.batching.buffer_size, per_batch)
-    return Organization(graph, buffer, len(measured) - len(members))
+    policy = job.batching.policy()
+    window = planner_lookahead(org.locality, policy.lookahead_tokens, policy.token_budget)
+    mean = float(np.mean([m.num_tokens for m in measured if m.sample_id in table.row]))
+    return Organization(graph, window, repeat_gap(window, mean), len(measured) - len(members))

@@ -2,7 +2,9 @@
 
 `PlanReport` watches the event stream and counts what a user needs to judge a plan: steps,
 padding efficiency, budget violations (must be 0), over-budget handling, per-rank step counts,
-per-step rank balance, carry-over.
+per-step rank balance, carry-over, filler batches. A filler (quota mode's closing step) is not
+coverage: its sample is not counted as emitted and its tokens count as padding (computed, not
+learned from).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.planner.policy import BatchingPolicy
-from pipeline.planner.types import EpochEnd, PlanEvent, Quarantined, Step
+from pipeline.planner.types import EpochEnd, PlanEvent, PlannerReason, Quarantined, Step
 
 
 def _percentile(sorted_vals: list[float], q: float) -> float:
@@ -40,6 +42,7 @@ class PlanReport:
     partial_steps: int = 0
     epochs: int = 0
     carried_over: int = 0
+    filler_batches: int = 0
     per_rank_steps: list[int] = field(default_factory=list)
     epoch_steps: list[int] = field(default_factory=list)
     _balance: list[float] = field(default_factory=list)
@@ -61,26 +64,29 @@ class PlanReport:
                 self.batches += 1
                 self.per_rank_steps[b.rank] += 1
                 n = len(b.samples)
-                self.emitted_samples += n
                 lens = [b.truncated_to.get(s.sample_id, s.num_tokens) for s in b.samples]
-                self.real_tokens += sum(lens)
                 self.padded_tokens += n * max(lens) if padded else sum(lens)
                 costs.append(b.cost)
+                if not b.over_budget:
+                    if b.cost > budget:
+                        self.budget_violations += 1
+                    if vcap is not None and sum(s.num_visual_tokens for s in b.samples) > vcap:
+                        self.visual_violations += 1
+                if b.filler:
+                    self.filler_batches += 1
+                    continue
+                self.emitted_samples += n
+                self.real_tokens += sum(lens)
                 if b.over_budget:
                     if b.truncated_to:
                         self.truncated += len(b.truncated_to)
                     else:
                         self.over_budget_alone += n
-                else:
-                    if b.cost > budget:
-                        self.budget_violations += 1
-                    if vcap is not None and sum(s.num_visual_tokens for s in b.samples) > vcap:
-                        self.visual_violations += 1
             mean = sum(costs) / len(costs)
             self._balance.append(max(costs) / mean if mean > 0 else 1.0)
         elif isinstance(ev, Quarantined):
             self.quarantined += 1
-            if "exceeds" in ev.reason:
+            if ev.reason is not PlannerReason.INVALID_SIZE:
                 self.quarantined_over_budget += 1
         elif isinstance(ev, EpochEnd):
             self.epochs += 1
@@ -123,6 +129,7 @@ class PlanReport:
             "rank_balance_p95": round(_percentile(bal, 0.95), 6),
             "rank_balance_max": round(bal[-1], 6) if bal else 0.0,
             "carried_over": self.carried_over,
+            "filler_batches": self.filler_batches,
         }
 
     def summary_text(self) -> str:
@@ -147,5 +154,6 @@ class PlanReport:
             f"rank balance       p50 {d['rank_balance_p50']:.4f}  p95 {d['rank_balance_p95']:.4f}"
             "  (max/mean batch cost per step)",
             f"carried over       {d['carried_over']} sample(s) after the last epoch",
+            f"filler batches     {d['filler_batches']} (quota mode's closing step)",
         ]
         return "\n".join(lines)

@@ -4,11 +4,13 @@
     for s in samples:
         for ev in planner.feed(s): ...        # Step | Quarantined
     for ev in planner.end_epoch(): ...        # remaining Steps, then EpochEnd
+    # the job's last epoch: planner.end_epoch(last_epoch=True)
 
 Flow per sample: over-budget policy -> `BatchFormer` window -> pool of formed batches -> when the
 pool holds `pool_steps * W` batches they are grouped by cost into steps (`rank_balancer`).
-Latency: an epoch's first step needs `buffer_size` samples plus a pool of ~256 batches (default
-`pool_steps = ceil(256 / W)`); a smaller `pool_steps` starts sooner and balances less well.
+Latency: an epoch's first step needs `lookahead_tokens` worth of samples plus a pool of ~256 batches
+(default `pool_steps = ceil(256 / W)`); a smaller `pool_steps` starts sooner and balances less
+well.
 
 End of epoch:
 - join: the window is flushed; if the batches left do not divide by W, the biggest are split in
@@ -19,7 +21,10 @@ End of epoch:
 - quota: only full steps of W batches are emitted. The remainder is split the same way to fill
   one more step; what cannot fill it (fewer splittable samples than ranks) is carried: its samples
   are in `EpochEnd.carried_over` and are fed first into the next epoch (on the next
-  `feed`/`end_epoch`). Nothing is dropped.
+  `feed`/`end_epoch`). After the job's last epoch (`end_epoch(last_epoch=True)`) there is no next
+  epoch: the remainder forms one closing step of W batches, the ranks it cannot give a batch get a
+  *filler* (a copy of the step's shortest sample, `Batch.filler`: zero loss weight, not
+  coverage, not in `StepInfo`), and the last `EpochEnd` carries nothing. Nothing is dropped.
 
 Step numbers are global and monotonic across epochs. Everything is deterministic in (inputs,
 input order, seed); the seed only permutes which rank gets which batch of a step.
@@ -32,7 +37,7 @@ the restart (`PlannerState.to_dict`/`from_dict` give a JSON form).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from pipeline.planner.batch_former import BatchFormer
@@ -45,6 +50,7 @@ from pipeline.planner.types import (
     MeasuredSample,
     OverBudgetPolicy,
     PlanEvent,
+    PlannerReason,
     Quarantined,
     SampleId,
     Step,
@@ -204,13 +210,21 @@ class StepPlanner:
             events.extend(self.feed(s))
         return events
 
-    def end_epoch(self) -> list[PlanEvent]:
-        """Input of this epoch is exhausted: emit the remaining steps, then `EpochEnd`."""
+    def end_epoch(self, last_epoch: bool = False) -> list[PlanEvent]:
+        """Input of this epoch is exhausted: emit the remaining steps, then `EpochEnd`.
+
+        `last_epoch`: no epoch follows (quota mode: the remainder closes the job in one step with
+        fillers instead of being carried; join mode carries nothing anyway).
+        """
         events: list[PlanEvent] = []
         self._start_epoch(events)
         for b in self._former.flush():
             self._pool.append(PendingBatch(tuple(b)))
-        carried = self._release(events, final=True)
+        left = self._release(events, final=True)
+        if left and last_epoch:
+            self._emit_step(left, events, fillers=self.world_size - len(left))
+            left = []
+        carried = tuple(s for pb in left for s in pb.samples)
         steps = self.next_step - self._epoch_first_step
         if self.mode is DgapMode.QUOTA:
             last = self.next_step - 1 if steps else None
@@ -271,10 +285,11 @@ class StepPlanner:
         p.quarantined = state.quarantined
         p._pool = list(state.pool)
         for s in state.window:
-            # The window held < buffer_size samples, so re-adding cuts nothing; the same
+            # The window was below both of its bounds, so re-adding cuts nothing; the same
             # arrival order gives the same sorted window.
             if p._former.add(s):
-                raise ValueError("state.window holds more samples than policy.buffer_size")
+                raise ValueError("state.window holds more than policy.lookahead_tokens or "
+                                 "policy.max_window_samples allow")
         return p
 
     # -- internals --------------------------------------------------------------------------
@@ -294,7 +309,8 @@ class StepPlanner:
         v = s.num_visual_tokens
         if n <= 0 or v < 0:
             self.quarantined += 1
-            events.append(Quarantined(s, f"invalid size: num_tokens={n}, num_visual_tokens={v}"))
+            events.append(Quarantined(s, PlannerReason.INVALID_SIZE,
+                                      f"num_tokens={n}, num_visual_tokens={v}"))
             return
         vis_over = self._vcap is not None and v > self._vcap
         tok_over = n > self._budget
@@ -311,7 +327,7 @@ class StepPlanner:
                 if pol is OverBudgetPolicy.TRUNCATE:
                     why += " (truncation cannot cut visual tokens)"
                 self.quarantined += 1
-                events.append(Quarantined(s, why))
+                events.append(Quarantined(s, PlannerReason.OVER_VISUAL_CAP, why))
             return
         why = f"num_tokens={n} exceeds token_budget={self._budget}"
         if pol is OverBudgetPolicy.ALONE:
@@ -324,7 +340,7 @@ class StepPlanner:
             if pol is OverBudgetPolicy.TRUNCATE:  # the image tokens alone exceed the budget
                 why += f" and its {v} visual tokens cannot be truncated"
             self.quarantined += 1
-            events.append(Quarantined(s, why))
+            events.append(Quarantined(s, PlannerReason.OVER_BUDGET, why))
 
     def _lengths(self, pb: PendingBatch) -> list[int]:
         if pb.truncated_to:
@@ -332,11 +348,11 @@ class StepPlanner:
             return [cut.get(s.sample_id, s.num_tokens) for s in pb.samples]
         return [s.num_tokens for s in pb.samples]
 
-    def _release(self, events: list[PlanEvent], final: bool) -> tuple[MeasuredSample, ...]:
+    def _release(self, events: list[PlanEvent], final: bool) -> list[PendingBatch]:
         """Group the pool into full steps and emit them; a short remainder stays pooled.
 
         With `final`, the biggest batches are split until the remainder fills a step; what still
-        cannot (fewer samples than ranks) is emitted partial (join) or carried (quota, returned).
+        cannot (fewer samples than ranks) is emitted partial (join) or returned (quota).
         """
         w = self.world_size
         pool, self._pool = self._pool, []
@@ -353,20 +369,27 @@ class StepPlanner:
         left = [pool[i] for i in rest]
         if not final:
             self._pool = left
-            return ()
-        return tuple(s for pb in left for s in pb.samples)
+            return []
+        return left
 
-    def _emit_step(self, group: list[PendingBatch], events: list[PlanEvent]) -> None:
+    def _emit_step(
+        self, group: list[PendingBatch], events: list[PlanEvent], fillers: int = 0
+    ) -> None:
+        """Emit `group` as the next step; `fillers` more batches (quota's closing step) copy the
+        group's shortest sample so that every rank has a batch."""
         step = self.next_step
         self.next_step += 1
         w = self.world_size
+        if fillers:
+            group = group + [_filler_of(group, self._lengths)] * fillers
         if len(group) == w:
             ranks = rank_order(self.seed, step, w)
         else:  # partial final step (join): ranks 0..n-1 get the batches, the rest are absent
             ranks = list(range(len(group)))
+        real = len(group) - fillers
         batches = []
         tokens = samples = loss = 0
-        for pb, r in zip(group, ranks, strict=True):
+        for i, (pb, r) in enumerate(zip(group, ranks, strict=True)):
             lens = self._lengths(pb)
             b = Batch(
                 rank=r,
@@ -374,14 +397,35 @@ class StepPlanner:
                 cost=self._cm.token_cost(lens),
                 over_budget=pb.over_budget,
                 truncated_to=dict(pb.truncated_to),
+                filler=i >= real,
             )
             batches.append(b)
+            self._last_step[r] = step
+            if b.filler:
+                continue
             tokens += sum(lens)
             samples += len(pb.samples)
             loss += b.loss_tokens
-            self._last_step[r] = step
         batches.sort(key=lambda b: b.rank)
         events.append(Step(self.epoch, step, tuple(batches), StepInfo(samples, tokens, loss)))
+
+
+def _filler_of(
+    group: list[PendingBatch], lengths: Callable[[PendingBatch], list[int]]
+) -> PendingBatch:
+    """A one-sample batch copying the group's shortest sample (the cheapest to run), with its
+    truncation and over-budget flag; ties: the first in group order."""
+    best = None
+    for pb in group:
+        for s, n in zip(pb.samples, lengths(pb), strict=True):
+            if best is None or n < best[0]:
+                best = (n, s, pb)
+    _, s, pb = best
+    return PendingBatch(
+        (s,),
+        over_budget=pb.over_budget,
+        truncated_to=tuple(t for t in pb.truncated_to if t[0] == s.sample_id),
+    )
 
 
 def _split_to_fill(pool: list[PendingBatch], need: int) -> list[PendingBatch]:
@@ -402,15 +446,15 @@ def _split_to_fill(pool: list[PendingBatch], need: int) -> list[PendingBatch]:
 
 
 def plan_epochs(
-    epochs: Iterable[Iterable[MeasuredSample]],
+    epochs: Sequence[Iterable[MeasuredSample]],
     policy: BatchingPolicy,
     world_size: int,
     mode: DgapMode | str = DgapMode.JOIN,
     seed: int = 0,
 ) -> Iterator[PlanEvent]:
-    """Convenience: plan several epochs (each an iterable of samples), yielding every event."""
+    """Convenience: plan a whole job (each epoch an iterable of samples), yielding every event."""
     planner = StepPlanner(policy, world_size, mode, seed)
-    for samples in epochs:
+    for e, samples in enumerate(epochs):
         for s in samples:
             yield from planner.feed(s)
-        yield from planner.end_epoch()
+        yield from planner.end_epoch(last_epoch=e == len(epochs) - 1)

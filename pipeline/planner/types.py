@@ -55,6 +55,10 @@ class Batch:
     over_budget: bool = False
     # For `truncate`: sample_id -> tokens kept (the payload must be cut to this length).
     truncated_to: dict[SampleId, int] = field(default_factory=dict)
+    # Quota mode's closing step only: a copy of a real sample of the step, sent so that a rank
+    # without a sample of its own still runs the step. Trained with zero loss weight, never
+    # counted as coverage, not in StepInfo.
+    filler: bool = False
 
     @property
     def sample_ids(self) -> tuple[SampleId, ...]:
@@ -67,14 +71,20 @@ class Batch:
     @property
     def loss_tokens(self) -> int:
         """Loss tokens of the batch. A truncated sample counts at most its kept length: exact
-        when preprocessing already cut it (the service), an upper bound for lengths-only plans."""
+        when preprocessing already cut it (the service), an upper bound for lengths-only plans.
+        A filler has none: its loss weight is zero."""
+        if self.filler:
+            return 0
         return sum(min(s.loss_tokens, self.truncated_to.get(s.sample_id, s.num_tokens))
                    for s in self.samples)
 
 
 @dataclass(frozen=True, slots=True)
 class StepInfo:
-    """All-rank totals of one step, carried on every batch for exact loss scaling (Guarantee 6)."""
+    """All-rank totals of one step, carried on every batch for exact loss scaling (Guarantee 6).
+
+    Real samples only: filler batches add nothing.
+    """
 
     step_samples: int
     step_tokens: int
@@ -102,12 +112,21 @@ class Step:
         return None
 
 
+class PlannerReason(str, Enum):  # noqa: UP042 (str mixin kept: a contract)
+    """Why the planner set a sample aside: a bounded label (metrics, status), never parsed."""
+
+    INVALID_SIZE = "invalid_size"  # num_tokens <= 0 or num_visual_tokens < 0
+    OVER_BUDGET = "over_budget"  # num_tokens > token_budget and the policy cannot place it
+    OVER_VISUAL_CAP = "over_visual_cap"  # num_visual_tokens > max_visual_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class Quarantined:
-    """A sample the planner set aside (over-budget policy `quarantine`), with its reason."""
+    """A sample the planner set aside, with its reason (a label) and a sentence for people."""
 
     sample: MeasuredSample
-    reason: str
+    reason: PlannerReason
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +134,9 @@ class EpochEnd:
     """Closes an epoch. `final_step[r]` is rank r's last step in this epoch (None: it got none).
 
     In quota mode every rank has the same final step and `carried_over` holds the samples that
-    could not fill the last aligned step; they open the next epoch (or, after the last epoch, are
-    reported, never silently dropped).
+    could not fill the last aligned step; they open the next epoch. The job's last epoch carries
+    nothing: its remainder forms one closing step, with filler batches for the ranks it cannot
+    give a sample (`StepPlanner.end_epoch(last_epoch=True)`).
     """
 
     epoch: int

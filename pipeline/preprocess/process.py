@@ -5,6 +5,18 @@ access all call `Processor.process`, so a sample rebuilt by id is byte-identical
 one. Work per chunk: parse -> augment -> decode images -> render template (per record), then ONE
 batched tokenizer call for the chunk (the per-call overhead dominated short chats), then labels,
 visual-token expansion, truncation and cost (per record, numpy).
+
+Truncation happens here and nowhere else (not in the planner, not in the collate): a sample is
+cut to `JobConfig.max_sample_tokens()` tokens and `max_sample_visual_tokens()` visual tokens,
+vision-safely (truncation.py). Policy, in order:
+- longer than preprocess.max_seq_len under preprocess.truncation=quarantine -> `too_long`;
+- otherwise over a limit -> keep the longest prefix that splits no image (images that do not fit
+  are dropped whole with their pixels), flagged `truncated`;
+- that prefix has no assistant token (e.g. a first image too big for the limit precedes every
+  answer) -> `no_loss_tokens`. Under `over_budget: alone` the limit is max_seq_len, so a sample
+  over the budget stays whole and the planner emits it alone, flagged.
+Building a `Processor` checks that the limit can hold the chat template's shortest trainable
+sample (ConfigError naming the fields otherwise).
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import BatchingConfig, JobConfig
+from pipeline.config import BatchingConfig, ConfigError, JobConfig
 from pipeline.preprocess import augment
 from pipeline.preprocess.chat_template import (
     IMAGE_PAD,
@@ -26,20 +38,19 @@ from pipeline.preprocess.chat_template import (
     template_text,
 )
 from pipeline.preprocess.labels import IGNORE, assistant_spans, label_tokens
+from pipeline.preprocess.quarantine_reasons import QuarantineReason as R
 from pipeline.preprocess.records import (
-    BAD_RECORD,
-    PREPROCESS_ERROR,
-    TEMPLATE_ERROR,
-    TOKENIZE_ERROR,
-    TOO_LONG,
     Conversation,
     RecordError,
+    Segment,
+    Turn,
     decode_line,
     parse_record,
 )
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
 from pipeline.preprocess.sources import SourceFile
 from pipeline.preprocess.tokenizer import load_tokenizer
+from pipeline.preprocess.truncation import Cut, image_spans, vision_safe_cut
 from pipeline.preprocess.vision import VisionProcessor, decode_image
 
 Item = ProcessedSample | QuarantinedRecord
@@ -73,7 +84,11 @@ class _Prepared:
 
 
 class Processor:
-    """Everything needed to preprocess records of one job and epoch; build once per process."""
+    """Everything needed to preprocess records of one job and epoch; build once per process.
+
+    Raises ConfigError when the job's sample limit cannot hold the chat template's shortest
+    trainable sample, so building one at start validates the job.
+    """
 
     def __init__(self, job: JobConfig, epoch: int) -> None:
         self.job = job
@@ -85,6 +100,14 @@ class Processor:
         ids = self.tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END])
         self.image_pad_id, self.vision_start_id, self.vision_end_id = ids
         self._vision: VisionProcessor | None = None
+        self.max_tokens = job.max_sample_tokens()
+        floor = self._template_floor()
+        if self.max_tokens < floor:
+            raise ConfigError(
+                f"jobs[{job.job_id}]: the sample {self._limit_text()} is below the {floor} "
+                f"tokens the chat template needs up to its first trained token: every record "
+                f"would be quarantined; raise preprocess.max_seq_len"
+                + (" or batching.token_budget" if job.batching.over_budget == "truncate" else ""))
 
     @property
     def vision(self) -> VisionProcessor:
@@ -97,7 +120,7 @@ class Processor:
     def _prepare(self, file: SourceFile, row: int, raw: Any) -> _Prepared:
         rec = decode_line(raw) if isinstance(raw, (bytes, bytearray)) else raw
         if not isinstance(rec, dict):
-            raise RecordError(BAD_RECORD, f"expected a record, got {type(rec).__name__}")
+            raise RecordError(R.BAD_RECORD, f"expected a record, got {type(rec).__name__}")
         conv = parse_record(rec)
         sid = make_sample_id(file.source, row)
         # Decode every image (even ones augmentation drops this epoch) so whether a record is
@@ -112,7 +135,7 @@ class Processor:
         try:
             text = render(conv, self.tokenizer, self.template)
         except Exception as exc:  # any Jinja/template failure quarantines the record
-            raise RecordError(TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
+            raise RecordError(R.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
         spans = assistant_spans(text, _assistant_texts(conv), self.eos)
         return _Prepared(row, text, spans, pixel_values, grid)
 
@@ -124,55 +147,77 @@ class Processor:
         n_images = 0 if p.grid is None else len(p.grid)
         pads = np.flatnonzero(input_ids == self.image_pad_id)
         if len(pads) != n_images:
-            raise RecordError(BAD_RECORD, f"{len(pads)} image placeholders for {n_images} images "
-                                          "(text containing <|image_pad|>?)")
+            raise RecordError(R.BAD_RECORD, f"{len(pads)} image placeholders for {n_images} "
+                                            "images (text containing <|image_pad|>?)")
         pixel_values, grid = p.pixel_values, p.grid
+        per_image = self.vision.visual_tokens(grid) if n_images else np.zeros(0, np.int64)
         if n_images:
-            per_image = self.vision.visual_tokens(grid)
             reps = np.ones(len(input_ids), dtype=np.int64)
             reps[pads] = per_image
             input_ids = np.repeat(input_ids, reps)
             labels = np.repeat(labels, reps)
             labels[input_ids == self.image_pad_id] = IGNORE  # never train on image positions
-        truncated = False
-        max_len = self.cfg.max_seq_len
-        if len(input_ids) > max_len:
-            if self.cfg.truncation == "quarantine":
-                raise RecordError(TOO_LONG, f"{len(input_ids)} tokens > max_seq_len {max_len}")
-            input_ids, labels, pixel_values, grid = self._truncate(
-                input_ids, labels, pixel_values, grid, max_len)
-            truncated = True
+        n = len(input_ids)
+        if n > self.cfg.max_seq_len and self.cfg.truncation == "quarantine":
+            raise RecordError(R.TOO_LONG, f"{n} tokens > preprocess.max_seq_len "
+                                          f"{self.cfg.max_seq_len}")
+        max_visual = self.job.max_sample_visual_tokens()
+        truncated = n > self.max_tokens or (max_visual is not None
+                                            and int(per_image.sum()) > max_visual)
+        if truncated:
+            spans = image_spans(pads, per_image, input_ids, self.vision_start_id,
+                                self.vision_end_id)
+            cut = vision_safe_cut(n, spans, per_image, self.max_tokens, max_visual)
+            input_ids, labels = input_ids[: cut.tokens], labels[: cut.tokens]
+            if cut.images < n_images:  # whole images only: their patch rows and grid rows
+                rows = int(np.prod(grid[: cut.images], axis=1).sum())
+                pixel_values, grid = ((pixel_values[:rows], grid[: cut.images]) if cut.images
+                                      else (None, None))
             if not (labels != IGNORE).any():
-                raise RecordError(TOO_LONG, f"no assistant token within max_seq_len {max_len}")
-        n_visual = int((input_ids == self.image_pad_id).sum())
+                raise RecordError(R.NO_LOSS_TOKENS, self._cut_detail(n, spans, per_image, cut))
         return ProcessedSample(
             sample_id=make_sample_id(file.source, p.row), source=file.source, row=p.row,
             input_ids=np.ascontiguousarray(input_ids, dtype=np.int32),
             labels=np.ascontiguousarray(labels, dtype=np.int32),
-            num_visual_tokens=n_visual,
+            num_visual_tokens=int((input_ids == self.image_pad_id).sum()),
             cost=sample_cost(len(input_ids), self.job.batching),
             pixel_values=pixel_values, image_grid_thw=grid, truncated=truncated,
         )
 
-    def _truncate(self, ids, labels, pixel_values, grid, max_len):
-        """Cut to max_len without splitting an image: an image cut off is dropped whole."""
-        cut = max_len
-        if grid is not None:
-            starts = np.flatnonzero(ids == self.vision_start_id)
-            ends = np.flatnonzero(ids == self.vision_end_id)
-            keep = 0
-            for s, e in zip(starts, ends, strict=False):
-                if e < cut:
-                    keep += 1
-                    continue
-                cut = min(cut, int(s))
-                break
-            if keep:
-                patches = int(np.prod(grid[:keep], axis=1).sum())
-                pixel_values, grid = pixel_values[:patches], grid[:keep]
-            else:
-                pixel_values = grid = None
-        return ids[:cut], labels[:cut], pixel_values, grid
+    def _cut_detail(self, n: int, spans: list[tuple[int, int]], per_image: np.ndarray,
+                    cut: Cut) -> str:
+        why = f"{n} tokens cut to {cut.tokens} ({self._limit_text()})"
+        if cut.images < len(spans):
+            a, b = spans[cut.images]
+            why += (f"; image {cut.images + 1} ({int(per_image[cut.images])} visual tokens, "
+                    f"tokens {a}-{b}) does not fit and was dropped with any after it")
+        return why + "; no assistant token is left"
+
+    def _limit_text(self) -> str:
+        b = self.job.batching
+        text = (f"limit {self.max_tokens} = min(preprocess.max_seq_len "
+                f"{self.cfg.max_seq_len}, batching.token_budget {b.token_budget})"
+                if b.over_budget == "truncate" else f"limit preprocess.max_seq_len "
+                f"{self.cfg.max_seq_len}")
+        cap = self.job.max_sample_visual_tokens()
+        return text + (f", batching.max_visual_tokens {cap}" if cap is not None else "")
+
+    def _template_floor(self) -> int:
+        """Tokens the chat template puts before the first trained token of the shortest chat
+        (empty question, one-letter answer) plus that token: no trainable sample is shorter.
+        1 when the template will not render that chat (nothing to check against)."""
+        conv = Conversation((Turn("user", (Segment(text=""),)),
+                             Turn("assistant", (Segment(text="a"),))))
+        try:
+            text = render(conv, self.tokenizer, self.template)
+        except Exception:  # a strict custom template: records will say what it refuses
+            return 1
+        enc = self._tokenize([text])
+        ids = np.asarray(enc["input_ids"][0], dtype=np.int32)
+        offs = np.asarray(enc["offset_mapping"][0], dtype=np.int64).reshape(-1, 2)
+        trained = np.flatnonzero(label_tokens(ids, offs,
+                                              assistant_spans(text, ["a"], self.eos)) != IGNORE)
+        return int(trained[0]) + 1 if len(trained) else 1
 
     # -- per chunk --------------------------------------------------------------------------
 
@@ -185,7 +230,7 @@ class Processor:
             except RecordError as exc:
                 out[i] = QuarantinedRecord(file.source, row, exc.reason, exc.detail)
             except Exception as exc:  # a failure we did not foresee: keep the stream going
-                out[i] = QuarantinedRecord(file.source, row, PREPROCESS_ERROR,
+                out[i] = QuarantinedRecord(file.source, row, R.PREPROCESS_ERROR,
                                            f"{type(exc).__name__}: {exc}")
         texts = [p.text for _, p in prepared]
         try:
@@ -202,12 +247,12 @@ class Processor:
         for (i, p), enc_i in zip(prepared, encoded, strict=True):
             try:
                 if isinstance(enc_i, Exception):
-                    raise RecordError(TOKENIZE_ERROR, f"{type(enc_i).__name__}: {enc_i}")
+                    raise RecordError(R.TOKENIZE_ERROR, f"{type(enc_i).__name__}: {enc_i}")
                 out[i] = self._finish(file, p, enc_i[0], enc_i[1])
             except RecordError as exc:
                 out[i] = QuarantinedRecord(file.source, p.row, exc.reason, exc.detail)
             except Exception as exc:  # see above
-                out[i] = QuarantinedRecord(file.source, p.row, PREPROCESS_ERROR,
+                out[i] = QuarantinedRecord(file.source, p.row, R.PREPROCESS_ERROR,
                                            f"{type(exc).__name__}: {exc}")
         return out  # type: ignore[return-value]
 

@@ -11,8 +11,8 @@ Both take an optional top-level ``system`` string. An image REF is a file path (
 source file's folder), a ``data:...;base64,`` URI, raw bytes, or ``{"bytes": ..., "path": ...}``
 (the Hugging Face ``Image`` feature layout Parquet files carry).
 
-Every failure raises `RecordError` with a short machine-readable reason, so the caller can
-quarantine the record instead of crashing the stream.
+Every failure raises `RecordError` with a reason from `quarantine_reasons.QuarantineReason`, so
+the caller can quarantine the record instead of crashing the stream.
 """
 
 from __future__ import annotations
@@ -21,17 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-# Quarantine reasons (the `QuarantinedRecord.reason` vocabulary).
-BAD_JSON = "bad_json"
-BAD_UTF8 = "bad_utf8"
-BAD_RECORD = "bad_record"  # valid JSON but not a chat record (not an object, wrong types)
-MISSING_ROLES = "missing_roles"  # no turns, unknown roles, no user or no assistant turn
-MISSING_IMAGE = "missing_image"  # image file not found / reference unusable
-BAD_IMAGE = "bad_image"  # image bytes do not decode (truncated, not an image)
-TEMPLATE_ERROR = "template_error"
-TOKENIZE_ERROR = "tokenize_error"
-TOO_LONG = "too_long"  # over max_seq_len under truncation=quarantine (or nothing left to learn)
-PREPROCESS_ERROR = "preprocess_error"  # anything unforeseen (kept with its message, not fatal)
+from pipeline.preprocess.quarantine_reasons import QuarantineReason as R
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "model": "assistant", "bot": "assistant"}
@@ -40,7 +30,9 @@ IMAGE_TAG = "<image>"
 
 
 class RecordError(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
+    """A record that cannot become a sample: its reason (a vocabulary word) and the detail."""
+
+    def __init__(self, reason: R, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
@@ -89,16 +81,16 @@ def decode_line(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise RecordError(BAD_UTF8, f"line is not valid UTF-8 ({exc.reason} at byte "
+        raise RecordError(R.BAD_UTF8, f"line is not valid UTF-8 ({exc.reason} at byte "
                                     f"{exc.start})") from None
     if not text.strip():
-        raise RecordError(BAD_JSON, "empty line")
+        raise RecordError(R.BAD_JSON, "empty line")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise RecordError(BAD_JSON, f"{exc.msg} at column {exc.colno}") from None
+        raise RecordError(R.BAD_JSON, f"{exc.msg} at column {exc.colno}") from None
     if not isinstance(obj, dict):
-        raise RecordError(BAD_RECORD, f"expected a JSON object, got {type(obj).__name__}")
+        raise RecordError(R.BAD_RECORD, f"expected a JSON object, got {type(obj).__name__}")
     return obj
 
 
@@ -113,11 +105,11 @@ def _image_ref(value: Any) -> ImageRef:
             try:
                 return ImageRef(data=base64.b64decode(b64, validate=True))
             except ValueError:
-                raise RecordError(BAD_IMAGE, "data: URI is not valid base64") from None
+                raise RecordError(R.BAD_IMAGE, "data: URI is not valid base64") from None
         if value.startswith(("http://", "https://")):
-            raise RecordError(MISSING_IMAGE, f"remote image URLs are not fetched: {value[:80]}")
+            raise RecordError(R.MISSING_IMAGE, f"remote image URLs are not fetched: {value[:80]}")
         if not value:
-            raise RecordError(MISSING_IMAGE, "empty image path")
+            raise RecordError(R.MISSING_IMAGE, "empty image path")
         return ImageRef(path=value)
     if isinstance(value, dict):
         if value.get("bytes") is not None:
@@ -126,12 +118,12 @@ def _image_ref(value: Any) -> ImageRef:
                 try:
                     data = base64.b64decode(data, validate=True)
                 except ValueError:
-                    raise RecordError(BAD_IMAGE, "image bytes are not valid base64") from None
+                    raise RecordError(R.BAD_IMAGE, "image bytes are not valid base64") from None
             return _image_ref(bytes(data))
         for key in ("path", "url", "image"):
             if value.get(key):
                 return _image_ref(value[key])
-    raise RecordError(MISSING_IMAGE, f"unusable image reference: {str(value)[:80]}")
+    raise RecordError(R.MISSING_IMAGE, f"unusable image reference: {str(value)[:80]}")
 
 
 def _top_images(rec: dict[str, Any]) -> list[Any]:
@@ -152,7 +144,7 @@ def _text_segments(text: str, pool: list[Any]) -> list[Segment]:
     for i, part in enumerate(parts):
         if i > 0:
             if not pool:
-                raise RecordError(MISSING_IMAGE, "more <image> tags than images")
+                raise RecordError(R.MISSING_IMAGE, "more <image> tags than images")
             segs.append(Segment(image=_image_ref(pool.pop(0))))
         if part:
             segs.append(Segment(text=part))
@@ -161,39 +153,39 @@ def _text_segments(text: str, pool: list[Any]) -> list[Segment]:
 
 def _openai_turn(msg: Any, pool: list[Any], idx: int) -> Turn:
     if not isinstance(msg, dict) or "role" not in msg:
-        raise RecordError(MISSING_ROLES, f"messages[{idx}] has no 'role'")
+        raise RecordError(R.MISSING_ROLES, f"messages[{idx}] has no 'role'")
     role = msg["role"]
     if role not in _ROLES:
-        raise RecordError(MISSING_ROLES, f"messages[{idx}] has unsupported role {role!r}")
+        raise RecordError(R.MISSING_ROLES, f"messages[{idx}] has unsupported role {role!r}")
     content = msg.get("content")
     if content is None:
-        raise RecordError(BAD_RECORD, f"messages[{idx}] has no 'content'")
+        raise RecordError(R.BAD_RECORD, f"messages[{idx}] has no 'content'")
     if isinstance(content, str):
         return Turn(role, tuple(_text_segments(content, pool)))
     if not isinstance(content, list):
-        raise RecordError(BAD_RECORD, f"messages[{idx}].content must be a string or a list")
+        raise RecordError(R.BAD_RECORD, f"messages[{idx}].content must be a string or a list")
     segs: list[Segment] = []
     for part in content:
         if isinstance(part, str):
             segs.append(Segment(text=part))
             continue
         if not isinstance(part, dict):
-            raise RecordError(BAD_RECORD, f"messages[{idx}] has a content part of bad type")
+            raise RecordError(R.BAD_RECORD, f"messages[{idx}] has a content part of bad type")
         kind = part.get("type") or ("image" if "image" in part else "text")
         if kind == "text":
             if not isinstance(part.get("text"), str):
-                raise RecordError(BAD_RECORD, f"messages[{idx}] text part has no string 'text'")
+                raise RecordError(R.BAD_RECORD, f"messages[{idx}] text part has no string 'text'")
             segs.append(Segment(text=part["text"]))
         elif kind in ("image", "image_url"):
             ref = part.get("image") or part.get("image_url") or part.get("path")
             if ref is None:
                 if not pool:
-                    raise RecordError(MISSING_IMAGE, f"messages[{idx}] image part without an "
+                    raise RecordError(R.MISSING_IMAGE, f"messages[{idx}] image part without an "
                                                      "image and no top-level images left")
                 ref = pool.pop(0)
             segs.append(Segment(image=_image_ref(ref)))
         else:
-            raise RecordError(BAD_RECORD, f"messages[{idx}] has unsupported part type {kind!r}")
+            raise RecordError(R.BAD_RECORD, f"messages[{idx}] has unsupported part type {kind!r}")
     return Turn(role, tuple(segs))
 
 
@@ -204,29 +196,29 @@ def parse_record(rec: dict[str, Any]) -> Conversation:
     if rec.get("messages") is not None:
         msgs = rec["messages"]
         if not isinstance(msgs, (list, tuple)):
-            raise RecordError(BAD_RECORD, "'messages' must be a list")
+            raise RecordError(R.BAD_RECORD, "'messages' must be a list")
         turns = [_openai_turn(m, pool, i) for i, m in enumerate(msgs)]
     elif rec.get("conversations") is not None:
         convs = rec["conversations"]
         if not isinstance(convs, (list, tuple)):
-            raise RecordError(BAD_RECORD, "'conversations' must be a list")
+            raise RecordError(R.BAD_RECORD, "'conversations' must be a list")
         for i, c in enumerate(convs):
             if not isinstance(c, dict) or "from" not in c:
-                raise RecordError(MISSING_ROLES, f"conversations[{i}] has no 'from'")
+                raise RecordError(R.MISSING_ROLES, f"conversations[{i}] has no 'from'")
             role = _SHAREGPT_ROLES.get(str(c["from"]).lower())
             if role is None:
-                raise RecordError(MISSING_ROLES,
+                raise RecordError(R.MISSING_ROLES,
                                   f"conversations[{i}] has unsupported 'from' {c['from']!r}")
             if not isinstance(c.get("value"), str):
-                raise RecordError(BAD_RECORD, f"conversations[{i}] has no string 'value'")
+                raise RecordError(R.BAD_RECORD, f"conversations[{i}] has no string 'value'")
             turns.append(Turn(role, tuple(_text_segments(c["value"], pool))))
     else:
-        raise RecordError(MISSING_ROLES, "record has neither 'messages' nor 'conversations'")
+        raise RecordError(R.MISSING_ROLES, "record has neither 'messages' nor 'conversations'")
 
     if pool:
         placed = sum(t.num_images for t in turns)
         if placed:
-            raise RecordError(BAD_RECORD, f"{placed + len(pool)} images but only {placed} "
+            raise RecordError(R.BAD_RECORD, f"{placed + len(pool)} images but only {placed} "
                                           "image placeholders")
         # No placeholder at all: the images go before the first user turn's text (LLaVA style).
         first_user = next((i for i, t in enumerate(turns) if t.role == "user"), None)
@@ -237,15 +229,15 @@ def parse_record(rec: dict[str, Any]) -> Conversation:
     system = rec.get("system")
     if system is not None:
         if not isinstance(system, str):
-            raise RecordError(BAD_RECORD, "'system' must be a string")
+            raise RecordError(R.BAD_RECORD, "'system' must be a string")
         if system and not (turns and turns[0].role == "system"):
             turns.insert(0, Turn("system", (Segment(text=system),)))
 
     roles = [t.role for t in turns]
     if "user" not in roles or "assistant" not in roles:
-        raise RecordError(MISSING_ROLES, f"needs a user and an assistant turn, got {roles}")
+        raise RecordError(R.MISSING_ROLES, f"needs a user and an assistant turn, got {roles}")
     if "system" in roles[1:]:
-        raise RecordError(MISSING_ROLES, "a system turn may only come first")
+        raise RecordError(R.MISSING_ROLES, "a system turn may only come first")
     if any(t.num_images for t in turns if t.role == "system"):
-        raise RecordError(BAD_RECORD, "images in a system turn are not supported")
+        raise RecordError(R.BAD_RECORD, "images in a system turn are not supported")
     return Conversation(tuple(turns))

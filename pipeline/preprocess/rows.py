@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.preprocess.quarantine_reasons import QuarantineReason
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
 
 Item = ProcessedSample | QuarantinedRecord
@@ -74,7 +75,8 @@ def to_table(items: Sequence[Item]) -> pa.Table:
 
 def from_row(row: dict[str, Any]) -> Item:
     if row["quarantine_reason"]:
-        return QuarantinedRecord(row["source"], int(row["row"]), row["quarantine_reason"],
+        return QuarantinedRecord(row["source"], int(row["row"]),
+                                 QuarantineReason(row["quarantine_reason"]),
                                  row["quarantine_detail"] or "")
     pv = grid = None
     if row["image_grid_thw"]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.planner.types import MeasuredSample
+from pipeline.preprocess.quarantine_reasons import QuarantineReason
 
 IGNORE_INDEX = -100  # label of a token that does not count toward the loss
 
@@ -26,7 +27,7 @@ class ProcessedSample:
     cost: int = 0  # under the job's cost model, alone
     pixel_values: np.ndarray | None = None  # float32 [num_patches, C*T*P*P] (Qwen2-VL layout)
     image_grid_thw: np.ndarray | None = None  # int64 [num_images, 3]
-    truncated: bool = False  # cut to max_seq_len (truncation policy "truncate")
+    truncated: bool = False  # cut to JobConfig.max_sample_tokens() (vision-safe: whole images)
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +65,7 @@ class QuarantinedRecord:
 
     source: str
     row: int
-    reason: str  # short machine-readable kind: bad_json, missing_roles, bad_utf8, bad_image, ...
+    reason: QuarantineReason  # the vocabulary word (quarantine_reasons.py), never a sentence
     detail: str = ""  # the human-readable message
 
     @property

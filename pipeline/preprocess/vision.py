@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.config import PreprocessConfig
-from pipeline.preprocess.records import BAD_IMAGE, MISSING_IMAGE, ImageRef, RecordError
+from pipeline.preprocess.quarantine_reasons import QuarantineReason as R
+from pipeline.preprocess.records import ImageRef, RecordError
 from pipeline.preprocess.sources import read_bytes, resolve_relative
 
 
@@ -29,9 +30,9 @@ def decode_image(ref: ImageRef, source_path: str):
         try:
             data = read_bytes(path)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise RecordError(MISSING_IMAGE, f"image not found: {ref.path}") from None
+            raise RecordError(R.MISSING_IMAGE, f"image not found: {ref.path}") from None
         except OSError as exc:
-            raise RecordError(MISSING_IMAGE, f"image unreadable: {ref.path}: {exc}") from None
+            raise RecordError(R.MISSING_IMAGE, f"image unreadable: {ref.path}: {exc}") from None
         where = ref.path
     try:
         with Image.open(io.BytesIO(data)) as im:
@@ -39,7 +40,7 @@ def decode_image(ref: ImageRef, source_path: str):
             return im.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
             Image.DecompressionBombError) as exc:
-        raise RecordError(BAD_IMAGE, f"{where}: {exc}") from None
+        raise RecordError(R.BAD_IMAGE, f"{where}: {exc}") from None
 
 
 class VisionProcessor:
@@ -72,6 +73,6 @@ class VisionProcessor:
         try:
             out = self.processor(images=prepared, return_tensors="np")
         except ValueError as exc:  # e.g. extreme aspect ratios smart_resize refuses
-            raise RecordError(BAD_IMAGE, f"image processor refused the image: {exc}") from None
+            raise RecordError(R.BAD_IMAGE, f"image processor refused the image: {exc}") from None
         return (np.ascontiguousarray(out["pixel_values"], dtype=np.float32),
                 np.ascontiguousarray(out["image_grid_thw"], dtype=np.int64))

@@ -1,31 +1,41 @@
-"""Start/stop the whole data plane for a ServiceConfig: job runtimes + gRPC server.
+"""Start/stop one serving replica for a ServiceConfig: per-job runtimes + the gRPC server.
 
     svc = start_service(config, sample_sources={"job": ArraySource(samples)})
     ... svc.port ...
     svc.stop()
 
-Jobs without an explicit source get a `RaySource` (Ray must be initialized by the caller);
-jobs without an explicit JobState get `make_job_state(config, job)`.
+Started N times with the same Redis (and Ray cluster), these replicas are one service: each
+job's state lives in Redis, its producer runs once (a Ray actor for jobs preprocessed by Ray
+Data; a lease-guarded thread for in-memory sources), and any replica serves any rank.
+Jobs without an explicit source are preprocessed by Ray Data (Ray must be initialized by the
+caller, and the job state must be Redis: the producer actor is another process).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import uuid
 from collections.abc import Mapping
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pipeline.config import ServiceConfig
-from pipeline.observability import MetricsServer, start_metrics_server
+from pipeline.config import JobConfig, ServiceConfig
+from pipeline.errors import UserError
+from pipeline.jobstate.interface import JobState
+from pipeline.preprocess.array_source import ArraySource
+from pipeline.producer.feed import ArrayFeed
+from pipeline.producer.hosting import ActorHost, ProducerHost, ThreadHost
+from pipeline.producer.producer import ProducerSettings
 from pipeline.service.auth import server_credentials
 from pipeline.service.data_server import DataServicer, add_servicer
 from pipeline.service.job_runtime import JobRuntime
-from pipeline.service.job_state import JobState
-from pipeline.service.sources import RaySource, SampleSource
+from pipeline.service.payloads import ArrayPayloads, PayloadSource, RayPayloads
 from pipeline.service.state_factory import make_job_state
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
@@ -39,69 +49,96 @@ def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", n), ("grpc.max_receive_message_length", n)]
 
 
+def new_replica_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
 @dataclass
 class RunningService:
     server: grpc.Server
     port: int
     runtimes: dict[str, JobRuntime]
     health: health.HealthServicer
-    metrics: MetricsServer | None = None  # Prometheus /metrics + status page, if configured
-
-    @property
-    def metrics_port(self) -> int | None:
-        return self.metrics.port if self.metrics is not None else None
+    replica_id: str
+    on_stop: list = field(default_factory=list)  # callables run at stop (metrics server, ...)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def stop(self, grace: float = 2.0) -> None:
-        """Drain: report NOT_SERVING, stop producers, let streams end, close sources."""
+        """Drain: report NOT_SERVING, stop this replica's runtimes, let streams end."""
         self.health.enter_graceful_shutdown()
-        if self.metrics is not None:
-            self.metrics.close()
+        for fn in self.on_stop:
+            fn()
         for rt in self.runtimes.values():
             rt.stop()
         self.server.stop(grace).wait(grace + 1.0)
+        for rt in self.runtimes.values():
+            rt.state.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.server.wait_for_termination(timeout)
+
+
+def producer_settings(config: ServiceConfig, pool_steps: int | None = None) -> ProducerSettings:
+    # Room for a full client window plus the step held by the trainer and the one in flight.
+    return ProducerSettings(lease_seconds=config.lease_seconds,
+                            max_ahead=2 * config.grpc.prefetch_steps + 2, pool_steps=pool_steps,
+                            linger_seconds=max(60.0, 2 * config.rank_timeout_seconds))
+
+
+def _job_parts(config: ServiceConfig, job: JobConfig, state: JobState,
+               array: ArraySource | None, replica_id: str, settings: ProducerSettings
+               ) -> tuple[PayloadSource, ProducerHost]:
+    if array is not None:
+        host = ThreadHost(job, state, ArrayFeed(array, job.batching.collate),
+                          holder=f"replica:{replica_id}", settings=settings)
+        return ArrayPayloads(array), host
+    if not config.redis_url:
+        raise UserError(f"job {job.job_id!r}: jobs preprocessed by Ray need a Redis "
+                        "(redis_url): their producer is a Ray actor in another process")
+    return (RayPayloads(job, state),
+            ActorHost(job, state, config.redis_url, settings=settings,
+                      fsync_publish=config.fsync_publish))
 
 
 def start_service(
     config: ServiceConfig,
     *,
     job_states: Mapping[str, JobState] | None = None,
-    sample_sources: Mapping[str, SampleSource] | None = None,
+    sample_sources: Mapping[str, ArraySource] | None = None,
     tokens: Mapping[str, str | None] | None = None,
-    resume_grace_s: float = 2.0,
+    resume_grace_s: float | None = None,
     max_workers: int | None = None,
     pool_steps: int | None = None,
+    replica_id: str | None = None,
 ) -> RunningService:
-    """Start producers and the gRPC server for every job of `config`; returns once listening.
-
-    `tokens` overrides the per-job bearer tokens (default: each job's `token_env` variable).
-    `pool_steps` sets the planner's balancing pool (None: its default, ~256 batches).
-    """
+    """Start this replica's runtimes and gRPC server for every job of `config`; returns once
+    listening. `tokens` overrides the per-job bearer tokens (default: each job's `token_env`
+    variable); `pool_steps` the planner's balancing pool (None: the job's config)."""
     job_states = dict(job_states or {})
     sample_sources = dict(sample_sources or {})
+    replica_id = replica_id or new_replica_id()
+    settings = producer_settings(config, pool_steps)
     runtimes: dict[str, JobRuntime] = {}
     toks: dict[str, str | None] = {}
     for job in config.jobs:
         state = job_states.get(job.job_id) or make_job_state(config, job)
-        source = sample_sources.get(job.job_id) or RaySource(job)
-        runtimes[job.job_id] = JobRuntime(job, state, source,
-                                          prefetch_steps=config.grpc.prefetch_steps,
-                                          pool_steps=pool_steps)
+        payloads, host = _job_parts(config, job, state, sample_sources.get(job.job_id),
+                                    replica_id, settings)
+        runtimes[job.job_id] = JobRuntime(job, state, payloads, host)
         toks[job.job_id] = tokens[job.job_id] if tokens and job.job_id in tokens else job.token()
 
     # One pool thread per live stream (+ unary calls): size it for every rank of every job.
     workers = max_workers or max(16, sum(j.world_size for j in config.jobs) * 2 + 8)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="odb"),
                          options=grpc_options(config.grpc.max_message_mb))
-    servicer = DataServicer(runtimes, toks, lease_seconds=config.lease_seconds,
+    servicer = DataServicer(runtimes, toks, replica_id=replica_id,
+                            lease_seconds=config.lease_seconds,
                             prefetch_steps=config.grpc.prefetch_steps,
-                            resume_grace_s=resume_grace_s,
+                            resume_grace_s=(config.resume_grace_seconds
+                                            if resume_grace_s is None else resume_grace_s),
                             rank_timeout_seconds=config.rank_timeout_seconds,
                             rank_failure_policy=config.rank_failure_policy)
     add_servicer(servicer, server)
@@ -114,14 +151,11 @@ def start_service(
     port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
     if port == 0:
         raise OSError(f"cannot listen on {addr}")
-    for rt in runtimes.values():
-        rt.start()
-    server.start()
+    server.start()  # listening before any producer starts: ranks may connect at once
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %d job(s) on %s (tls=%s)", len(runtimes), addr, creds is not None)
-    running = RunningService(server, port, runtimes, health_servicer)
-    if config.metrics_port is not None:
-        running.metrics, _ = start_metrics_server(config.metrics_port, running,
-                                                  host=config.grpc.host)
-    return running
+    for rt in runtimes.values():
+        rt.start()
+    log.info("replica %s serving %d job(s) on %s (tls=%s)", replica_id, len(runtimes), addr,
+             creds is not None)
+    return RunningService(server, port, runtimes, health_servicer, replica_id)

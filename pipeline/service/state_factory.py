@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pipeline.config import JobConfig, ServiceConfig
-from pipeline.service.job_state import JobState
-from pipeline.service.memory_state import MemoryJobState
+from pipeline.jobstate.interface import JobState
+from pipeline.jobstate.memory import MemoryJobState
 
 
 def make_job_state(config: ServiceConfig, job: JobConfig) -> JobState:
@@ -12,5 +12,5 @@ def make_job_state(config: ServiceConfig, job: JobConfig) -> JobState:
     if config.redis_url:
         from pipeline.coordinator import RedisJobState
 
-        return RedisJobState.connect(config.redis_url, job)
-    return MemoryJobState(job.job_id)
+        return RedisJobState.connect(config.redis_url, job, fsync_publish=config.fsync_publish)
+    return MemoryJobState(job.job_id, job.world_size, job.mode)

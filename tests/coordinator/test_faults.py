@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+from pipeline.service.job_state import PlannerCheckpoint, RankHeld, StepConflict
 
 from pipeline.coordinator import RedisJobState, job_summary, list_jobs, registry
 from pipeline.redis_client import RedisUnavailable, connect
 from pipeline.redis_server import LocalRedis, find_redis_binary, free_port
-from pipeline.service.job_state import PlannerCheckpoint, RankHeld, StepConflict
 
 from .helpers import make_step
 

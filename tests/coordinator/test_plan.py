@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from pipeline.service.job_state import PlannerCheckpoint, StepConflict
 
 from pipeline.coordinator import CheckpointConflict, RedisJobState, StepGap
 from pipeline.planner.types import EpochEnd, MeasuredSample
-from pipeline.service.job_state import PlannerCheckpoint, StepConflict
 
 from .helpers import make_step
 

@@ -8,9 +8,9 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st_
+from pipeline.service.job_state import RankHeld
 
 from pipeline.coordinator import AckAheadOfPlan, RedisJobState
-from pipeline.service.job_state import RankHeld
 
 from .helpers import make_step
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pipeline.coordinator.errors import UnknownJob
 
 from pipeline.coordinator import (
     JobMismatch,
@@ -13,7 +14,6 @@ from pipeline.coordinator import (
     list_jobs,
     registry,
 )
-from pipeline.coordinator.errors import UnknownJob
 from pipeline.errors import UserError
 from pipeline.planner.types import EpochEnd
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pipeline.service.job_state import PlannerCheckpoint
 
 from pipeline.coordinator import step_codec
 from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
-from pipeline.service.job_state import PlannerCheckpoint
 
 sample_ids = st.one_of(st.integers(-(2**40), 2**40), st.text(min_size=0, max_size=12))
 samples = st.builds(MeasuredSample, sample_ids, st.integers(0, 10**6), st.integers(0, 5000))
@@ -21,7 +21,8 @@ def steps(draw):
     for r in ranks:
         ss = tuple(draw(st.lists(samples, max_size=4)))
         trunc = {s.sample_id: draw(st.integers(0, 100)) for s in ss if draw(st.booleans())}
-        batches.append(Batch(r, ss, draw(st.integers(0, 10**7)), draw(st.booleans()), trunc))
+        batches.append(Batch(r, ss, draw(st.integers(0, 10**7)), draw(st.booleans()), trunc,
+                             filler=draw(st.booleans())))
     return Step(draw(st.integers(0, 50)), draw(st.integers(0, 10**6)), tuple(batches),
                 StepInfo(draw(st.integers(0, 10**4)), draw(st.integers(0, 10**8))))
 
@@ -36,7 +37,8 @@ def test_step_round_trip_is_lossless_and_canonical(step):
         assert [type(s.sample_id) for s in b.samples] == [type(s.sample_id) for s in b2.samples]
     # Same value, reversed dict insertion order: identical bytes (write-once compares bytes).
     rev = Step(step.epoch, step.step, tuple(
-        Batch(b.rank, b.samples, b.cost, b.over_budget, dict(reversed(b.truncated_to.items())))
+        Batch(b.rank, b.samples, b.cost, b.over_budget, dict(reversed(b.truncated_to.items())),
+              b.filler)
         for b in step.batches), step.info)
     assert step_codec.encode_step(rev) == (header, blobs)
 

@@ -26,7 +26,7 @@ def test_grpc_server_over_redis_state_delivers_each_sample_once_per_epoch(redis_
         "grpc": {"port": 0}, "lease_seconds": 5.0,
         "jobs": [{"job_id": "srv", "world_size": w, "epochs": epochs,
                   "source": {"paths": ["arrays"]},
-                  "batching": {"token_budget": 2048, "buffer_size": 64}}]})
+                  "batching": {"token_budget": 2048, "max_window_samples": 64}}]})
     samples = sources.synthetic_samples(200, max_len=900, seed=3)
     st = RedisJobState.connect(redis_url, cfg.jobs[0], history_steps=2)
     svc = server.start_service(cfg, job_states={"srv": st},

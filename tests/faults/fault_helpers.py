@@ -23,7 +23,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1",
 
 def fault_samples(n: int, seed: int, max_len: int = 600, full_len: int = 0) -> list:
     """The deterministic samples the server processes serve (the test rebuilds the same)."""
-    from pipeline.service.sources import synthetic_samples
+    from pipeline.preprocess.array_source import synthetic_samples
 
     if full_len:
         return synthetic_samples(n, lengths=[full_len] * n, vocab=1000, seed=seed,
@@ -32,7 +32,7 @@ def fault_samples(n: int, seed: int, max_len: int = 600, full_len: int = 0) -> l
 
 
 def job_dict(job_id: str = "j", world_size: int = 3, **kw: Any) -> dict:
-    batching = {"token_budget": 2048, "buffer_size": 64, "pool_steps": 2,
+    batching = {"token_budget": 2048, "max_window_samples": 64, "pool_steps": 2,
                 **kw.pop("batching", {})}
     return {"job_id": job_id, "world_size": world_size, "source": {"paths": ["arrays"]},
             "batching": batching, **kw}

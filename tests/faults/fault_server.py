@@ -34,8 +34,8 @@ def main() -> None:
     from fault_helpers import fault_samples
 
     from pipeline.config import ServiceConfig
+    from pipeline.preprocess.array_source import ArraySource
     from pipeline.service.server import start_service
-    from pipeline.service.sources import ArraySource
 
     job = json.loads(args.job_json)
     cfg = ServiceConfig.model_validate({

@@ -23,11 +23,11 @@ from fault_helpers import (
 )
 
 from pipeline.config import ServiceConfig
+from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.service.server import start_service
-from pipeline.service.sources import ArraySource, synthetic_samples
+from trainer_client import StreamError
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client import StreamError
 
 pytestmark = pytest.mark.slow
 W, N, LEASE, TIMEOUT = 3, 900, 1.0, 2.0

@@ -15,9 +15,9 @@ from fault_helpers import RankThread, assert_join_coverage, job_dict, wait_for
 
 from pipeline.config import ServiceConfig
 from pipeline.coordinator import RedisJobState
+from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.redis_server import LocalRedis, free_port
 from pipeline.service.server import start_service
-from pipeline.service.sources import ArraySource, synthetic_samples
 
 pytestmark = pytest.mark.slow
 W, N, EPOCHS = 3, 700, 2
@@ -50,7 +50,7 @@ def test_redis_restarted_from_aof_mid_epoch_keeps_coverage_exact(tmp_path):
             r.check()
         st = RedisJobState.attach(redis.url, "aof")
         assert st.is_done() and len(st.epoch_ends()) == EPOCHS
-        assert svc.runtimes["aof"].error is None
+        assert st.error() is None
     finally:
         if svc is not None:
             svc.stop(grace=0.5)

@@ -1,6 +1,6 @@
 """The server-side pieces the fault tests lean on, each checked directly and fast: acks past the
 plan are INVALID_ARGUMENT, a rank's END acks it through the epoch's last step (join mode: so Redis
-can trim steps it has no batch in), counters reach Redis once per step batch, and the dead-rank
+can trim steps it has no batch in), counters reach Redis with the plan, and the dead-rank
 policy works over the in-process MemoryJobState too (a client that vanishes without closing)."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 from fault_helpers import RankThread, job_dict
 
 from pipeline.config import ServiceConfig
-from pipeline.service.memory_state import MemoryJobState
+from pipeline.jobstate import MemoryJobState
+from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.service.server import start_service
-from pipeline.service.sources import ArraySource, synthetic_samples
+from trainer_client import StreamError
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client import StreamError
 
 
 def cfg_for(job: dict, **kw) -> ServiceConfig:
@@ -99,7 +99,7 @@ def test_end_acks_the_rank_through_the_epoch_and_counters_reach_redis(redis_clie
             time.sleep(0.05)
         assert st.acked_all() == [4, 4]  # rank 1 acked through step 4, where it has no batch
         c = st.counters()
-        assert c["samples_emitted"] == 9 and c["tokens_emitted"] == 9 * 64
+        assert c.samples_planned == c.samples_in == 9 and c.tokens_planned == 9 * 64
     finally:
         svc.stop(grace=0.5)
 
@@ -108,7 +108,7 @@ def test_fail_policy_over_memory_state_names_the_vanished_rank():
     samples = synthetic_samples(600, max_len=400, seed=3)
     cfg = cfg_for(job_dict("mem", 2, batching={"token_budget": 1024}), lease_seconds=1.0,
                   rank_timeout_seconds=1.0)
-    state = MemoryJobState("mem")
+    state = MemoryJobState("mem", 2)
     svc = start_service(cfg, job_states={"mem": state},
                         sample_sources={"mem": ArraySource(samples)})
     try:

@@ -9,13 +9,13 @@ import pytest
 from fault_helpers import job_dict
 
 from pipeline.config import ServiceConfig
-from pipeline.coordinator.errors import JobMismatch
+from pipeline.errors import JobMismatch
+from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.redis_server import free_port
 from pipeline.service.server import start_service
-from pipeline.service.sources import ArraySource, synthetic_samples
+from trainer_client import BatchStream, StreamError
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client import BatchStream, StreamError
 
 SAMPLES = synthetic_samples(300, max_len=600, seed=4)
 

@@ -33,8 +33,10 @@ def test_ray_version_matches_the_raycluster():
 
 
 def test_torch_is_the_pinned_cpu_build():
-    pyproject = (REPO / "pyproject.toml").read_text()
-    assert f'"torch=={_arg("TORCH_VERSION")}"' in pyproject
+    # The pin lives in the setup's constraints, never in the package's runtime dependencies.
+    constraints = (REPO / "constraints.txt").read_text().split()
+    assert f"torch=={_arg('TORCH_VERSION')}" in constraints
+    assert '"torch==' not in (REPO / "pyproject.toml").read_text()
     assert "--index-url https://download.pytorch.org/whl/cpu" in DOCKERFILE
 
 

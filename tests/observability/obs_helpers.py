@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from pipeline.config import ServiceConfig
+from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.server import RunningService, start_service
-from pipeline.service.sources import ArraySource, synthetic_samples
 
 JOB = "obs"
 WORLD = 2
@@ -19,7 +19,7 @@ WORLD = 2
 
 def config(**kw: Any) -> ServiceConfig:
     job = {"job_id": JOB, "world_size": WORLD, "source": {"paths": ["arrays"]},
-           "batching": {"token_budget": 1024, "buffer_size": 32}}
+           "batching": {"token_budget": 1024, "max_window_samples": 32}}
     return ServiceConfig.model_validate({"grpc": {"port": 0}, "lease_seconds": 5.0,
                                          "metrics_port": 0, "jobs": [job], **kw})
 
@@ -32,11 +32,17 @@ def samples(n: int = 160) -> list[ProcessedSample]:
 def served(items: list | None = None, tokens: dict[str, str | None] | None = None,
            **cfg: Any) -> Iterator[tuple[RunningService, int]]:
     """(service, metrics port); both stopped on exit."""
-    svc = start_service(config(**cfg), tokens=tokens,
+    from pipeline.observability import start_metrics_server
+
+    conf = config(**cfg)
+    svc = start_service(conf, tokens=tokens,
                         sample_sources={JOB: ArraySource(items if items is not None
                                                          else samples())})
+    port = None
+    if conf.metrics_port is not None:  # config(): 0 = a free port
+        _, port = start_metrics_server(conf.metrics_port, svc, host="127.0.0.1")
     try:
-        yield svc, svc.metrics_port  # config(): metrics_port 0 = start_service picks a port
+        yield svc, port
     finally:
         svc.stop(grace=0.5)
 

@@ -47,7 +47,11 @@ def test_metrics_parse_and_counters_move_while_consuming() -> None:
             for i in range(2):
                 rl = {"job_id": JOB, "rank": str(i)}
                 assert total(first, "odb_rank_acked_step", **rl) == ranks[i].steps[-1]
-                assert total(first, "odb_rank_connected", **rl) == 1.0
+                assert total(first, "odb_replica_rank_connected", **rl,
+                             replica=svc.replica_id) == 1.0
+                # Fetched for the batches taken, and for the one prefetched after them.
+                assert total(first, "odb_replica_samples_fetched_total", **rl) >= sum(
+                    len(b.info.sample_ids) for b in ranks[i].batches)
                 assert total(first, "odb_batches_emitted_total", **rl) >= 2
             assert total(first, "odb_step_published", job_id=JOB) >= 1
             assert total(first, "odb_samples_in_total", job_id=JOB) > 0
@@ -86,7 +90,7 @@ def test_metrics_totals_are_exact_after_full_consumption() -> None:
             # Padding = the zeros of every attention mask the ranks received (padded collate).
             pad = sum(int((b["attention_mask"] == 0).sum()) for b in batches)
             assert total(v, "odb_padded_tokens_total") == pad
-            assert total(v, "odb_planner_buffer_samples") == 0
+            assert total(v, "odb_samples_planned_total") == len(items)
             assert total(v, "odb_job_done") == 1.0
             for i in range(2):
                 assert total(v, "odb_rank_lag_steps", rank=str(i)) == 0

@@ -1,18 +1,15 @@
-"""Emission totals derived from the plan, quarantine labels and stall detection, in isolation."""
+"""Consumption totals derived from the plan and the ranks' cursors, and stall detection."""
 
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 from obs_helpers import JOB, Rank, served, wait_for
 
+from pipeline.jobstate import MemoryJobState, PlannerCheckpoint, Publication
 from pipeline.observability import status_view
 from pipeline.observability.plan_totals import PlanTotals, batch_figures
-from pipeline.observability.quarantine import by_reason, parse_record
 from pipeline.planner.types import Batch, MeasuredSample, Step, StepInfo
-from pipeline.service.job_runtime import RankInfo
-from pipeline.service.memory_state import MemoryJobState
 
 
 def _batch(rank: int, *lengths: int, truncated: dict | None = None) -> Batch:
@@ -36,37 +33,24 @@ def test_batch_figures_padded_packed_and_truncated() -> None:
 
 
 def test_join_mode_tail_and_rewind_count_each_batch_once() -> None:
-    state = MemoryJobState(JOB)
-    rt = SimpleNamespace(state=state, world_size=2, collate="padded",
-                         ranks=[RankInfo(), RankInfo()])
-    pt = PlanTotals(rt)  # type: ignore[arg-type]
-    state.publish_step(_step(0, _batch(0, 8, 8), _batch(1, 4)))
-    state.publish_step(_step(1, _batch(0, 6)))  # join tail: rank 1 has no batch here
-    rt.ranks[0].delivered, rt.ranks[1].delivered = 1, 0
-    pt.update()
+    state = MemoryJobState(JOB, 2)
+    gen = state.claim_producer("p", 60)
+    state.publish(Publication(PlannerCheckpoint(0, 4, 2), steps=(
+        _step(0, _batch(0, 8, 8), _batch(1, 4)),
+        _step(1, _batch(0, 6)))), fence=gen)  # join tail: rank 1 has no batch at step 1
+    pt = PlanTotals(state, "padded")
+    pt.update([1, 0])
     assert [(r.batches, r.samples, r.tokens) for r in pt.ranks] == [(2, 3, 22), (1, 1, 4)]
     assert pt.published_samples == 4 and not pt._pending  # both steps fully counted
-    rt.ranks[0].delivered = 0  # a rank restored from an older checkpoint gets step 0 again
-    pt.update()
-    rt.ranks[0].delivered = 1
-    pt.update()
-    assert pt.ranks[0].batches == 2  # redelivery is not a new emission
-
-
-def test_quarantine_reason_labels_are_bounded() -> None:
-    recs = ["a.jsonl:3: bad_json", "x:1: num_tokens=9000 exceeds token_budget=4096",
-            "x:2: num_visual_tokens=9 exceeds max_visual_tokens=4",
-            "x:3: invalid size: num_tokens=0, num_visual_tokens=0",
-            "x:4: Some Free Text", "garbage", "b.jsonl:7: bad_utf8: byte 0xff at 12"]
-    assert by_reason(recs) == {"bad_json": 1, "bad_utf8": 1, "invalid_size": 1, "other": 2,
-                               "over_budget": 1, "over_visual_cap": 1}
-    assert parse_record(recs[0]).sample_id == "a.jsonl:3"
+    pt.update([0, 0])  # a rank restored from an older checkpoint: cursors never go back,
+    pt.update([1, 0])  # and a count never does either
+    assert pt.ranks[0].batches == 2  # a step counts once however often it is delivered
 
 
 def test_a_rank_with_waiting_steps_and_no_acks_is_stalled(monkeypatch) -> None:
     monkeypatch.setattr(status_view, "STALL_AFTER_S", 0.3)
     with served() as (svc, _port):
-        view = status_view.ServiceView(svc.runtimes)
+        view = status_view.ServiceView(svc.runtimes, svc.replica_id)
         r0 = Rank(svc.address, 0, 1).start()
         try:
             r0.wait_taken()
@@ -76,6 +60,6 @@ def test_a_rank_with_waiting_steps_and_no_acks_is_stalled(monkeypatch) -> None:
             ranks = view.snapshot()["jobs"][0]["ranks"]
             assert ranks[0]["stalled"] is True and ranks[0]["lag_steps"] > 0
             assert ranks[0]["seconds_since_progress"] >= 0.3
-            assert ranks[1]["connected"] is False
+            assert ranks[1]["replica"]["connected"] is False
         finally:
             r0.release()

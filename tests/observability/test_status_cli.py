@@ -19,8 +19,8 @@ from obs_helpers import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.cli import main
+from pipeline.preprocess.array_source import synthetic_samples
 from pipeline.preprocess.sample import QuarantinedRecord
-from pipeline.service.sources import synthetic_samples
 
 
 def _status(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -44,7 +44,7 @@ def test_status_json_reports_each_ranks_steps_while_consuming(capsys) -> None:
         def settled() -> bool:
             got = _status(capsys, *argv)["jobs"][0]["ranks"]
             return ([r["acked_step"] for r in got] == acked
-                    and [r["delivered_step"] for r in got] == delivered)
+                    and [r["replica"]["delivered_step"] for r in got] == delivered)
 
         wait_for(settled, what="acks and deliveries to reach the server")
         out = _status(capsys, *argv)
@@ -55,23 +55,26 @@ def test_status_json_reports_each_ranks_steps_while_consuming(capsys) -> None:
         assert job["world_size"] == 2 and job["mode"] == "join"
         plan = svc.runtimes[JOB].state
         for i, r in enumerate(job["ranks"]):
-            assert r["rank"] == i and r["connected"] is True
-            assert (r["acked_step"], r["delivered_step"]) == (acked[i], delivered[i])
+            assert r["rank"] == i and r["replica"]["connected"] is True
+            assert (r["acked_step"], r["replica"]["delivered_step"]) == (acked[i], delivered[i])
             # Lag: this rank's published steps after its ack (the planner runs ahead).
-            assert r["lag_steps"] == svc.runtimes[JOB].pending(i) >= 1
+            waiting = [n for n in range(acked[i] + 1, plan.published_through() + 1)
+                       if plan.get_step(n).batch_for(i) is not None]
+            assert r["lag_steps"] == len(waiting) >= 1
             assert r["stalled"] is False
-            # Emitted = every batch sent: the ones taken plus the one in the client queue.
-            sent = sum(len(b.info.sample_ids) for b in ranks[i].batches)
-            sent += len(plan.get_step(delivered[i]).batch_for(i).samples)
-            assert r["samples_emitted"] == sent
-            assert r["batches_emitted"] == len(ranks[i].batches) + 1
+            # Emitted = consumed (acknowledged): the batches taken, not the one in the client
+            # queue; the same figure whichever replica served the rank.
+            taken = sum(len(b.info.sample_ids) for b in ranks[i].batches)
+            assert r["samples_emitted"] == taken
+            assert r["batches_emitted"] == len(ranks[i].batches)
         assert job["totals"]["samples_emitted"] == sum(r["samples_emitted"]
                                                        for r in job["ranks"])
         assert 0 < job["padding_efficiency"] <= 1
         assert 0 < job["budget_utilisation"] <= 1
         assert job["throughput"]["basis"] == "uptime"
         assert job["throughput"]["samples_per_s"] > 0
-        assert job["planner_buffer_samples"] >= 0 and job["payload_cache_samples"] > 0
+        assert job["producer"]["live"] and job["producer"]["generation"] == 1
+        assert job["planned"]["samples"] >= job["totals"]["samples_emitted"]
 
         # --watch: throughput over the interval, one JSON object per refresh.
         capsys.readouterr()
@@ -94,9 +97,10 @@ def test_status_quarantine_counts_and_lists_records(capsys) -> None:
     items = [*bad, *synthetic_samples(40, seed=1, max_len=128, vocab=100),
              *synthetic_samples(1, lengths=[5000], source="huge")]  # over the 1024 budget
     with served(items, jobs=[{"job_id": JOB, "world_size": 2, "source": {"paths": ["a"]},
-                              "batching": {"token_budget": 1024, "buffer_size": 8,
+                              "batching": {"token_budget": 1024, "max_window_samples": 8,
                                            "over_budget": "quarantine"}}]) as (svc, mport):
-        wait_for(lambda: len(svc.runtimes[JOB].quarantined) == 3, what="quarantine")
+        wait_for(lambda: svc.runtimes[JOB].state.counters().quarantined == 3,
+                 what="quarantine")
         out = _status(capsys, "--metrics-endpoint", f"127.0.0.1:{mport}", "--quarantine")
         q = out["jobs"][0]["quarantine"]
         assert q["total"] == 3

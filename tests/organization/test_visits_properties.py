@@ -16,7 +16,7 @@ from sdo_cases import graph_of, run_epochs
 
 from pipeline.organization.epoch_visits import plan_epoch_visits, split_visit_id
 from pipeline.organization.exposure_ledger import ExposureLedger
-from pipeline.organization.locality import planner_buffer_size
+from pipeline.organization.locality import planner_lookahead, repeat_gap
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import MeasuredSample, Step
@@ -108,16 +108,17 @@ def test_planner_fed_the_visits_keeps_budget_alignment_and_exactly_once(kn, w, m
     lens = np.random.default_rng(ls).integers(1, 900, g.size)
     measured = {sid: MeasuredSample(sid, int(n), 0, int(n) // 2)
                 for sid, n in zip(g.ids, lens, strict=True)}
-    policy = BatchingPolicy(token_budget=1024, over_budget="alone",
-                            buffer_size=planner_buffer_size(loc, 256, 1024 / lens.mean()))
+    window = planner_lookahead(loc, 16 * 1024, 1024)
+    policy = BatchingPolicy(token_budget=1024, over_budget="alone", lookahead_tokens=window)
     epochs, _ = run_epochs(g, 3, seed=kn["seed"], coverage_epochs=kn["coverage_epochs"],
-                           visits_per_epoch=kn["visits_per_epoch"])
+                           visits_per_epoch=kn["visits_per_epoch"],
+                           repeat_gap=repeat_gap(window, float(lens.mean())))
     fed = [ev.planner_samples(measured) for ev in epochs]
     planner = StepPlanner(policy, w, mode, seed=kn["seed"])
     events = []
-    for samples in fed:
+    for e, samples in enumerate(fed):
         events += planner.feed_many(samples)
-        events += planner.end_epoch()
+        events += planner.end_epoch(last_epoch=e == len(fed) - 1)
     check_plan(events, fed, policy, w, mode)  # budget, alignment, every visit exactly once
     if mode == "join":
         for e, ev in enumerate(epochs):

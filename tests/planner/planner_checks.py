@@ -15,13 +15,15 @@ def run_epochs(
     world_size: int,
     mode: DgapMode | str = DgapMode.JOIN,
     seed: int = 0,
+    close: bool = True,
 ) -> list:
+    """Plan the epochs as one job; `close`: the last one is the job's last (closing step)."""
     planner = StepPlanner(policy, world_size, mode, seed)
     events: list = []
-    for samples in epochs:
+    for e, samples in enumerate(epochs):
         for s in samples:
             events.extend(planner.feed(s))
-        events.extend(planner.end_epoch())
+        events.extend(planner.end_epoch(last_epoch=close and e == len(epochs) - 1))
     return events
 
 
@@ -31,8 +33,13 @@ def check_plan(
     policy: BatchingPolicy,
     world_size: int,
     mode: DgapMode | str,
+    closed: bool = True,
 ) -> dict:
-    """Assert every guarantee the planner gives; returns a few counts for extra asserts."""
+    """Assert every guarantee the planner gives; returns a few counts for extra asserts.
+
+    `closed`: the last epoch was ended with `last_epoch=True` (quota: nothing is carried out of
+    the job; fillers only in its very last step).
+    """
     mode = DgapMode(mode)
     cm = policy.cost_model
     budget = policy.token_budget
@@ -46,6 +53,8 @@ def check_plan(
     steps_this_epoch = 0
     partial_this_epoch = 0
     ends: list[EpochEnd] = []
+    filler_steps: list[Step] = []
+    all_steps = [ev for ev in events if isinstance(ev, Step)]
     for ev in events:
         if isinstance(ev, Step):
             assert ev.epoch == epoch
@@ -60,7 +69,10 @@ def check_plan(
                 assert len(ev.batches) == world_size, "quota: every step is full"
             elif len(ev.batches) < world_size:
                 partial_this_epoch += 1
-            tokens = 0
+            tokens = loss = 0
+            real_samples = {s for b in ev.batches if not b.filler for s in b.samples}
+            if any(b.filler for b in ev.batches):
+                filler_steps.append(ev)
             for b in ev.batches:
                 assert b.samples, "no empty batches"
                 lens = [b.truncated_to.get(s.sample_id, s.num_tokens) for s in b.samples]
@@ -79,11 +91,19 @@ def check_plan(
                     assert b.cost <= budget, f"budget violated: {b.cost} > {budget}"
                     if vcap is not None:
                         assert sum(s.num_visual_tokens for s in b.samples) <= vcap
-                tokens += sum(lens)
-                emitted.update(s.sample_id for s in b.samples)
                 last_step[b.rank] = ev.step
-            assert ev.info.step_samples == sum(len(b.samples) for b in ev.batches)
+                if b.filler:
+                    assert len(b.samples) == 1 and b.samples[0] in real_samples, \
+                        "a filler copies one real sample of its step"
+                    assert b.loss_tokens == 0, "a filler has zero loss weight"
+                    continue
+                tokens += sum(lens)
+                loss += sum(min(s.loss_tokens, n) for s, n in zip(b.samples, lens, strict=True))
+                emitted.update(s.sample_id for s in b.samples)
+            real = [b for b in ev.batches if not b.filler]
+            assert ev.info.step_samples == sum(len(b.samples) for b in real)
             assert ev.info.step_tokens == tokens
+            assert ev.info.step_loss_tokens == loss == sum(b.loss_tokens for b in ev.batches)
         elif isinstance(ev, Quarantined):
             assert ev.reason
             quarantined[ev.sample.sample_id] += 1
@@ -94,6 +114,8 @@ def check_plan(
             assert ev.final_step == tuple(last_step), "final_step is each rank's last step"
             if mode is DgapMode.QUOTA:
                 assert len(set(ev.final_step)) <= 1, "quota: every rank ends on the same step"
+                if closed and epoch == len(epochs) - 1:
+                    assert ev.carried_over == (), "the job's last epoch carries nothing out"
             else:
                 assert ev.carried_over == ()
                 assert partial_this_epoch <= 1, "bounded termination: at most one partial step"
@@ -111,4 +133,8 @@ def check_plan(
         else:  # pragma: no cover
             raise AssertionError(f"unknown event {ev!r}")
     assert epoch == len(epochs), "one EpochEnd per epoch"
-    return {"steps": expected_step, "ends": ends}
+    if filler_steps:
+        assert mode is DgapMode.QUOTA and closed, "fillers only close a quota job"
+        assert filler_steps == all_steps[-1:], "fillers only in the job's very last step"
+        assert filler_steps[0].epoch == len(epochs) - 1
+    return {"steps": expected_step, "ends": ends, "filler_steps": filler_steps}

@@ -12,12 +12,14 @@ import sys
 import pytest
 
 from pipeline.cli import main
+from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES
 from pipeline.sample_data import IMAGES_DIR, SAMPLE_CHATS
 
 KEYS = {
     "samples", "emitted_samples", "steps", "padding_efficiency", "budget_violations",
     "over_budget_samples", "per_rank_steps", "rank_balance_p50", "rank_balance_p95",
-    "carried_over", "mode", "world_size", "token_budget", "buffer_size", "collate",
+    "carried_over", "mode", "world_size", "token_budget", "lookahead_tokens",
+    "max_window_samples", "collate",
 }
 # Rows 50..89 of the shipped data: row 53 has no assistant turn, row 89 is not valid UTF-8.
 FIRST, ROWS = 50, 40
@@ -82,16 +84,18 @@ def test_config_job_gives_defaults_flags_override(tmp_path, capsys):
         "    world_size: 4\n"
         "    mode: quota\n"
         "    source: {paths: [x.jsonl]}\n"
-        "    batching: {token_budget: 2048, collate: packed, buffer_size: 64}\n"
+        "    batching: {token_budget: 2048, collate: packed, max_window_samples: 64,\n"
+        "               lookahead_tokens: 4096}\n"
     )
     assert main(["plan", "--lengths", str(lengths), "--config", str(cfg), "--job", "b",
-                 "--buffer-size", "32", "--json"]) == 0
+                 "--max-window-samples", "32", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert (d["world_size"], d["mode"], d["token_budget"], d["collate"], d["buffer_size"]) == (
-        4, "quota", 2048, "packed", 32)
+    assert (d["world_size"], d["mode"], d["token_budget"], d["collate"], d["max_window_samples"],
+            d["lookahead_tokens"]) == (4, "quota", 2048, "packed", 32, 4096)
     assert main(["plan", "--lengths", str(lengths), "--config", str(cfg), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)  # first job; JobConfig's own batching defaults
-    assert (d["world_size"], d["token_budget"], d["buffer_size"]) == (3, 16384, 1024)
+    assert (d["world_size"], d["token_budget"], d["max_window_samples"], d["lookahead_tokens"]) \
+        == (3, 16384, MAX_WINDOW_SAMPLES, LOOKAHEAD_BUDGETS * 16384)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,9 @@ KEYS = {
     "rank_balance_p50",
     "rank_balance_p95",
     "carried_over",
+    "filler_batches",
+    "lookahead_tokens",
+    "max_window_samples",
 }
 
 
@@ -62,11 +65,14 @@ def test_quota_multi_epoch_and_policies(capsys, lengths_file):
         capsys,
         *("--lengths", str(lengths_file), "--world-size", "8", "--token-budget", "16384"),
         *("--mode", "quota", "--epochs", "3", "--over-budget", "quarantine", "--shuffle"),
-        *("--collate", "packed", "--buffer-size", "256", "--attn-b", "0.0001"),
+        *("--collate", "packed", "--max-window-samples", "256", "--attn-b", "0.0001"),
         *("--pool-steps", "3"),
     )
     assert d["epochs"] == 3 and len(set(d["per_rank_steps"])) == 1
     assert d["quarantined"] == 3 and d["over_budget_samples"] == 3
+    # Quota, last epoch: nothing is carried out of the job; every sample of every epoch is
+    # emitted (the closing step's fillers, if any, are not counted).
+    assert d["carried_over"] == 0 and d["emitted_samples"] == 3 * (3000 - 1)
     assert d["padding_efficiency"] == 1.0  # packed: no padding
 
 
@@ -99,6 +105,20 @@ def test_emit_plan_format(capsys, tmp_path, lengths_file):
     ]
 
 
+def test_defaults_are_the_services(capsys, lengths_file):
+    """Without --config, `plan` uses the job config's batching defaults: it plans what `serve`
+    would (one owner for the defaults, pipeline/config.py)."""
+    from pipeline.config import BatchingConfig
+
+    d = run_json(
+        capsys, "--lengths", str(lengths_file), "--world-size", "2", "--token-budget", "16384"
+    )
+    served = BatchingConfig(token_budget=16384).policy()
+    assert (d["lookahead_tokens"], d["max_window_samples"], d["collate"]) == (
+        served.lookahead_tokens, served.max_window_samples, served.collate.value)
+    assert served.over_budget.value == "truncate" and d["truncated"] == 1  # sample 17
+
+
 def test_human_summary(capsys, lengths_file):
     rc = main(
         ["plan", "--lengths", str(lengths_file), "--world-size", "2", "--token-budget", "16384"]
@@ -129,11 +149,12 @@ def test_jsonl_input_with_visual_cap(capsys, tmp_path):
     [
         (["--world-size", "0"], "--world-size must be >= 1, got 0"),
         (["--token-budget", "-5"], "--token-budget must be > 0, got -5"),
-        (["--buffer-size", "0"], "--buffer-size must be >= 1, got 0"),
+        (["--max-window-samples", "0"], "--max-window-samples must be >= 1, got 0"),
+        (["--lookahead-tokens", "99"], "--lookahead-tokens must be >= the token budget (100)"),
         (["--epochs", "0"], "--epochs must be >= 1, got 0"),
         (["--pool-steps", "0"], "--pool-steps must be >= 1, got 0"),
         (["--max-visual-tokens", "0"], "--max-visual-tokens must be > 0"),
-        (["--attn-a", "-1"], "attn_a must be a finite number >= 0"),
+        (["--attn-a", "-1"], "attn_a: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, lengths_file, argv, message):

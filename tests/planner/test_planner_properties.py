@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -10,7 +11,15 @@ from planner_checks import check_plan, run_epochs
 
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import PlannerState, StepPlanner
-from pipeline.planner.types import Collate, DgapMode, MeasuredSample, OverBudgetPolicy, Step
+from pipeline.planner.types import (
+    Collate,
+    DgapMode,
+    EpochEnd,
+    MeasuredSample,
+    OverBudgetPolicy,
+    Quarantined,
+    Step,
+)
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -23,7 +32,9 @@ def scenarios(draw):
     policy = BatchingPolicy(
         token_budget=budget,
         collate=draw(st.sampled_from(list(Collate))),
-        buffer_size=draw(st.integers(1, 48)),
+        # Both window bounds small, so cutting (and its restore) happens often.
+        lookahead_tokens=budget * draw(st.integers(1, 8)),
+        max_window_samples=draw(st.integers(1, 48)),
         over_budget=draw(st.sampled_from(list(OverBudgetPolicy))),
         max_visual_tokens=vcap,
         attn_b=draw(st.sampled_from([0.0, 0.001])),
@@ -32,7 +43,10 @@ def scenarios(draw):
     length = st.integers(0, budget + budget // 3 + 1)
     visual = st.integers(0, 80) if vcap is not None else st.just(0)
     n = draw(st.integers(0, 120))
-    base = [MeasuredSample(i, draw(length), draw(visual)) for i in range(n)]
+    base = []
+    for i in range(n):
+        tokens = draw(length)
+        base.append(MeasuredSample(i, tokens, draw(visual), draw(st.integers(0, max(0, tokens)))))
     # Same ids every epoch (a new pass over the dataset), order possibly different.
     epochs = [base] + [draw(st.permutations(base)) for _ in range(n_epochs - 1)]
     mode = draw(st.sampled_from(list(DgapMode)))
@@ -43,11 +57,36 @@ def scenarios(draw):
 @SETTINGS
 @given(scenarios())
 def test_guarantees_hold(sc):
-    """Budget, coverage (join: exactly once; quota: carried, never dropped), equal step counts
-    (quota), in-band final steps, step info, bounded termination."""
+    """Budget, coverage (join: exactly once; quota: carried, never dropped, and the job's last
+    step closes it with fillers), equal step counts (quota), in-band final steps, step info
+    (loss tokens = the batches' sum, fillers excluded), bounded termination."""
     policy, w, mode, seed, epochs = sc
     events = run_epochs(epochs, policy, w, mode, seed)
     check_plan(events, epochs, policy, w, mode)
+
+
+@SETTINGS
+@given(scenarios())
+def test_quota_job_emits_every_sample_of_every_epoch_exactly_once(sc):
+    """Guarantee 3, quota mode, over the whole job: each (epoch, sample) fed is emitted once
+    (or quarantined), every rank gets the same steps, fillers only in the last step."""
+    policy, w, _, seed, epochs = sc
+    events = run_epochs(epochs, policy, w, DgapMode.QUOTA, seed)
+    info = check_plan(events, epochs, policy, w, DgapMode.QUOTA)
+    emitted = Counter(s.sample_id for e in events if isinstance(e, Step)
+                      for b in e.batches if not b.filler for s in b.samples)
+    quarantined = Counter(e.sample.sample_id for e in events if isinstance(e, Quarantined))
+    assert emitted + quarantined == Counter(s.sample_id for ep in epochs for s in ep)
+    per_rank = Counter(b.rank for e in events if isinstance(e, Step) for b in e.batches)
+    assert set(per_rank.values()) <= {info["steps"]} and len(per_rank) in (0, w)
+    if info["filler_steps"]:
+        (closing,) = info["filler_steps"]
+        assert sum(not b.filler for b in closing.batches) >= 1  # never a step of fillers only
+    # Without closing, the same plan carries the remainder out of the job instead.
+    open_events = run_epochs(epochs, policy, w, DgapMode.QUOTA, seed, close=False)
+    check_plan(open_events, epochs, policy, w, DgapMode.QUOTA, closed=False)
+    carried = [e for e in open_events if isinstance(e, EpochEnd)][-1].carried_over
+    assert bool(carried) == bool(info["filler_steps"])
 
 
 @SETTINGS
@@ -74,41 +113,32 @@ def test_snapshot_restore_continues_identically(sc, data):
     flat = [(e, s) for e, ss in enumerate(epochs) for s in ss] + [(len(epochs), None)]
     cut = data.draw(st.integers(0, len(flat)))
 
-    def drive(planner, items, out):
-        cur = 0
+    last = len(epochs) - 1
+
+    def drive(planner, items, out, cur=0):
         for e, s in items:
             while cur < e:
-                out.extend(planner.end_epoch())
+                out.extend(planner.end_epoch(last_epoch=cur == last))
                 cur += 1
             if s is not None:
                 out.extend(planner.feed(s))
+        return cur
 
     full: list = []
     drive(StepPlanner(policy, w, mode, seed), flat, full)
 
     first = StepPlanner(policy, w, mode, seed)
     got: list = []
-    # Replay the prefix with the epoch boundaries, then restore and continue.
-    prefix = flat[:cut]
-    cur = 0
-    for e, s in prefix:
-        while cur < e:
-            got.extend(first.end_epoch())
-            cur += 1
-        if s is not None:
-            got.extend(first.feed(s))
+    # Replay the prefix with the epoch boundaries (the job's closing step included when the cut
+    # is after it), then restore and continue.
+    cur = drive(first, flat[:cut], got)
     state = first.snapshot()
     assert state.epoch == cur
     # The state survives a JSON round trip (the coordinator keeps it in Redis).
     state = PlannerState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert state == first.snapshot()
     second = StepPlanner.restore(state, policy, w, mode, seed)
-    for e, s in flat[cut:]:
-        while cur < e:
-            got.extend(second.end_epoch())
-            cur += 1
-        if s is not None:
-            got.extend(second.feed(s))
+    drive(second, flat[cut:], got, cur)
     assert got == full
 
 
@@ -118,10 +148,10 @@ def test_snapshot_restore_continues_identically(sc, data):
     st.sampled_from([1, 2, 4, 8]),
     st.integers(1, 64),
 )
-def test_bounded_termination_join(lengths, w, buffer_size):
+def test_bounded_termination_join(lengths, w, window):
     """After the input ends, END arrives within ceil(held/W)+1 steps and only the last step can
     leave ranks out."""
-    policy = BatchingPolicy(token_budget=300, buffer_size=buffer_size)
+    policy = BatchingPolicy(token_budget=300, max_window_samples=window)
     p = StepPlanner(policy, w, DgapMode.JOIN)
     for i, n in enumerate(lengths):
         p.feed(MeasuredSample(i, n))

@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.planner.cost_model import CostModel
 from pipeline.planner.lengths_file import LengthsFileError, parse_lengths, read_lengths
-from pipeline.planner.policy import BatchingPolicy
+from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES, BatchingPolicy
 from pipeline.planner.rank_balancer import group_by_cost, rank_order
 from pipeline.planner.types import Collate, MeasuredSample, OverBudgetPolicy
 
@@ -42,7 +42,10 @@ def test_cost_model_validation(kwargs, message):
         ({"token_budget": 0}, "token_budget must be > 0, got 0"),
         ({"token_budget": -5}, "token_budget must be > 0, got -5"),
         ({"token_budget": 1.5}, "token_budget must be an integer, got 1.5"),
-        ({"token_budget": 10, "buffer_size": 0}, "buffer_size must be an integer >= 1, got 0"),
+        ({"token_budget": 10, "max_window_samples": 0},
+         "max_window_samples must be an integer >= 1, got 0"),
+        ({"token_budget": 10, "lookahead_tokens": 9},
+         r"lookahead_tokens must be an integer >= token_budget \(10\) or None, got 9"),
         ({"token_budget": 10, "max_visual_tokens": 0}, "max_visual_tokens must be a positive"),
         ({"token_budget": 10, "collate": "ragged"}, "collate must be one of"),
         ({"token_budget": 10, "over_budget": "drop"}, "over_budget must be one of"),
@@ -52,6 +55,12 @@ def test_cost_model_validation(kwargs, message):
 def test_policy_validation_names_field_and_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BatchingPolicy(**kwargs)
+
+
+def test_lookahead_defaults_relative_to_the_budget():
+    assert BatchingPolicy(100).lookahead_tokens == LOOKAHEAD_BUDGETS * 100
+    assert BatchingPolicy(100, lookahead_tokens=100).lookahead_tokens == 100
+    assert BatchingPolicy(100).max_window_samples == MAX_WINDOW_SAMPLES
 
 
 def test_policy_coerces_strings():

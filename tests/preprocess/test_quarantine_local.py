@@ -50,3 +50,17 @@ def test_template_error_is_quarantined(tmp_path):
         src(), [(0, json.dumps(chat(user="boom")).encode()), (1, json.dumps(chat()).encode())])
     assert out[0].reason == "template_error" and "no boom" in out[0].detail
     assert isinstance(out[1], ProcessedSample)
+
+
+def test_reasons_are_one_vocabulary_from_record_to_row(image_dir):
+    """The reason stays the vocabulary member through the Arrow row (no sentence parsing)."""
+    from pipeline.preprocess.quarantine_reasons import QuarantineReason
+    from pipeline.preprocess.rows import from_table, to_table
+
+    assert all(r.meaning and r.value == r.value.lower() for r in QuarantineReason)
+    out = processor_for(make_job()).process(
+        src(image_dir / "data.jsonl"), [(i, line) for i, (line, _) in enumerate(BAD)])
+    back = from_table(to_table(out))
+    assert [type(o.reason) for o in back] == [QuarantineReason] * len(BAD)
+    assert [o.reason for o in back] == [QuarantineReason(r) for _, r in BAD]
+    assert [o.detail for o in back] == [o.detail for o in out]

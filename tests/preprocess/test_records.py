@@ -7,6 +7,7 @@ import base64
 import pytest
 
 from pipeline.preprocess import records as R
+from pipeline.preprocess.quarantine_reasons import QuarantineReason as Q
 
 
 def test_openai_messages_with_system_and_image_parts():
@@ -49,10 +50,10 @@ def test_inline_image_bytes_and_data_uri():
 
 
 @pytest.mark.parametrize(("line", "reason"), [
-    (b'{"messages": [', R.BAD_JSON),
-    (b"", R.BAD_JSON),
-    (b"[1, 2]", R.BAD_RECORD),
-    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', R.BAD_UTF8),
+    (b'{"messages": [', Q.BAD_JSON),
+    (b"", Q.BAD_JSON),
+    (b"[1, 2]", Q.BAD_RECORD),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', Q.BAD_UTF8),
 ])
 def test_decode_line_reasons(line, reason):
     with pytest.raises(R.RecordError) as err:
@@ -61,22 +62,22 @@ def test_decode_line_reasons(line, reason):
 
 
 @pytest.mark.parametrize(("rec", "reason"), [
-    ({"text": "no chat here"}, R.MISSING_ROLES),
-    ({"messages": [{"role": "user", "content": "only a question"}]}, R.MISSING_ROLES),
+    ({"text": "no chat here"}, Q.MISSING_ROLES),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, Q.MISSING_ROLES),
     ({"messages": [{"content": "who?"}, {"role": "assistant", "content": "me"}]},
-     R.MISSING_ROLES),
+     Q.MISSING_ROLES),
     ({"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},
-     R.MISSING_ROLES),
-    ({"conversations": [{"value": "x"}, {"from": "gpt", "value": "y"}]}, R.MISSING_ROLES),
+     Q.MISSING_ROLES),
+    ({"conversations": [{"value": "x"}, {"from": "gpt", "value": "y"}]}, Q.MISSING_ROLES),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"},
-                   {"role": "assistant", "content": "y"}]}, R.MISSING_ROLES),
+                   {"role": "assistant", "content": "y"}]}, Q.MISSING_ROLES),
     ({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]},
-     R.BAD_RECORD),
-    ({"messages": "not a list"}, R.BAD_RECORD),
+     Q.BAD_RECORD),
+    ({"messages": "not a list"}, Q.BAD_RECORD),
     ({"conversations": [{"from": "human", "value": "<image><image>"},
-                        {"from": "gpt", "value": "y"}], "images": ["one.png"]}, R.MISSING_IMAGE),
+                        {"from": "gpt", "value": "y"}], "images": ["one.png"]}, Q.MISSING_IMAGE),
     ({"messages": [{"role": "user", "content": [{"type": "image", "image": "https://x/y.png"}]},
-                   {"role": "assistant", "content": "y"}]}, R.MISSING_IMAGE),
+                   {"role": "assistant", "content": "y"}]}, Q.MISSING_IMAGE),
 ])
 def test_parse_record_reasons(rec, reason):
     with pytest.raises(R.RecordError) as err:
@@ -89,4 +90,4 @@ def test_more_images_than_placeholders_is_refused():
         R.parse_record({"conversations": [{"from": "human", "value": "<image> one"},
                                           {"from": "gpt", "value": "y"}],
                         "images": ["a.png", "b.png"]})
-    assert err.value.reason == R.BAD_RECORD and "placeholders" in err.value.detail
+    assert err.value.reason == Q.BAD_RECORD and "placeholders" in err.value.detail

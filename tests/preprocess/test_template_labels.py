@@ -128,8 +128,25 @@ def test_max_seq_len_truncate_and_quarantine():
         src(), 3, json.dumps(long).encode())
     assert q.reason == "too_long" and q.row == 3
     # Truncation that leaves no assistant token quarantines too: nothing to learn from.
-    q = processor_for(make_job(max_seq_len=4)).process_one(src(), 4, json.dumps(long).encode())
-    assert q.reason == "too_long"
+    question = chat(user="word " * 200)
+    q = processor_for(make_job(max_seq_len=64)).process_one(src(), 4,
+                                                            json.dumps(question).encode())
+    assert q.reason == "no_loss_tokens" and "no assistant token" in q.detail
+
+
+def test_a_limit_below_the_template_floor_is_a_config_error():
+    from pipeline.config import ConfigError
+    from pipeline.preprocess.process import Processor
+
+    # Qwen3: <|im_start|> user \n <|im_end|> \n <|im_start|> assistant \n <think>: 9 tokens.
+    assert processor_for(make_job(max_seq_len=9)).max_tokens == 9
+    with pytest.raises(ConfigError, match=r"preprocess.max_seq_len 8\b.*9 tokens"):
+        Processor(make_job(max_seq_len=8), 0)
+    with pytest.raises(ConfigError, match=r"batching\.token_budget 8"):
+        Processor(make_job(batching={"token_budget": 8}), 0)
+    # Under `alone` the budget does not limit a sample: only max_seq_len does.
+    assert processor_for(make_job(batching={"token_budget": 8, "over_budget": "alone"})
+                         ).max_tokens == 4096
 
 
 def test_cost_uses_attention_model_only_when_b_positive():

@@ -61,7 +61,7 @@ def test_image_pad_runs_inside_vision_markers(image_dir):
 
 def test_truncation_never_splits_an_image(image_dir):
     rec = {"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "one"},
+        {"role": "user", "content": [{"type": "text", "text": "one " * 12},
                                      {"type": "image", "image": "astro.png"}]},
         {"role": "assistant", "content": "first answer"},
         {"role": "user", "content": [{"type": "text", "text": "two"},
@@ -85,4 +85,5 @@ def test_truncation_never_splits_an_image(image_dir):
     # A cut inside the first image leaves no assistant token: quarantined, never half an image.
     first_start = int(np.flatnonzero(full.input_ids == V_START)[0])
     job = make_job(max_seq_len=first_start + 3, image_max_pixels=128 * 128)
-    assert processor_for(job).process_one(f, 0, raw).reason == "too_long"
+    q = processor_for(job).process_one(f, 0, raw)
+    assert q.reason == "no_loss_tokens" and "image 1 (" in q.detail

@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 
 from pipeline.config import ServiceConfig
+from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.server import RunningService, start_service
-from pipeline.service.sources import ArraySource, synthetic_samples
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
@@ -21,12 +21,12 @@ from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 def job_dict(job_id: str = "j", world_size: int = 2, **kw: Any) -> dict:
     batching = kw.pop("batching", {})
     return {"job_id": job_id, "world_size": world_size, "source": {"paths": ["arrays"]},
-            "batching": {"token_budget": 2048, "buffer_size": 64, **batching}, **kw}
+            "batching": {"token_budget": 2048, "max_window_samples": 64, **batching}, **kw}
 
 
-def service_config(*jobs: dict, **grpc_kw: Any) -> ServiceConfig:
+def service_config(*jobs: dict, redis_url: str | None = None, **grpc_kw: Any) -> ServiceConfig:
     return ServiceConfig.model_validate({"grpc": {"port": 0, **grpc_kw}, "lease_seconds": 5.0,
-                                         "metrics_port": None,
+                                         "metrics_port": None, "redis_url": redis_url,
                                          "jobs": list(jobs)})
 
 

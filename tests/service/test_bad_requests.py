@@ -6,10 +6,10 @@ import grpc
 import pytest
 from service_helpers import RawStream, consume_all, job_dict, open_msg, service_config, serving
 
-from pipeline.service.sources import synthetic_samples
+from pipeline.preprocess.array_source import synthetic_samples
+from trainer_client import BatchStream, StreamError
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client import BatchStream, StreamError
 
 TOKEN = "s3cret-token"
 
@@ -42,7 +42,7 @@ def status_of(svc, first: pb.ClientMessage, token: str | None = None) -> grpc.Rp
     (open_msg("open", world_size=4), None, grpc.StatusCode.INVALID_ARGUMENT,
      "world_size 4 does not match job 'open''s world size 2"),
     (open_msg("open", resume_step=10_000), None, grpc.StatusCode.OUT_OF_RANGE,
-     "resume_step 10000 is beyond the last published step"),
+     "resume_step 10000 is beyond the plan"),
     (open_msg("open", resume_step=-3), None, grpc.StatusCode.INVALID_ARGUMENT,
      "resume_step must be >= 0"),
     (pb.ClientMessage(ack=pb.Ack(consumed_step=1)), None, grpc.StatusCode.INVALID_ARGUMENT,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from service_helpers import job_dict, service_config, serving
 
-from pipeline.service.sources import synthetic_samples
+from pipeline.preprocess.array_source import synthetic_samples
 from trainer_client import BatchStream
 from trainer_client.hf_trainer import StreamDataLoader
 

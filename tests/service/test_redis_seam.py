@@ -5,8 +5,8 @@ from __future__ import annotations
 from service_helpers import consume_all, job_dict, service_config, serving
 
 from pipeline.config import ServiceConfig
-from pipeline.service.memory_state import MemoryJobState
-from pipeline.service.sources import synthetic_samples
+from pipeline.jobstate import MemoryJobState
+from pipeline.preprocess.array_source import synthetic_samples
 from pipeline.service.state_factory import make_job_state
 from trainer_client import EpochEndInfo
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ CHATS = ROOT / "pipeline" / "sample_data" / "chats.jsonl"
 
 def _config(tmp_path: Path, **job) -> Path:
     cfg = {"grpc": {"port": 0}, "ray": {"num_cpus": 1, "object_store_mb": 128},
+           "state_dir": str(tmp_path / "state"), "metrics_port": None,
            "jobs": [{"job_id": "sft", "world_size": 2, "source": {"paths": [str(CHATS)]},
                      **job}]}
     path = tmp_path / "odb.json"
@@ -67,7 +69,7 @@ def test_serve_streams_a_job_then_drains_on_sigterm(tmp_path):
     threading.Thread(target=read, daemon=True).start()
     try:
         assert ready.wait(180), "".join(lines)
-        port = next(ln for ln in lines if "listening on" in ln).split()[4].rsplit(":", 1)[1]
+        port = re.search(r"listening on \S+:(\d+)", "".join(lines)).group(1)
         got = consume_all(f"127.0.0.1:{port}", "sft", 2)
         n = sum(len(b.info.sample_ids) for r in got for b in got[r]
                 if not isinstance(b, EpochEndInfo))

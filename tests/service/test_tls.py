@@ -10,7 +10,7 @@ import grpc
 import pytest
 from service_helpers import job_dict, service_config, serving
 
-from pipeline.service.sources import synthetic_samples
+from pipeline.preprocess.array_source import synthetic_samples
 from trainer_client import BatchStream, StreamError
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from service_helpers import consume_all, job_dict, service_config, serving, uneven_samples
 
+from pipeline.preprocess.array_source import synthetic_samples
 from pipeline.redis_server import free_port
-from pipeline.service.sources import synthetic_samples
 from trainer_client import BatchStream, EpochEndInfo
 
 WORKER = Path(__file__).resolve().parent / "rank_worker.py"

@@ -1,33 +1,20 @@
-"""Where a job's samples come from: a small explicit interface with two real kinds.
+"""Samples already in memory (tokenized elsewhere, or synthetic token arrays): a real source for
+tests and benchmarks where Ray is not the point.
 
-- `RaySource`: the production path, Ray Data preprocessing (`pipeline.preprocess.pipeline`) plus
-  `SampleStore` for byte-identical random-access rebuilds after eviction or restart.
-- `ArraySource`: samples already in memory (tokenized elsewhere, or synthetic token arrays).
-  Used by tests and the benchmark where Ray is not the point; it is a real source, not a mock.
-
-A source yields the same samples in the same order every time an epoch is (re)read, and
-`get(sample_id, epoch)` returns exactly the payload that `iter_epoch(epoch)` yielded.
+It yields the same samples in the same order every time an epoch is (re)read, and
+`get(sample_id, epoch)` returns exactly the payload that `iter_epoch(epoch)` yielded (the
+production path, Ray Data preprocessing, keeps that promise through `SampleStore`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Protocol
 
 import numpy as np
 
-from pipeline.config import JobConfig
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
 
 SourceItem = ProcessedSample | QuarantinedRecord
-
-
-class SampleSource(Protocol):
-    def iter_epoch(self, epoch: int, start_row: int = 0) -> Iterator[SourceItem]: ...
-
-    def get(self, sample_id: str, epoch: int) -> ProcessedSample: ...
-
-    def close(self) -> None: ...
 
 
 class ArraySource:
@@ -69,26 +56,3 @@ def synthetic_samples(
         out.append(ProcessedSample(f"{source}:{row}", source, row, ids, labels,
                                    cost=int(length)))
     return out
-
-
-class RaySource:
-    """Ray Data preprocessing for one job (the caller has initialized Ray)."""
-
-    def __init__(self, job: JobConfig) -> None:
-        from pipeline.preprocess.pipeline import SampleStore  # lazy: Ray is heavy
-
-        self._job = job
-        self._store = SampleStore(job)
-
-    def iter_epoch(self, epoch: int, start_row: int = 0) -> Iterator[SourceItem]:
-        from pipeline.preprocess.pipeline import iter_samples
-
-        return iter_samples(self._job, epoch, start_row=start_row)
-
-    def get(self, sample_id: str, epoch: int) -> ProcessedSample:
-        return self._store.get(sample_id, epoch)
-
-    def close(self) -> None:
-        close = getattr(self._store, "close", None)
-        if close is not None:
-            close()

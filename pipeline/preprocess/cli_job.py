@@ -1,56 +1,15 @@
-"""What the one-shot CLI commands (`inspect`, `plan --data`) share to run the real preprocessing.
-
-`PrivateRay`: a local Ray for this command only (an already initialized Ray is reused and left
-running). `job_config`: the JobConfig of `--config FILE [--job ID]` (or defaults) with the
-sources replaced by the command's data and optional overrides (explicit CLI flags) on top.
+"""The job the one-shot CLI commands (`inspect`, `plan --data`) preprocess with: the JobConfig
+of `--config FILE [--job ID]` (or defaults) with the sources replaced by the command's data and
+optional overrides (explicit CLI flags) on top.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 from pipeline.config import ConfigError, JobConfig, _deep_merge, read_config_file
 from pipeline.errors import UserError
-
-
-class PrivateRay:
-    """A local Ray for this command only (reuses one that is already initialized)."""
-
-    def __init__(self, prefix: str = "odb-cli-ray-") -> None:
-        self.prefix = prefix
-        self.owned = False
-        self.tmp: str | None = None
-
-    def __enter__(self) -> PrivateRay:
-        import ray
-
-        self.owned = not ray.is_initialized()
-        if self.owned:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            self.tmp = tempfile.mkdtemp(prefix=self.prefix, dir="/tmp")
-            ray.init(include_dashboard=False, _temp_dir=self.tmp, log_to_driver=False,
-                     configure_logging=False, object_store_memory=256 * 1024 * 1024)
-            # Ray Data's per-dataset INFO/WARNING chatter ("execution finished", "progress bars
-            # disabled") is noise in a one-shot command's output.
-            import ray.data  # configures its loggers on import: set the level after
-
-            logging.getLogger("ray.data").setLevel(logging.ERROR)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.owned:
-            import ray
-
-            ray.shutdown()
-            if self.tmp is not None:
-                shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def job_config(config: str | None, job_id: str | None, paths: list[str] | None, *,

@@ -1,0 +1,236 @@
+"""`JobState`: the seam between a job's producer, the serving replicas and where the job's shared
+state lives. The docstrings below are the contract; every implementation passes the same
+contract tests (tests/jobstate/).
+
+Owns the plain values that cross the seam (leases, checkpoints, publications, counters,
+quarantine entries). Knows nothing of gRPC, Ray or Redis: `MemoryJobState` (jobstate/memory.py)
+keeps the state in one process, `RedisJobState` (pipeline/coordinator/) in Redis, where any
+replica and a restarted producer find it.
+
+Who writes what:
+- the job's one producer: `publish` (steps, END records, checkpoint, counters, quarantine — one
+  atomic change, fenced by its lease generation), `claim_producer`/`renew_producer`,
+  `set_error`;
+- replicas serving ranks: rank leases (`claim_rank`, `heartbeat`, `release_rank`) and cursors
+  (`ack`, `ack_many`);
+- everybody reads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pipeline.planner.types import EpochEnd, Step
+
+
+@dataclass(frozen=True)
+class RankLease:
+    rank: int
+    client_id: str
+    expires_at: float  # unix seconds (the state's clock)
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    """One rank as the failure policy and operators see it (times: the state's clock)."""
+
+    rank: int
+    acked: int  # last acknowledged step, -1 if none
+    client_id: str | None  # lease holder (None: never claimed, or released)
+    lease_expires_at: float | None
+    heartbeat_age: float | None  # seconds since the holder's last claim/heartbeat/ack
+    lapsed_for: float  # seconds since the lease expired; 0.0 while live or without a lease
+
+    @property
+    def lapsed(self) -> bool:
+        return self.lapsed_for > 0.0
+
+
+@dataclass(frozen=True)
+class ProducerLease:
+    """Who may publish the job's plan. `generation` is the fencing token: it grows by one at
+    every change of holder, and a publish with an older generation is refused (`Fenced`)."""
+
+    generation: int
+    holder: str
+    expires_at: float  # unix seconds (the state's clock)
+
+
+@dataclass(frozen=True)
+class PlannerCheckpoint:
+    """Where planning continues after a restart: the input position (`epoch`, source rows of it
+    already fed) and the planner's own state (window, pool, carry: JSON bytes)."""
+
+    epoch: int
+    samples_consumed: int  # source rows of `epoch` already fed to the planner
+    next_step: int  # the next step number the planner will publish
+    state: bytes = b""
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.epoch, self.samples_consumed)
+
+
+@dataclass(frozen=True)
+class QuarantineEntry:
+    """A record set aside, with a reason from `pipeline.quarantine.Reason` (a bounded label)
+    and the human-readable detail."""
+
+    sample_id: str
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Publication:
+    """One atomic change of the plan by the producer: new steps, END records, the checkpoint
+    that produced them, what the input yielded since the previous publication, and whether
+    planning is over. Applied all or nothing; a publication whose checkpoint position equals the
+    stored one is a retry and changes nothing (so counters never count twice)."""
+
+    checkpoint: PlannerCheckpoint
+    steps: tuple[Step, ...] = ()
+    ends: tuple[EpochEnd, ...] = ()
+    samples_in: int = 0  # source rows that became samples since the previous publication
+    quarantined: tuple[QuarantineEntry, ...] = ()
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class JobCounters:
+    """Job-wide counts, exact whatever the number of replicas (written with the plan)."""
+
+    samples_in: int = 0  # source rows that became samples (every epoch)
+    samples_planned: int = 0  # samples in published steps (fillers excluded)
+    tokens_planned: int = 0
+    quarantined: int = 0  # distinct records ever quarantined
+    quarantined_by_reason: Mapping[str, int] = field(default_factory=dict)
+    lease_lapses: int = 0
+
+
+class JobState(ABC):
+    """One job's shared state. `job_id`, `world_size` and `mode` are fixed at registration."""
+
+    job_id: str
+    world_size: int
+    mode: str
+
+    # --- the plan (write-once, contiguous steps) ---
+    @abstractmethod
+    def publish(self, publication: Publication, *, fence: int) -> int:
+        """Apply `publication` atomically if `fence` is the current producer generation and its
+        lease is live (else `Fenced`). Steps must continue the plan contiguously (`StepGap`); a
+        step already published identically is a no-op, differently `StepConflict`; the
+        checkpoint may not go backwards (`CheckpointConflict`). Returns the number of new
+        steps."""
+
+    @abstractmethod
+    def get_step(self, step: int) -> Step | None:
+        """The published step, None if not published (or trimmed)."""
+
+    @abstractmethod
+    def get_step_for(self, step: int, ranks: Sequence[int]) -> Step | None:
+        """The step with only `ranks`' batches (info keeps the all-rank totals); None if not
+        published. What a replica reads: never the other ranks' batches."""
+
+    @abstractmethod
+    def published_through(self) -> int:
+        """Highest published step number, -1 if none."""
+
+    @abstractmethod
+    def trimmed_through(self) -> int:
+        """Steps <= this are dropped from the state (every rank is past their epoch)."""
+
+    @abstractmethod
+    def epoch_ends(self) -> list[EpochEnd]:
+        """Published END records, by epoch."""
+
+    @abstractmethod
+    def is_done(self) -> bool:
+        """Every epoch is planned: no step will ever be published again."""
+
+    @abstractmethod
+    def load_checkpoint(self) -> PlannerCheckpoint | None: ...
+
+    # --- the producer lease (fencing) ---
+    @abstractmethod
+    def claim_producer(self, holder: str, lease_seconds: float) -> int | None:
+        """Become the job's producer: returns the new generation, or None while another holder's
+        lease is live. The same holder re-claiming (a restarted actor) takes over at once."""
+
+    @abstractmethod
+    def renew_producer(self, generation: int, lease_seconds: float) -> None:
+        """Extend the lease of `generation`; `Fenced` if it is no longer current."""
+
+    @abstractmethod
+    def release_producer(self, generation: int) -> None:
+        """Give the lease up (a no-op unless `generation` is current)."""
+
+    @abstractmethod
+    def producer_lease(self) -> ProducerLease | None: ...
+
+    @abstractmethod
+    def set_error(self, message: str, *, fence: int) -> None:
+        """The producer failed for good: every replica reports `message` to the ranks."""
+
+    @abstractmethod
+    def error(self) -> str | None: ...
+
+    # --- ranks: leases, cursors ---
+    @abstractmethod
+    def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
+        """Take or renew the rank's lease; `RankHeld` if another client's lease is live."""
+
+    @abstractmethod
+    def release_rank(self, rank: int, client_id: str) -> None:
+        """Only the holder can release; releasing is not a lapse."""
+
+    @abstractmethod
+    def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
+        """Renew (or retake after a lapse); True if `client_id` holds the lease now. Another
+        live holder is not an error here (nothing changes)."""
+
+    @abstractmethod
+    def ack(self, rank: int, step: int) -> None:
+        """Rank consumed everything through `step` (monotonic: lower values are ignored);
+        `AckAheadOfPlan` past the published plan."""
+
+    @abstractmethod
+    def ack_many(self, acks: Sequence[tuple[int, int]]) -> list[Exception | None]:
+        """Several (rank, step) acks in one round trip; per ack its error (as `ack` would raise)
+        or None. Not atomic across ranks."""
+
+    @abstractmethod
+    def acked(self, rank: int) -> int:
+        """Last step acknowledged by `rank`, -1 if none."""
+
+    @abstractmethod
+    def acked_all(self) -> list[int]:
+        """Every rank's cursor (index = rank) in one read."""
+
+    @abstractmethod
+    def lapsed_ranks(self) -> list[int]:
+        """Ranks whose lease expired without release: lapsed now, or lapsed and since taken
+        over by another client (reported, Guarantee 4)."""
+
+    @abstractmethod
+    def timed_out_ranks(self, timeout_seconds: float) -> dict[int, float]:
+        """Ranks whose lease is lapsed *now* for longer than the timeout -> seconds lapsed."""
+
+    @abstractmethod
+    def rank_health(self) -> list[RankHealth]:
+        """Every rank's cursor, lease and heartbeat age at one instant."""
+
+    # --- counts and quarantine (written by `publish`) ---
+    @abstractmethod
+    def counters(self) -> JobCounters: ...
+
+    @abstractmethod
+    def quarantine(self, limit: int = 1000) -> list[QuarantineEntry]:
+        """The first `limit` distinct quarantined records (each listed once however many
+        epochs or restarts met it); `counters().quarantined` is the exact total."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook: in-process states hold nothing)
+        """Release connections."""

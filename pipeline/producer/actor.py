@@ -1,0 +1,105 @@
+"""The producer of a Ray-preprocessed job as a named, detached Ray actor.
+
+One actor per job, named `producer:<job_id>` in the `odb` namespace. Whichever replica finds the
+job unplanned with no live producer lease creates it (`ensure_producer`); Ray's name registry
+makes concurrent creations resolve to one actor, and the Redis lease generation (the fencing
+token) makes a stale incarnation unable to publish anyway. The actor is restarted by Ray if its
+process dies (`max_restarts=-1`); the new incarnation has the same actor id, so it takes the
+lease over at once and resumes from the checkpoint. When the job is planned and every staged
+payload released, the actor ends itself for good.
+
+Replicas ask it for payload references (`batch_refs`): in-band, so Ray counts them as borrowed
+while a replica reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from pipeline.config import JobConfig
+from pipeline.producer.producer import Outcome, Producer, ProducerSettings
+
+NAMESPACE = "odb"
+log = logging.getLogger(__name__)
+
+
+def actor_name(job_id: str) -> str:
+    return f"producer:{job_id}"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=16)
+class ProducerActor:
+    """Runs `Producer` over a `RayFeed` in a thread; methods answer replicas meanwhile."""
+
+    def __init__(self, job_json: str, redis_url: str, settings: dict[str, Any],
+                 fsync_publish: bool = False) -> None:
+        from pipeline.coordinator import RedisJobState
+        from pipeline.producer.ray_feed import RayFeed
+
+        logging.basicConfig(level=logging.INFO)
+        job = JobConfig.model_validate_json(job_json)
+        self.job_id = job.job_id
+        self.state = RedisJobState.connect(redis_url, job, fsync_publish=fsync_publish)
+        self.feed = RayFeed(job)
+        holder = f"actor:{ray.get_runtime_context().get_actor_id()}"
+        self.producer = Producer(job, self.state, self.feed, holder=holder,
+                                 settings=ProducerSettings(**settings))
+        self.thread = threading.Thread(target=self._run, name=f"producer-{job.job_id}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        outcome = self.producer.run()
+        self.feed.close()
+        self.state.close()
+        if outcome is not Outcome.STOPPED:
+            # Planned (or fenced out, or failed and reported): never restart this actor.
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def batch_refs(self, keys: list[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+        """(step, rank) -> the object holding that batch's payload rows (None: not staged by
+        this producer). The refs are nested in a dict, so they travel as references."""
+        return self.feed.refs(keys)
+
+    def info(self) -> dict[str, Any]:
+        p = self.producer
+        return {"job_id": self.job_id, "generation": p.generation, "holder": p.holder,
+                "outcome": p.outcome.value if p.outcome else None, "held": self.feed.held()}
+
+    def stop(self) -> None:
+        self.producer.stop()
+
+
+def find_producer(job_id: str) -> Any | None:
+    """The job's producer actor handle, None if there is none (or it is gone for good)."""
+    try:
+        return ray.get_actor(actor_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def ensure_producer(job: JobConfig, redis_url: str, settings: ProducerSettings,
+                    fsync_publish: bool = False) -> Any:
+    """The job's producer actor, created if there is none (a no-op when one exists: Ray's
+    named-actor registry gives every concurrent caller the same actor)."""
+    return ProducerActor.options(
+        name=actor_name(job.job_id), namespace=NAMESPACE, lifetime="detached",
+        get_if_exists=True,
+    ).remote(job.model_dump_json(), redis_url, dataclasses.asdict(settings), fsync_publish)
+
+
+def stop_producer(job_id: str, timeout: float = 10.0) -> None:
+    """Stop and remove the job's producer actor, if any (tests, demo, operators)."""
+    handle = find_producer(job_id)
+    if handle is None:
+        return
+    try:
+        ray.get(handle.stop.remote(), timeout=timeout)
+    except Exception:  # already dying: kill it anyway
+        log.debug("producer %s stop call failed", job_id, exc_info=True)
+    ray.kill(handle, no_restart=True)

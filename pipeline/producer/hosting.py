@@ -1,0 +1,95 @@
+"""Where a job's producer runs, seen from a serving replica.
+
+Every replica serving a job starts one host for it; the job's producer lease decides which
+producer actually publishes, so starting many hosts is safe.
+- `ActorHost` (jobs preprocessed by Ray Data): a supervisor thread that, while the job is not
+  fully planned and no producer lease is live, makes sure the job's producer actor exists
+  (`actor.ensure_producer`). The actor outlives this replica.
+- `ThreadHost` (in-memory sources): a producer thread in this process; replicas that lose the
+  race for the lease wait in `Producer._claim` and take over when the holder goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+from pipeline.config import JobConfig
+from pipeline.errors import StateError
+from pipeline.jobstate.interface import JobState
+from pipeline.producer.feed import MeasuredFeed
+from pipeline.producer.producer import Producer, ProducerSettings
+
+log = logging.getLogger(__name__)
+
+
+class ProducerHost(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop what this replica runs (an actor host leaves the actor running)."""
+
+
+class ThreadHost:
+    def __init__(self, job: JobConfig, state: JobState, feed: MeasuredFeed, *, holder: str,
+                 settings: ProducerSettings) -> None:
+        self.producer = Producer(job, state, feed, holder=holder, settings=settings)
+        self._thread = threading.Thread(target=self.producer.run,
+                                        name=f"producer-{job.job_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.producer.stop()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.producer.feed.close()
+
+
+class ActorHost:
+    def __init__(self, job: JobConfig, state: JobState, redis_url: str, *,
+                 settings: ProducerSettings, fsync_publish: bool = False,
+                 check_seconds: float = 2.0) -> None:
+        self.job, self.state, self.redis_url = job, state, redis_url
+        self.settings, self.fsync_publish = settings, fsync_publish
+        self.check_seconds = check_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise,
+                                        name=f"producer-host-{job.job_id}", daemon=True)
+
+    def start(self) -> None:
+        self.ensure()  # at once: the first replica must not wait a period to start planning
+        self._thread.start()
+
+    def ensure(self) -> bool:
+        """Create the producer actor when the job needs one and none holds the lease; True if
+        a creation was requested."""
+        from pipeline.producer.actor import ensure_producer
+
+        try:
+            if self.state.is_done():
+                return False
+            lease = self.state.producer_lease()
+            if lease is not None and lease.expires_at > time.time():
+                return False
+        except StateError:
+            log.debug("job %s: producer check failed", self.job.job_id, exc_info=True)
+            return False
+        ensure_producer(self.job, self.redis_url, self.settings, self.fsync_publish)
+        return True
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(self.check_seconds):
+            try:
+                self.ensure()
+            except Exception:  # Ray briefly unreachable: try again next period
+                log.warning("job %s: could not ensure its producer", self.job.job_id,
+                            exc_info=True)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)

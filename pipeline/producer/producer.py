@@ -1,0 +1,356 @@
+"""The producer of one job: feed -> planner -> fenced, atomic publications of the plan.
+
+Exactly one producer per job publishes, however many processes run this code: it must hold the
+job's producer lease (`JobState.claim_producer`), every publication carries the lease generation
+(the fencing token) and the state refuses an old one, so a producer that lost its lease can
+never publish. Each publication holds new steps, END records, the planner checkpoint that
+produced them and what the input yielded since the previous one (samples, quarantined records),
+all applied atomically: a producer that dies and restarts continues from the checkpoint and never
+publishes a step twice or differently.
+
+Host-agnostic: a Ray actor (producer/actor.py) runs it for jobs preprocessed by Ray Data; a
+replica runs it in a thread for in-memory sources. Before publishing, steps' payloads are staged
+(`MeasuredFeed.stage`) so replicas can fetch a rank's batch by reference; once every rank of a
+batch acknowledged its step the payloads are released. Back-pressure: planning pauses while any
+rank has more than `max_ahead` published steps it has not acknowledged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+from pipeline.config import JobConfig
+from pipeline.errors import (
+    CheckpointConflict,
+    Fenced,
+    StateError,
+    StateUnavailable,
+    StepGap,
+)
+from pipeline.jobstate.interface import (
+    JobState,
+    PlannerCheckpoint,
+    Publication,
+    QuarantineEntry,
+)
+from pipeline.planner.step_planner import PlannerState, StepPlanner
+from pipeline.planner.types import EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
+from pipeline.producer.feed import MeasuredFeed
+
+log = logging.getLogger(__name__)
+
+
+class StateRolledBack(StateError):
+    """The state's plan is shorter than what this producer published: it lost recent writes
+    (Redis restarted from an AOF fsynced every second). Production resumes from the state's
+    checkpoint, which was written atomically with the steps it covers."""
+
+
+class Outcome(str, Enum):  # noqa: UP042 (str mixin: printable in logs and status)
+    DONE = "done"  # every epoch planned and published
+    STOPPED = "stopped"  # asked to stop
+    FENCED = "fenced"  # another producer took over the job
+    FAILED = "failed"  # an error the ranks are told about (`JobState.error`)
+
+
+@dataclass(frozen=True)
+class ProducerSettings:
+    lease_seconds: float = 10.0
+    max_ahead: int = 10  # published, unacknowledged steps per rank before planning pauses
+    pool_steps: int | None = None  # the planner's balancing pool (None: the job's config)
+    state_retry_seconds: float = 60.0  # an unreachable state is retried this long, then fail
+    linger_seconds: float = 120.0  # after planning, keep payloads this long without ack progress
+    poll_seconds: float = 0.05  # back-pressure poll of the ranks' cursors
+
+
+class Producer:
+    """Plans one job while it holds the job's producer lease. `run()` blocks until the job is
+    planned (and its staged payloads released or given up), `stop()` is called, or another
+    producer fences it out."""
+
+    def __init__(self, job: JobConfig, state: JobState, feed: MeasuredFeed, *, holder: str,
+                 settings: ProducerSettings | None = None) -> None:
+        self.job = job
+        self.state = state
+        self.feed = feed
+        self.holder = holder
+        self.settings = settings or ProducerSettings()
+        self.generation: int | None = None
+        self.outcome: Outcome | None = None
+        self._stop = threading.Event()
+        self._fenced = threading.Event()
+        self._world = job.world_size
+        # Per rank: published steps holding a batch of it that it has not acknowledged.
+        self._unacked: list[deque[int]] = [deque() for _ in range(self._world)]
+        self._last_published = -1
+
+    # --- lifecycle ---
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> Outcome:
+        self.generation = self._claim()
+        if self.generation is None:
+            self.outcome = Outcome.STOPPED
+            return self.outcome
+        log.info("job %s: producer %s holds the lease (generation %d)", self.job.job_id,
+                 self.holder, self.generation, extra={"job": self.job.job_id})
+        renewer = threading.Thread(target=self._renew, name=f"lease-{self.job.job_id}",
+                                   daemon=True)
+        renewer.start()
+        try:
+            self.outcome = self._produce_with_retries()
+            if self.outcome is Outcome.DONE:
+                self._linger()
+        finally:
+            self._stop.set()
+            renewer.join(5.0)
+            if not self._fenced.is_set():
+                try:
+                    self.state.release_producer(self.generation)
+                except StateError:
+                    log.debug("job %s: lease release failed", self.job.job_id, exc_info=True)
+        if self._fenced.is_set() and self.outcome is not Outcome.DONE:
+            self.outcome = Outcome.FENCED
+        log.info("job %s: producer generation %d ends: %s", self.job.job_id, self.generation,
+                 self.outcome.value, extra={"job": self.job.job_id})
+        return self.outcome
+
+    def _claim(self) -> int | None:
+        """Wait for the lease (another live producer holds it until it stops or lapses)."""
+        waited = False
+        while not self._stop.is_set():
+            try:
+                gen = self.state.claim_producer(self.holder, self.settings.lease_seconds)
+            except StateUnavailable:
+                gen = None
+            if gen is not None:
+                return gen
+            if not waited:
+                log.info("job %s: another producer holds the lease; %s waits", self.job.job_id,
+                         self.holder, extra={"job": self.job.job_id})
+                waited = True
+            self._stop.wait(min(1.0, self.settings.lease_seconds / 3))
+        return None
+
+    def _renew(self) -> None:
+        period = self.settings.lease_seconds / 3
+        while not self._stop.wait(period):
+            try:
+                self.state.renew_producer(self.generation, self.settings.lease_seconds)
+            except Fenced:
+                log.warning("job %s: producer generation %d was fenced out", self.job.job_id,
+                            self.generation, extra={"job": self.job.job_id})
+                self._fenced.set()
+                self._stop.set()
+                return
+            except StateError:
+                log.debug("job %s: lease renewal failed", self.job.job_id, exc_info=True)
+
+    # --- production ---
+    def _produce_with_retries(self) -> Outcome:
+        """Run the plan; an unreachable or rolled-back state is retried from its checkpoint for
+        `state_retry_seconds` (republishing identical steps is a no-op)."""
+        failing_since: float | None = None
+        while not self._stop.is_set():
+            attempt = time.monotonic()
+            try:
+                return self._produce_once()
+            except Fenced:
+                self._fenced.set()
+                return Outcome.FENCED
+            except (StateUnavailable, StateRolledBack, StepGap, CheckpointConflict) as exc:
+                now = time.monotonic()
+                if failing_since is None or now - attempt > 5.0:  # it had recovered meanwhile
+                    failing_since = now
+                if now - failing_since > self.settings.state_retry_seconds:
+                    self._fail(f"job state unreachable for {now - failing_since:.0f}s: "
+                               f"{type(exc).__name__}: {exc}")
+                    return Outcome.FAILED
+                log.warning("job %s: state unreachable or rolled back (%s: %s); resuming from "
+                            "its checkpoint", self.job.job_id, type(exc).__name__, exc,
+                            extra={"job": self.job.job_id})
+                self._stop.wait(0.5)
+            except Exception as exc:  # a producer failure must reach the ranks, not vanish
+                log.exception("job %s: producer failed", self.job.job_id)
+                self._fail(f"{type(exc).__name__}: {exc}")
+                return Outcome.FAILED
+        return Outcome.FENCED if self._fenced.is_set() else Outcome.STOPPED
+
+    def _fail(self, message: str) -> None:
+        try:
+            self.state.set_error(message, fence=self.generation)
+        except StateError:
+            log.error("job %s: could not record the producer error: %s", self.job.job_id,
+                      message)
+
+    def _restore(self) -> tuple[StepPlanner, PlannerCheckpoint | None]:
+        policy = self.job.batching.policy()
+        pool = (self.settings.pool_steps if self.settings.pool_steps is not None
+                else self.job.batching.pool_steps)
+        cp = self.state.load_checkpoint()
+        self._last_published = self.state.published_through()
+        self._index_published()
+        if cp is None or not cp.state:
+            return StepPlanner(policy, self._world, self.job.mode, self.job.seed, pool), cp
+        snap = PlannerState.from_dict(json.loads(cp.state))
+        planner = StepPlanner.restore(snap, policy, self._world, self.job.mode, self.job.seed,
+                                      pool)
+        log.info("job %s: planner restored at epoch %d row %d, next step %d", self.job.job_id,
+                 cp.epoch, cp.samples_consumed, cp.next_step, extra={"job": self.job.job_id})
+        return planner, cp
+
+    def _index_published(self) -> None:
+        """Which published steps each rank still has to acknowledge (back-pressure after a
+        restart counts the previous producer's steps too)."""
+        self._unacked = [deque() for _ in range(self._world)]
+        acked = self.state.acked_all()
+        for n in range(max(0, min(acked) + 1), self._last_published + 1):
+            step = self.state.get_step(n)
+            for b in step.batches if step else ():
+                if n > acked[b.rank]:
+                    self._unacked[b.rank].append(n)
+
+    def _produce_once(self) -> Outcome:
+        planner, cp = self._restore()
+        if self.state.is_done():
+            return Outcome.DONE
+        first_epoch, first_row = cp.position if cp is not None else (0, 0)
+        epochs = self.job.epochs
+        pending = _Pending()
+        for epoch in range(first_epoch, epochs):
+            rows = first_row if epoch == first_epoch else 0  # source rows consumed
+            for item in self.feed.iter_epoch(epoch, rows):
+                if self._stop.is_set():
+                    return Outcome.STOPPED
+                rows += 1
+                if isinstance(item, QuarantineEntry):
+                    pending.quarantined.append(item)
+                    continue
+                pending.samples_in += 1
+                events = planner.feed(item)
+                if events and self._take(pending, events):
+                    self._publish(pending, planner, epoch, rows)
+                    self._wait_for_room()
+            events = planner.end_epoch()
+            last = epoch == epochs - 1
+            self._take(pending, events)
+            self._publish(pending, planner, epoch + 1, 0, done=last)
+        if not self.state.is_done():  # an empty job (zero epochs to run) still finishes
+            self._publish(pending, planner, epochs, 0, done=True)
+        return Outcome.DONE
+
+    def _take(self, pending: _Pending, events: list[PlanEvent]) -> bool:
+        """Collect the planner's events; True when a step is among them (time to publish)."""
+        stepped, dropped = pending.take(events)
+        if dropped:
+            self.feed.discard(dropped)
+        return stepped
+
+    def _publish(self, pending: _Pending, planner: StepPlanner, epoch: int, rows: int, *,
+                 done: bool = False) -> None:
+        steps = tuple(pending.steps)
+        cp = PlannerCheckpoint(epoch=epoch, samples_consumed=rows, next_step=planner.next_step,
+                               state=json.dumps(planner.snapshot().to_dict()).encode())
+        pub = Publication(checkpoint=cp, steps=steps, ends=tuple(pending.ends),
+                          samples_in=pending.samples_in, quarantined=tuple(pending.quarantined),
+                          done=done)
+        if steps:
+            self.feed.stage(steps)
+        try:
+            self.state.publish(pub, fence=self.generation)
+        except Fenced:
+            # An expired lease nobody took over yet is still ours: renew and retry once.
+            self.state.renew_producer(self.generation, self.settings.lease_seconds)
+            self.state.publish(pub, fence=self.generation)
+        pending.clear()
+        for step in steps:
+            self._last_published = max(self._last_published, step.step)
+            for b in step.batches:
+                self._unacked[b.rank].append(step.step)
+
+    def _release_acked(self, acked: list[int]) -> None:
+        done: list[tuple[int, int]] = []
+        for rank, steps in enumerate(self._unacked):
+            while steps and steps[0] <= acked[rank]:
+                done.append((steps.popleft(), rank))
+        if done:
+            self.feed.release(done)
+
+    def _wait_for_room(self) -> None:
+        while not self._stop.is_set():
+            acked = self.state.acked_all()  # one round trip per check
+            self._release_acked(acked)
+            if max(len(s) for s in self._unacked) <= self.settings.max_ahead:
+                return
+            through = self.state.published_through()  # stalled: did the state lose steps?
+            if through < self._last_published:
+                raise StateRolledBack(f"job {self.job.job_id}: the state holds steps through "
+                                      f"{through}, this producer published through "
+                                      f"{self._last_published}")
+            self._stop.wait(self.settings.poll_seconds)
+
+    def _linger(self) -> None:
+        """Planning is over: keep releasing payloads as ranks acknowledge, until all are
+        released or no rank made progress for `linger_seconds` (a rank that never returns)."""
+        last, since = None, time.monotonic()
+        while any(self._unacked) and not self._stop.is_set():
+            try:
+                acked = self.state.acked_all()
+            except StateUnavailable:
+                acked = last or [-1] * self._world
+            self._release_acked(acked)
+            if acked != last:
+                last, since = acked, time.monotonic()
+            elif time.monotonic() - since > self.settings.linger_seconds:
+                log.info("job %s: no acknowledgement for %.0fs; releasing the rest",
+                         self.job.job_id, self.settings.linger_seconds)
+                break
+            self._stop.wait(max(self.settings.poll_seconds, 0.2))
+        rest = [(n, r) for r, steps in enumerate(self._unacked) for n in steps]
+        if rest:
+            self.feed.release(rest)
+
+
+@dataclass
+class _Pending:
+    """What the next publication carries (collected since the previous one)."""
+
+    samples_in: int = 0
+
+    def __post_init__(self) -> None:
+        self.steps: list[Step] = []
+        self.ends: list[EpochEnd] = []
+        self.quarantined: list[QuarantineEntry] = []
+
+    def take(self, events: list[PlanEvent]) -> tuple[bool, list[MeasuredSample]]:
+        """Add the planner's events: (a step is among them, the samples it set aside)."""
+        stepped = False
+        dropped: list[MeasuredSample] = []
+        for ev in events:
+            if isinstance(ev, Step):
+                self.steps.append(ev)
+                stepped = True
+            elif isinstance(ev, EpochEnd):
+                self.ends.append(ev)
+            elif isinstance(ev, Quarantined):
+                self.quarantined.append(QuarantineEntry(str(ev.sample.sample_id),
+                                                        ev.reason.value, ev.detail))
+                dropped.append(ev.sample)
+        return stepped, dropped
+
+    def clear(self) -> None:
+        self.samples_in = 0
+        self.steps.clear()
+        self.ends.clear()
+        self.quarantined.clear()

@@ -1,0 +1,45 @@
+"""One rank's batch of one step as the serialized `ServerMessage` the rank receives.
+
+Everything a rank needs comes from its own batch and the step's all-rank totals (published with
+the plan), so building it never touches another rank's payloads. Pure: the same step, rank and
+payloads give the same bytes (restarts redeliver byte-identical batches).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from pipeline.planner.types import Step
+from pipeline.preprocess.sample import ProcessedSample
+from pipeline.service import collate as col
+from pipeline.service.wire_codec import batch_message_bytes
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def batch_message(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
+                  collate: str, pad_id: int, world_size: int) -> bytes:
+    batch = step.batch_for(rank)
+    if batch is None:
+        raise LookupError(f"step {step.step} has no batch for rank {rank}")
+    pieces = [col.Piece(p, batch.truncated_to.get(s.sample_id))
+              for p, s in zip(samples, batch.samples, strict=True)]
+    arrays = col.collate(pieces, collate, pad_id)
+    loss = col.loss_tokens(pieces, collate)
+    if loss != batch.loss_tokens and not batch.truncated_to:
+        log.error("step %d rank %d: %d loss tokens in the payload, %d in the plan (metadata and "
+                  "payload disagree)", step.step, rank, loss, batch.loss_tokens)
+    out = pb.Batch(step=step.step, epoch=step.epoch, rank=rank,
+                   sample_ids=[str(i) for i in batch.sample_ids], collate=collate,
+                   over_budget=batch.over_budget)
+    info = out.info
+    info.step_samples = step.info.step_samples
+    info.step_tokens = step.info.step_tokens
+    info.rank_samples = len(batch.samples)
+    info.rank_tokens = batch.num_tokens
+    info.step_loss_tokens = step.info.step_loss_tokens
+    info.rank_loss_tokens = loss
+    info.world_size = world_size
+    return batch_message_bytes(out, arrays)

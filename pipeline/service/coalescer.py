@@ -1,0 +1,64 @@
+"""Group commit: calls made while a batched call is in flight go together in the next one.
+
+Many rank streams of one replica each want one small thing from a shared backend at about the
+same time (an ack recorded, a step read, a payload reference). `Coalescer` turns those into one
+batched round trip: the first caller becomes the leader and flushes the queue until it is empty;
+the others wait for their own result. Each caller gets its own value or its own exception.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Coalescer(Generic[K, V]):
+    def __init__(self, call_many: Callable[[Sequence[K]], Sequence[V | BaseException]]) -> None:
+        """`call_many(keys)` returns one result per key, in order: a value or an exception."""
+        self._call_many = call_many
+        self._lock = threading.Lock()
+        self._queue: list[tuple[K, list]] = []
+        self._flushing = False
+
+    def __call__(self, key: K) -> V:
+        slot: list = [None, None, threading.Event()]  # [value, error, done]
+        with self._lock:
+            self._queue.append((key, slot))
+            lead = not self._flushing
+            self._flushing = True
+        if lead:
+            while True:
+                with self._lock:
+                    batch, self._queue = self._queue, []
+                    if not batch:
+                        self._flushing = False
+                        break
+                self._flush(batch)
+        slot[2].wait()
+        if slot[1] is not None:
+            raise slot[1]
+        return slot[0]
+
+    def _flush(self, batch: list[tuple[K, list]]) -> None:
+        try:
+            results = self._call_many([k for k, _ in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"batched call returned {len(results)} results for "
+                                   f"{len(batch)} keys")
+        except BaseException as exc:  # the whole round trip failed: every caller gets it
+            results = [exc] * len(batch)
+        for (_, slot), res in zip(batch, results, strict=True):
+            if isinstance(res, BaseException):
+                slot[1] = res
+            else:
+                slot[0] = res
+            slot[2].set()
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._flushing and not self._queue

@@ -1,0 +1,170 @@
+"""How a replica gets the payloads of one rank's batch: by reference, and only that rank's.
+
+`PayloadSource.fetch(step, rank)` returns the rank's samples in batch order, byte-identical
+whenever and wherever it is called (restarts redeliver identical batches).
+- `ArrayPayloads`: the in-memory `ArraySource` the job was planned from.
+- `RayPayloads`: asks the job's producer actor for the object holding this (step, rank) batch
+  (the references of concurrent requests travel in one actor call) and reads it through Ray's
+  object manager. When the producer does not hold it — published by a previous producer,
+  released after the rank acknowledged it (a trainer rewinding to an older checkpoint), or the
+  producer is gone — the samples are rebuilt by id with `SampleStore` (the same `Processor`,
+  same seed: byte-identical).
+Both count what they fetched per rank (`fetched_by_rank`), so tests and operators can check that
+a replica never reads payloads of ranks it does not serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from pipeline.config import JobConfig
+from pipeline.jobstate.interface import JobState
+from pipeline.planner.types import Batch, MeasuredSample, Step
+from pipeline.preprocess.array_source import ArraySource
+from pipeline.preprocess.sample import ProcessedSample
+from pipeline.service.coalescer import Coalescer
+
+log = logging.getLogger(__name__)
+
+
+class PayloadSource(Protocol):
+    def fetch(self, step: Step, rank: int) -> list[ProcessedSample]: ...
+
+    def fetched_by_rank(self) -> dict[int, int]:
+        """Samples fetched so far, per rank."""
+
+    def close(self) -> None: ...
+
+
+def _matches(p: ProcessedSample, s: MeasuredSample, collate: str) -> bool:
+    return p.measured(collate) == MeasuredSample(str(s.sample_id), s.num_tokens,
+                                                 s.num_visual_tokens, s.loss_tokens)
+
+
+class _Counting:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fetched: Counter = Counter()
+
+    def _count(self, rank: int, n: int) -> None:
+        with self._lock:
+            self._fetched[rank] += n
+
+    def fetched_by_rank(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._fetched)
+
+
+class ArrayPayloads(_Counting):
+    def __init__(self, source: ArraySource) -> None:
+        super().__init__()
+        self.source = source
+
+    def fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
+        batch = _batch(step, rank)
+        out = [self.source.get(str(s.sample_id), step.epoch) for s in batch.samples]
+        self._count(rank, len(out))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class RayPayloads(_Counting):
+    def __init__(self, job: JobConfig, state: JobState) -> None:
+        super().__init__()
+        self.job = job
+        self.state = state  # END records tell which samples quota mode carried over
+        self.collate = job.batching.collate
+        self._actor_lock = threading.Lock()
+        self._actor: Any = None
+        self._refs = Coalescer(self._refs_many)
+        self._store: Any = None
+        self._store_lock = threading.Lock()
+        self.rebuilt = 0  # samples rebuilt by id (not served from the object store)
+
+    def _producer(self) -> Any:
+        from pipeline.producer.actor import find_producer
+
+        with self._actor_lock:
+            if self._actor is None:
+                self._actor = find_producer(self.job.job_id)
+            return self._actor
+
+    def _refs_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
+        import ray
+
+        actor = self._producer()
+        if actor is None:
+            return [None] * len(keys)
+        try:
+            got = ray.get(actor.batch_refs.remote(list(keys)), timeout=30)
+        except Exception:  # the producer died or restarts: rebuild, find it again next time
+            log.debug("job %s: producer unreachable for payload refs", self.job.job_id,
+                      exc_info=True)
+            with self._actor_lock:
+                self._actor = None
+            return [None] * len(keys)
+        return [got.get(tuple(k)) for k in keys]
+
+    def fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
+        import ray
+
+        from pipeline.preprocess.rows import from_table
+
+        batch = _batch(step, rank)
+        ref = self._refs((step.step, rank))
+        if ref is not None:
+            try:
+                items = from_table(ray.get(ref))
+                if len(items) == len(batch.samples) and all(
+                        isinstance(p, ProcessedSample) and _matches(p, s, self.collate)
+                        for p, s in zip(items, batch.samples, strict=True)):
+                    self._count(rank, len(items))
+                    return items  # type: ignore[return-value]
+                log.error("job %s: staged payload of step %d rank %d does not match its "
+                          "plan; rebuilding by id", self.job.job_id, step.step, rank)
+            except Exception:  # the object is lost with its owner: rebuild
+                log.info("job %s: payload of step %d rank %d lost; rebuilding by id",
+                         self.job.job_id, step.step, rank, exc_info=True)
+        out = [self._rebuild(s, step.epoch) for s in batch.samples]
+        self._count(rank, len(out))
+        return out
+
+    def _rebuild(self, s: MeasuredSample, epoch: int) -> ProcessedSample:
+        from pipeline.preprocess.pipeline import SampleStore
+
+        with self._store_lock:
+            if self._store is None:
+                self._store = SampleStore(self.job)
+            store = self._store
+        sid = str(s.sample_id)
+        # A sample of epoch e's plan came from epoch e, or (quota carry-over) from epoch e-1.
+        candidates = [epoch]
+        prev = next((e for e in self.state.epoch_ends() if e.epoch == epoch - 1), None)
+        if prev is not None and any(str(c.sample_id) == sid for c in prev.carried_over):
+            candidates.append(epoch - 1)
+        for e in candidates:
+            p = store.get(sid, e)
+            if _matches(p, s, self.collate):
+                self.rebuilt += 1
+                return p
+        raise LookupError(f"job {self.job.job_id}: no payload of {sid} measuring "
+                          f"{s.num_tokens} tokens in epoch(s) {candidates}")
+
+    def close(self) -> None:
+        with self._store_lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+
+def _batch(step: Step, rank: int) -> Batch:
+    batch = step.batch_for(rank)
+    if batch is None:
+        raise LookupError(f"step {step.step} has no batch for rank {rank}")
+    return batch

@@ -1,0 +1,100 @@
+"""What the rank streams of one replica read of a job's plan, at most one round trip per fact.
+
+With the state in another process (Redis), every stream reading the plan itself would cost a
+round trip per check per rank. Here `published_through` is read at most every `refresh_seconds`
+(so it is stale by at most that, and never ahead of the state: it is only ever a value the
+state returned); steps and END records are write-once, so a cached one is always correct. A
+stream reads only its own rank's batch of a step (`step_for`): the reads of all streams waiting
+for the same step go together in one round trip.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pipeline.jobstate.interface import JobState
+from pipeline.planner.types import EpochEnd, Step
+from pipeline.service.coalescer import Coalescer
+
+
+class PlanView:
+    def __init__(self, state: JobState, *, refresh_seconds: float = 0.025,
+                 cache_size: int = 4096) -> None:
+        self.state = state
+        self.refresh_seconds = refresh_seconds
+        self._pt_lock = threading.Lock()
+        self._pt: tuple[float, int | None, BaseException | None] | None = None  # (at, v, err)
+        self._steps_lock = threading.Lock()
+        self._steps: OrderedDict[tuple[int, int], Step] = OrderedDict()
+        self._cache_size = cache_size
+        self._fetch = Coalescer(self._fetch_many)
+        self._ends_lock = threading.Lock()
+        self._ends: dict[int, EpochEnd] = {}
+        self._ends_at = -1.0
+
+    def published_through(self) -> int:
+        """At most `refresh_seconds` stale; a failed read is re-raised to every reader of the
+        same interval (no retry storm)."""
+        with self._pt_lock:
+            c = self._pt
+            if c is None or time.monotonic() - c[0] >= self.refresh_seconds:
+                at = time.monotonic()
+                try:
+                    c = (at, self.state.published_through(), None)
+                except Exception as exc:
+                    c = (at, None, exc)
+                self._pt = c
+            if c[2] is not None:
+                raise c[2]
+            return c[1]  # type: ignore[return-value]
+
+    def fresh_published_through(self) -> int:
+        """Read the state now (before refusing a request that a stale value would refuse)."""
+        v = self.state.published_through()
+        with self._pt_lock:
+            self._pt = (time.monotonic(), v, None)
+        return v
+
+    def step_for(self, n: int, rank: int) -> Step | None:
+        """Step `n` with only `rank`'s batch (none if the rank is absent from it); None if the
+        state does not hold the step (not published, or trimmed)."""
+        with self._steps_lock:
+            hit = self._steps.get((n, rank))
+            if hit is not None:
+                self._steps.move_to_end((n, rank))
+                return hit
+        return self._fetch((n, rank))
+
+    def _fetch_many(self, keys: Sequence[tuple[int, int]]) -> list[Step | None]:
+        by_step: dict[int, list[int]] = {}
+        for n, r in keys:
+            by_step.setdefault(n, []).append(r)
+        got: dict[tuple[int, int], Step | None] = {}
+        for n, ranks in by_step.items():
+            step = self.state.get_step_for(n, sorted(set(ranks)))
+            for r in ranks:
+                got[(n, r)] = None if step is None else Step(
+                    step.epoch, step.step, tuple(b for b in step.batches if b.rank == r),
+                    step.info)
+        with self._steps_lock:
+            for k, v in got.items():
+                if v is not None:
+                    self._steps[k] = v
+            while len(self._steps) > self._cache_size:
+                self._steps.popitem(last=False)
+        return [got[k] for k in keys]
+
+    def epoch_end(self, epoch: int) -> EpochEnd | None:
+        """Epoch `epoch`'s END record, None if not yet published (a miss re-reads the state at
+        most every `refresh_seconds`)."""
+        with self._ends_lock:
+            hit = self._ends.get(epoch)
+            if hit is not None or time.monotonic() - self._ends_at < self.refresh_seconds:
+                return hit
+            self._ends_at = time.monotonic()
+            for e in self.state.epoch_ends():
+                self._ends.setdefault(e.epoch, e)
+            return self._ends.get(epoch)

@@ -1,0 +1,116 @@
+"""One rank's stream as a small state machine: where it stands in the plan and what comes next.
+
+No gRPC here: the servicer asks `next(plan)` and performs the action (send a batch when the
+client has credit, send an END, wait). Positions: `pos` is the next global step to consider,
+`epoch` the first epoch whose END has not been sent, `last_sent` the highest step sent.
+
+Join mode leaves a rank out of the steps after its final one; once the rank has acknowledged
+everything it was sent before an epoch's END, it is acknowledged through that epoch's last step
+(`end_ack_due`), so the state can trim steps it has no batch in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pipeline.planner.types import EpochEnd, Step
+
+
+class PlanReader(Protocol):
+    def published_through(self) -> int: ...
+
+    def step_for(self, n: int, rank: int) -> Step | None: ...
+
+    def epoch_end(self, epoch: int) -> EpochEnd | None: ...
+
+
+@dataclass(frozen=True)
+class Send:
+    step: Step  # holds the rank's batch
+
+
+@dataclass(frozen=True)
+class End:
+    end: EpochEnd
+
+
+@dataclass(frozen=True)
+class Wait:
+    pass
+
+
+@dataclass(frozen=True)
+class Missing:
+    step: int  # published, but no longer in the state (trimmed)
+
+
+@dataclass(frozen=True)
+class Finished:
+    pass
+
+
+Action = Send | End | Wait | Missing | Finished
+
+
+def epoch_last_step(end: EpochEnd) -> int:
+    finals = [s for s in end.final_step if s is not None]
+    return max(finals) if finals else -1
+
+
+@dataclass
+class RankCursor:
+    rank: int
+    epochs: int
+    pos: int
+    epoch: int
+    last_sent: int = -1
+    # (trigger, target): once the rank acks `trigger`, ack it through `target`.
+    end_acks: list[tuple[int, int]] = field(default_factory=list)
+
+    def next(self, plan: PlanReader) -> Action:
+        while True:
+            if self.epoch >= self.epochs:
+                return Finished()
+            if self.pos <= plan.published_through():
+                step = plan.step_for(self.pos, self.rank)
+                if step is None:
+                    return Missing(self.pos)
+                if step.epoch < self.epoch:  # a step of an epoch this rank has finished
+                    self.pos += 1
+                    continue
+                if step.epoch > self.epoch:  # the current epoch ended before this step
+                    end = plan.epoch_end(self.epoch)
+                    return Wait() if end is None else End(end)
+                if step.batches:
+                    return Send(step)
+                self.pos += 1  # join mode: the rank is absent from this step
+                continue
+            end = plan.epoch_end(self.epoch)
+            if end is not None and epoch_last_step(end) < self.pos:
+                return End(end)
+            return Wait()
+
+    def sent(self, step: Step) -> None:
+        self.last_sent = max(self.last_sent, step.step)
+        self.pos = step.step + 1
+
+    def ended(self, end: EpochEnd) -> None:
+        """The END of `end.epoch` was sent."""
+        self.epoch = end.epoch + 1
+        last = epoch_last_step(end)
+        if last > self.last_sent:  # steps after this rank's last batch: ack them when done
+            self.end_acks.append((self.last_sent, last))
+
+    def end_ack_due(self, acked: int) -> int | None:
+        """The step to acknowledge the rank through, now that it acked `acked` (None: none)."""
+        ready = [t for trig, t in self.end_acks if trig <= acked]
+        if not ready:
+            return None
+        self.end_acks = [(trig, t) for trig, t in self.end_acks if trig > acked]
+        target = max(ready)
+        return target if target > acked else None
+
+    @property
+    def job_done(self) -> bool:
+        return self.epoch >= self.epochs

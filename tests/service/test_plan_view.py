@@ -1,0 +1,213 @@
+"""A replica's shared reads of a job state (`PlanView`), grouped calls (`Coalescer`), and the
+job-sized Redis pool."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+from service_helpers import job_dict, service_config
+
+from pipeline.coordinator import RedisJobState
+from pipeline.coordinator.connection import unavailable_as_error
+from pipeline.coordinator.redis_job_state import pool_size_for
+from pipeline.errors import AckAheadOfPlan, StateUnavailable
+from pipeline.jobstate import MemoryJobState, PlannerCheckpoint, Publication
+from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
+from pipeline.service.coalescer import Coalescer
+from pipeline.service.plan_view import PlanView
+
+
+class CountingState:
+    """Forwards to a JobState and counts the reads the streams make."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def counted(*a, **kw):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*a, **kw)
+        return counted
+
+
+def _step(n: int, epoch: int = 0, ranks: tuple[int, ...] = (0,)) -> Step:
+    batches = tuple(Batch(rank=r, samples=(MeasuredSample(f"s{n}:{r}", 10),), cost=10)
+                    for r in ranks)
+    return Step(epoch=epoch, step=n, info=StepInfo(len(ranks), 10 * len(ranks)),
+                batches=batches)
+
+
+def _publish(st, *steps: Step, ends: tuple[EpochEnd, ...] = ()) -> None:
+    gen = st.producer_lease().generation if st.producer_lease() else st.claim_producer("p", 60)
+    nxt = max((s.step for s in steps), default=st.published_through()) + 1
+    cp = PlannerCheckpoint(0, nxt, nxt)
+    st.publish(Publication(checkpoint=cp, steps=steps, ends=ends), fence=gen)
+
+
+def test_reads_shared_state_once_per_interval_and_step():
+    inner = MemoryJobState("j", 2)
+    view = PlanView(CountingState(inner), refresh_seconds=0.2)
+    calls = view.state.calls
+    assert view.published_through() == -1
+    _publish(inner, _step(0))
+    assert view.published_through() == -1  # stale by at most the refresh interval
+    time.sleep(0.25)
+    assert view.published_through() == 0
+    for _ in range(50):  # many streams, one interval: one read
+        view.published_through()
+    assert calls["published_through"] == 2
+    assert view.fresh_published_through() == 0 and calls["published_through"] == 3
+
+    got = [view.step_for(0, 0) for _ in range(20)]
+    assert all(g == inner.get_step(0) for g in got)
+    assert calls["get_step_for"] == 1  # fetched once, shared
+    assert view.step_for(5, 0) is None  # not published: not cached, never invented
+    _publish(inner, _step(1))
+    assert view.step_for(1, 0) == inner.get_step(1)
+
+    assert view.epoch_end(0) is None
+    _publish(inner, ends=(EpochEnd(epoch=0, steps=2, final_step=(1, None)),))
+    time.sleep(0.25)
+    end = view.epoch_end(0)
+    assert end is not None and end.epoch == 0
+    n = calls["epoch_ends"]
+    for _ in range(10):
+        assert view.epoch_end(0) == end
+    assert calls["epoch_ends"] == n  # write-once: kept
+
+
+def test_a_rank_reads_only_its_own_batch_and_concurrent_reads_go_together():
+    inner = MemoryJobState("j", 4)
+    _publish(inner, *(_step(n, ranks=(0, 1, 2, 3)) for n in range(6)))
+
+    class Remote(CountingState):  # a read costs a round trip, as with Redis
+        def get_step_for(self, n, ranks):
+            self.calls["get_step_for"] = self.calls.get("get_step_for", 0) + 1
+            time.sleep(0.1)
+            return self.inner.get_step_for(n, ranks)
+
+    view = PlanView(Remote(inner), cache_size=8)
+    calls = view.state.calls
+    barrier = threading.Barrier(16)
+
+    def read(rank: int) -> None:
+        barrier.wait()
+        step = view.step_for(4, rank)
+        assert [b.rank for b in step.batches] == [rank]
+        assert step.info == inner.get_step(4).info  # all-rank totals kept
+
+    threads = [threading.Thread(target=read, args=(i % 4,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls["get_step_for"] == 2  # the leader's, then one for all who waited meanwhile
+    for n in range(6):
+        assert view.step_for(n, 1).step == n
+    assert len(view._steps) <= 8  # bounded
+
+
+def test_failed_refresh_is_reraised_within_interval():
+    inner = MemoryJobState("j", 2)
+
+    class Failing(CountingState):
+        def published_through(self):
+            self.calls["published_through"] = self.calls.get("published_through", 0) + 1
+            raise StateUnavailable("down")
+
+    st = Failing(inner)
+    view = PlanView(st, refresh_seconds=5.0)
+    for _ in range(5):
+        with pytest.raises(StateUnavailable):
+            view.published_through()
+    assert st.calls["published_through"] == 1
+
+
+def test_coalescer_groups_calls_and_keeps_errors_per_caller():
+    seen: list[list[int]] = []
+    gate = threading.Event()
+
+    def call_many(keys):
+        seen.append(list(keys))
+        gate.wait(2)
+        return [ValueError(k) if k == 5 else k * 10 for k in keys]
+
+    c = Coalescer(call_many)
+    out: dict[int, object] = {}
+
+    def call(k: int) -> None:
+        try:
+            out[k] = c(k)
+        except ValueError as exc:
+            out[k] = exc
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(8)]
+    threads[0].start()
+    time.sleep(0.1)  # the leader's round trip is in flight: the others queue behind it
+    for t in threads[1:]:
+        t.start()
+    time.sleep(0.1)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert seen[0] == [0] and sorted(k for batch in seen[1:] for k in batch) == list(range(1, 8))
+    assert len(seen) == 2  # the seven waiting callers went together
+    assert isinstance(out[5], ValueError) and out[3] == 30 and c.idle
+
+
+def test_grouped_acks_match_single_acks_and_errors_stay_per_caller(redis_url, redis_client):
+    st = RedisJobState(redis_url, "acks", config_hash="x", world_size=8)
+    try:
+        _publish(st, *(_step(n) for n in range(3)))
+        acks = Coalescer(st.ack_many)
+        errors: dict[int, BaseException] = {}
+
+        def ack(rank: int, step: int) -> None:
+            try:
+                acks((rank, step))
+            except BaseException as exc:
+                errors[rank] = exc
+
+        threads = [threading.Thread(target=ack, args=(r, 9 if r == 5 else r % 3))
+                   for r in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert set(errors) == {5} and isinstance(errors[5], AckAheadOfPlan)
+        assert st.acked_all() == [0, 1, 2, 0, 1, -1, 0, 1]
+        assert acks.idle
+    finally:
+        st.close()
+
+
+def test_connect_sizes_a_blocking_pool_for_the_job(redis_url, redis_client):
+    job = service_config(job_dict(world_size=256)).jobs[0]
+    st = RedisJobState.connect(redis_url, job)
+    try:
+        pool = st.client.connection_pool
+        assert isinstance(pool, redis.BlockingConnectionPool)
+        assert pool.max_connections == pool_size_for(256) == 528
+        assert pool_size_for(2) == 64
+    finally:
+        st.close()
+
+
+def test_exhausted_pool_error_names_the_cause(redis_url):
+    from pipeline.redis_client import connect
+
+    client = connect(redis_url, max_connections=1, pool_timeout=0.1)
+    held = client.connection_pool.get_connection()
+    try:
+        with (pytest.raises(StateUnavailable, match="connection pool exhausted"),
+              unavailable_as_error("test")):
+            client.ping()
+    finally:
+        client.connection_pool.release(held)
+        client.close()
