@@ -10,7 +10,7 @@ Arms, each trained from the same initial weights under the same token budget (pa
 - random: a shuffled order cut greedily under the budget (what a plain loader does);
 - odb:    a shuffled order through the ODB planner (job window);
 - sdo:    ODB+SDO: each epoch's visits (KNN traversal, exposure ledger, coverage floor) through
-          the same planner with the window the `locality` knob gives.
+          the same planner with the window the `locality` knob gives (--locality, default 1).
 
 Measured: held-out loss vs steps; within-batch gradient coherence (mean pairwise cosine of
 per-sample gradients inside a batch, at the initial weights and after training); within-batch
@@ -328,13 +328,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="~700 chats, 2 epochs, smaller model figures (a few minutes)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--locality", type=float, default=1.0,
+                    help="the sdo arm's knob (default 1: with the job's 128-budget window a "
+                    "small dataset fits one window, and locality <= 0.5 plans exactly like odb)")
     args = ap.parse_args()
     q = args.quick
     args.epochs = 2 if q else 4
     args.token_budget = 4096
     args.max_seq_len = 1024
     args.knn_k = 16
-    args.locality = 0.5  # the config default; the sweep covers 0..1
     args.coverage_epochs = 2
     args.vocab_buckets = 4096
     args.hidden = 64
