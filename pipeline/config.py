@@ -122,6 +122,34 @@ class BatchingConfig(_Model):
         )
 
 
+class EmbeddingConfig(_Model):
+    """Where a sample's frozen embedding comes from: a packaged/local model, or a column."""
+
+    model: str | None = Field(None, description="sentence-embedding model: a packaged name "
+                              "(all-MiniLM-L6-v2) or a local sentence-transformers folder; "
+                              "None with no column = all-MiniLM-L6-v2")
+    column: str | None = Field(None, description="record field holding a precomputed vector")
+    cache_dir: str | None = Field(None, description="None = .odb-embeddings/ beside the dataset")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EmbeddingConfig:
+        if self.model is not None and self.column is not None:
+            raise ValueError("give one of model or column, not both")
+        return self
+
+
+class OrganizationConfig(_Model):
+    """Structure-aware data organization (docs/sdo.md): which samples train together, how often."""
+
+    kind: Literal["none", "sdo"] = "none"
+    knn_k: int = Field(16, ge=1, le=256)
+    locality: float = Field(0.5, ge=0.0, le=1.0,
+                            description="0 = ODB's window (padding), 1 = traversal order")
+    coverage_epochs: int = Field(2, ge=1, description="every sample at least once per window")
+    visits_per_epoch: int | None = Field(None, gt=0, description="None = the dataset size")
+    embedding: EmbeddingConfig = EmbeddingConfig()
+
+
 class JobConfig(_Model):
     job_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     token_env: str | None = Field(None, description="env var holding the job's bearer token")
@@ -132,6 +160,7 @@ class JobConfig(_Model):
     source: SourceConfig
     preprocess: PreprocessConfig = PreprocessConfig()
     batching: BatchingConfig = BatchingConfig()
+    organization: OrganizationConfig = OrganizationConfig()
 
     @model_validator(mode="after")
     def _limits_can_hold_a_sample(self) -> JobConfig:

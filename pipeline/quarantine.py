@@ -27,6 +27,7 @@ class QuarantineReason(StrEnum):
     TOO_LONG = "too_long"
     NO_LOSS_TOKENS = "no_loss_tokens"
     PREPROCESS_ERROR = "preprocess_error"
+    BAD_EMBEDDING = "bad_embedding"
     # The planner's (a sample that was preprocessed but cannot be placed in a batch):
     INVALID_SIZE = "invalid_size"
     OVER_BUDGET = "over_budget"
@@ -54,6 +55,8 @@ _MEANING: dict[QuarantineReason, str] = {
                                      "train on (e.g. an image too big to fit precedes every "
                                      "answer)",
     QuarantineReason.PREPROCESS_ERROR: "an unforeseen failure, kept with its exception message",
+    QuarantineReason.BAD_EMBEDDING: "organization: the record's vector is missing, ragged, of "
+                                    "another dimension, NaN/inf or zero (SDO embedding stage)",
     QuarantineReason.INVALID_SIZE: "num_tokens <= 0 or num_visual_tokens < 0",
     QuarantineReason.OVER_BUDGET: "num_tokens > token_budget and batching.over_budget is "
                                   "quarantine",

@@ -42,16 +42,25 @@ _JOB_FLAGS: dict[str, tuple[str, ...]] = {
     "pool_steps": ("batching", "pool_steps"),
     "epochs": ("epochs",),
     "seed": ("seed",),
+    # SDO (docs/sdo.md): the job's organization block.
+    "organization": ("organization", "kind"),
+    "knn_k": ("organization", "knn_k"),
+    "locality": ("organization", "locality"),
+    "coverage_epochs": ("organization", "coverage_epochs"),
+    "visits_per_epoch": ("organization", "visits_per_epoch"),
+    "embedding_model": ("organization", "embedding", "model"),
+    "embedding_column": ("organization", "embedding", "column"),
 }
 _REQUIRED_WITHOUT_CONFIG = ("world_size", "token_budget")
 
 
 def _config_default(path: tuple[str, ...]) -> object:
-    from pipeline.config import BatchingConfig, JobConfig
+    from pipeline.config import JobConfig
 
-    if path[0] == "batching":
-        return BatchingConfig.model_fields[path[1]].get_default()
-    return JobConfig.model_fields[path[0]].get_default()
+    value = JobConfig.model_fields[path[0]].get_default()
+    for key in path[1:]:  # a nested block's default is its model with its own defaults
+        value = getattr(value, key)
+    return value
 _QUARANTINE_SHOWN = 20
 
 
@@ -141,7 +150,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shuffle the input order each epoch with (seed, epoch) (default: file order)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--emit-plan", metavar="OUT.jsonl", help="write one JSON line per step")
+    parser.add_argument("--emit-plan", metavar="OUT.jsonl", help="write one JSON line per step "
+                        "(with --organization sdo, each epoch's visits first)")
+    org = parser.add_argument_group("structure-aware data organization (--data only; "
+                                    "docs/sdo.md)")
+    org.add_argument("--organization", choices=["none", "sdo"], default=None,
+                     help="sdo: KNN-local batches from frozen embeddings, exposure-balanced "
+                     "epochs; the JSON adds locality (vs none on the same data) and exposure")
+    org.add_argument("--knn-k", type=int, default=None, metavar="K", help="neighbors per sample")
+    org.add_argument("--locality", type=float, default=None, metavar="L",
+                     help="0..1: 0 = ODB's window (padding), 1 = traversal order (locality)")
+    org.add_argument("--coverage-epochs", type=int, default=None, metavar="C",
+                     help="every sample is trained at least once in every C epochs")
+    org.add_argument("--visits-per-epoch", type=int, default=None, metavar="V",
+                     help="sample visits per epoch (default: the number of samples)")
+    org.add_argument("--embedding-model", default=None, metavar="NAME",
+                     help="packaged model name or local sentence-transformers folder "
+                     "(default all-MiniLM-L6-v2)")
+    org.add_argument("--embedding-column", default=None, metavar="FIELD",
+                     help="read each record's vector from this field instead of a model")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -242,46 +269,71 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
+    if job is None and args.organization == "sdo":
+        raise UserError("--organization sdo needs --data (embeddings come from the records); "
+                        "plan lengths with --organization none")
     if job is not None:
         from pipeline.preprocess.sources import expand_sources
 
         expand_sources(job.source)  # missing input: fail in one line before starting Ray
         source = _DataSource(job, args.limit, args.export_lengths)
+        if job.organization.kind == "sdo":
+            from pipeline.commands.plan_sdo import run_sdo
+
+            return run_sdo(args, job, policy, source)
     else:
         source = _LengthsSource(args.lengths)
 
-    out = None
-    if args.emit_plan:
-        try:
-            out = open(args.emit_plan, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
-        except OSError as exc:
-            raise UserError(f"cannot write --emit-plan {args.emit_plan}: {exc.strerror}") from None
+    out = open_emit_plan(args)
     report = PlanReport(policy, args.world_size)
     quarantine_lines: list[str] = []
     t0 = time.perf_counter()
     try:
         with source:
             for epoch in range(args.epochs):
-                order = source.epoch(epoch)
-                if args.shuffle:
-                    order = list(order)
-                    random.Random(f"odb-plan-shuffle:{args.seed}:{epoch}").shuffle(order)
-                counted = _Counted(order)
+                counted = _Counted(epoch_order(args, source.epoch(epoch), epoch))
                 events = planner.feed_many(counted)
                 report.samples_in += counted.n
                 events.extend(planner.end_epoch(last_epoch=epoch == args.epochs - 1))
                 for ev in events:
                     report.observe(ev)
                     if out is not None and isinstance(ev, Step):
-                        out.write(_step_json(ev) + "\n")
+                        out.write(step_json(ev) + "\n")
                     elif isinstance(ev, Quarantined) and len(quarantine_lines) < _QUARANTINE_SHOWN:
-                        quarantine_lines.append(
-                            f"  {ev.sample.sample_id}: {ev.reason.value}: {ev.detail}")
+                        quarantine_lines.append(quarantine_line(ev))
     finally:
         if out is not None:
             out.close()
-    elapsed = time.perf_counter() - t0
+    return print_result(args, source, report, policy, quarantine_lines,
+                        time.perf_counter() - t0)
 
+
+def quarantine_line(ev) -> str:
+    return f"  {ev.sample.sample_id}: {ev.reason.value}: {ev.detail}"
+
+
+def open_emit_plan(args: argparse.Namespace):
+    """The --emit-plan file opened for writing (the caller closes it), or None."""
+    if not args.emit_plan:
+        return None
+    try:
+        return open(args.emit_plan, "w", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write --emit-plan {args.emit_plan}: {exc.strerror}") from None
+
+
+def epoch_order(args: argparse.Namespace, samples, epoch: int):
+    """An epoch's input order: as read, or shuffled by (seed, epoch) with --shuffle."""
+    if not args.shuffle:
+        return samples
+    order = list(samples)
+    random.Random(f"odb-plan-shuffle:{args.seed}:{epoch}").shuffle(order)
+    return order
+
+
+def print_result(args: argparse.Namespace, source, report, policy, quarantine_lines: list[str],
+                 elapsed: float, extra: dict | None = None, extra_text: str = "") -> int:
+    """Print the plan's summary (or one JSON object), with a mode's `extra` keys and lines."""
     result = report.to_dict()
     result["mode"] = args.mode
     result["world_size"] = args.world_size
@@ -293,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
     result["samples_per_second"] = round(report.samples_in / elapsed) if elapsed > 0 else None
     if isinstance(source, _DataSource):
         result.update(source.to_dict())
+    result.update(extra or {})
     if args.json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")
@@ -304,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(source, _DataSource):
             print(source.summary_text())
         print(report.summary_text())
+        if extra_text:
+            print(extra_text)
         if quarantine_lines:
             print(f"quarantined samples (first {_QUARANTINE_SHOWN}):")
             print("\n".join(quarantine_lines))
@@ -461,7 +516,7 @@ class _DataSource:
         return "\n".join(lines)
 
 
-def _step_json(step) -> str:
+def step_json(step) -> str:
     return json.dumps(
         {
             "epoch": step.epoch,
