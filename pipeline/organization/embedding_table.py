@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.preprocess.quarantine_reasons import QuarantineReason
+from pipeline.quarantine import QuarantineReason
 from pipeline.preprocess.sample import QuarantinedRecord
 
 BAD_EMBEDDING = QuarantineReason.BAD_EMBEDDING

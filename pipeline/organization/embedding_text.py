@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.preprocess.quarantine_reasons import QuarantineReason
+from pipeline.quarantine import QuarantineReason
 from pipeline.preprocess.records import Conversation, RecordError, decode_line
 
 TEXT_RECIPE = "turns-v1"  # part of the cache key: change it when the text above changes

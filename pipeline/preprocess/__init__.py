@@ -4,13 +4,14 @@ Modules (one idea each; nothing is imported here so `import pipeline.preprocess.
 light):
 - sources.py       source files, exact row numbering, read plans (chunks), random row reads
 - records.py       raw record -> normalized Conversation (OpenAI / ShareGPT)
-- quarantine_reasons.py  `QuarantineReason`: every reason a record can be quarantined for
 - augment.py       cost-changing augmentation seeded by (job seed, epoch, sample_id)
 - vision.py        image decoding, Qwen2-VL pixel patches, visual-token counts
 - chat_template.py template choice (tokenizer's / qwen2 / qwen3 / file) and rendering
 - tokenizer.py     `load_tokenizer(cfg)`, cached per process
 - labels.py        assistant-only label masks from character spans
 - truncation.py    the vision-safe cut of a sample to the sample limit
+- array_source.py  samples already in memory (tests, benchmarks)
+- cli_job.py       the job the one-shot commands (`inspect`, `plan --data`) preprocess with
 - process.py       `Processor`: one chunk of raw rows -> ProcessedSample | QuarantinedRecord
 - rows.py          samples <-> Arrow rows (the Ray block schema)
 - pipeline.py      Ray wiring: `build_dataset`, `iter_samples`, `SampleStore`, `PreprocessStats`

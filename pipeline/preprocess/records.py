@@ -11,7 +11,7 @@ Both take an optional top-level ``system`` string. An image REF is a file path (
 source file's folder), a ``data:...;base64,`` URI, raw bytes, or ``{"bytes": ..., "path": ...}``
 (the Hugging Face ``Image`` feature layout Parquet files carry).
 
-Every failure raises `RecordError` with a reason from `quarantine_reasons.QuarantineReason`, so
+Every failure raises `RecordError` with a reason from `pipeline.quarantine.QuarantineReason`, so
 the caller can quarantine the record instead of crashing the stream.
 """
 

@@ -65,7 +65,7 @@ class QuarantinedRecord:
 
     source: str
     row: int
-    reason: QuarantineReason  # the vocabulary word (quarantine_reasons.py), never a sentence
+    reason: QuarantineReason  # the vocabulary word (pipeline/quarantine.py), never a sentence
     detail: str = ""  # the human-readable message
 
     @property
