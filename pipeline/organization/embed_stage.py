@@ -31,10 +31,10 @@ from pipeline.organization.embedding_table import (
 from pipeline.organization.embedding_text import TEXT_RECIPE, conversation_text, decode_record
 from pipeline.organization.encoder import DEFAULT_MODEL, Encoder, EncoderError, resolve_model
 from pipeline.preprocess.process import make_sample_id
-from pipeline.quarantine import QuarantineReason
 from pipeline.preprocess.records import RecordError, parse_record
 from pipeline.preprocess.sample import QuarantinedRecord
 from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk
+from pipeline.quarantine import QuarantineReason
 
 CHUNK_ROWS = 256
 _SCHEMA = pa.schema([("sample_id", pa.string()), ("vector", pa.binary()),

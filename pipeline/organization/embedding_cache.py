@@ -23,9 +23,9 @@ from pipeline.config import JobConfig
 from pipeline.errors import UserError
 from pipeline.organization.embedding_table import EmbeddingTable
 from pipeline.organization.knn_graph import KnnGraph
-from pipeline.quarantine import QuarantineReason
 from pipeline.preprocess.sample import QuarantinedRecord
 from pipeline.preprocess.sources import SourceFile, _fs, _is_uri
+from pipeline.quarantine import QuarantineReason
 
 _READ = 8 * 1024 * 1024
 

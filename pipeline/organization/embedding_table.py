@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.quarantine import QuarantineReason
 from pipeline.preprocess.sample import QuarantinedRecord
+from pipeline.quarantine import QuarantineReason
 
 BAD_EMBEDDING = QuarantineReason.BAD_EMBEDDING
 

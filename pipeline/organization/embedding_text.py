@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.quarantine import QuarantineReason
 from pipeline.preprocess.records import Conversation, RecordError, decode_line
+from pipeline.quarantine import QuarantineReason
 
 TEXT_RECIPE = "turns-v1"  # part of the cache key: change it when the text above changes
 
