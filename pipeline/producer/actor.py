@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from typing import Any
 
@@ -68,7 +69,8 @@ class ProducerActor:
 
     def info(self) -> dict[str, Any]:
         p = self.producer
-        return {"job_id": self.job_id, "generation": p.generation, "holder": p.holder,
+        return {"job_id": self.job_id, "pid": os.getpid(), "generation": p.generation,
+                "holder": p.holder,
                 "outcome": p.outcome.value if p.outcome else None, "held": self.feed.held()}
 
     def stop(self) -> None:
