@@ -41,7 +41,7 @@ def test_join_epoch_is_delivered_exactly_once_with_ready_tensors(collate):
     for r in got:
         for b in batches(got[r]):
             assert b.info.rank == r and b.info.world_size == 2
-            assert b["input_ids"].dtype == torch.int64
+            assert b["input_ids"].dtype == torch.int32  # the wire dtype (wire version 2)
             n_tok = sum(by_id[i].num_tokens for i in b.info.sample_ids)
             assert b.info.rank_tokens == n_tok
             if collate == "padded":

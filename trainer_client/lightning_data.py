@@ -1,0 +1,76 @@
+"""PyTorch Lightning on an odb stream: a `LightningDataModule` whose train dataloader is the
+rank's stream, aligned for join mode, checkpointed with the stream's position.
+
+    stream = BatchStream(endpoint, job, trainer_rank, world_size, token=...)
+    dm = StreamDataModule(stream)                        # dtype= for pixel values
+    trainer = pl.Trainer(strategy="ddp", max_epochs=..., use_distributed_sampler=False)
+    trainer.fit(module, datamodule=dm)                   # or ckpt_path=... to resume
+
+    def training_step(self, batch, batch_idx):           # in the LightningModule
+        labels = batch["labels"]
+        logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        return causal_lm_loss(logits, labels, batch)     # exact cross-rank scaling
+
+Lightning has no Join, and every rank must run the same number of steps (its own collectives,
+DDP's all-reduce): the loader is aligned, so a rank that reached its END runs filler steps of
+zero gradient until the epoch's last step (see trainer_client.loader). One Lightning epoch is
+one epoch of the stream. Batches reach the device as `ModelInputs` (ids widened, pixels
+normalized there) through the data module's `transfer_batch_to_device`.
+
+Checkpoints: `state_dict()` is the loader's (torchdata conventions), so every Lightning
+checkpoint carries the stream's position under the data module's key (and, as a stateful
+loader, under the fit loop's); the aligned position is the same on every rank, so the rank-0
+checkpoint restores all ranks exactly once. Imports `lightning.pytorch` (or
+`pytorch_lightning`) when `StreamDataModule` is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from trainer_client.batch_stream import BatchStream
+from trainer_client.loader import StreamLoader
+
+
+def _lightning() -> Any:
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("StreamDataModule needs `lightning` or `pytorch-lightning` installed")
+
+
+def _make_datamodule_class() -> type:
+    pl = _lightning()
+
+    class StreamDataModule(pl.LightningDataModule):
+        def __init__(self, stream: BatchStream, *, dtype: Any = None) -> None:
+            super().__init__()
+            self.stream = stream
+            self.dtype = dtype
+            self.loader = StreamLoader(stream, align=True)
+
+        def train_dataloader(self) -> StreamLoader:
+            return self.loader
+
+        def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+            return batch.to_model_inputs(device, self.dtype)
+
+        def state_dict(self) -> dict[str, Any]:
+            return self.loader.state_dict()
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.loader.load_state_dict(state_dict)
+
+    return StreamDataModule
+
+
+def __getattr__(name: str) -> Any:
+    """`StreamDataModule` is built on first access (Lightning is imported then)."""
+    if name == "StreamDataModule":
+        cls = _make_datamodule_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
