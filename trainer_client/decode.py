@@ -63,6 +63,7 @@ class StreamBatch(dict):
 
     info: BatchInfo
     pixel_norm: PixelNorm | None = None
+    loader_state: dict[str, Any] | None = None  # set by StreamLoader: its state after this batch
 
     def digest(self) -> str:
         """SHA-256 of step, sample ids, pixel normalization and every tensor's name, dtype,

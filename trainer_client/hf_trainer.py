@@ -54,6 +54,7 @@ def _make_trainer_class() -> type:
                                  "loss scaling is per step); raise the job's token budget")
             self.stream = stream
             self.loader = StreamLoader(stream, align=True)
+            self._trained_state: dict[str, Any] | None = None
             self.samples_seen = 0
             self.tokens_seen = 0
             # Our loss is already normalized: no token count gathered across ranks, no
@@ -65,6 +66,7 @@ def _make_trainer_class() -> type:
             return self.loader
 
         def _prepare_inputs(self, inputs: Any) -> Any:
+            self._trained_state = inputs.loader_state  # the position to checkpoint
             dtype = getattr(self.model, "dtype", None)
             if not inputs.info.filler:
                 self.samples_seen += inputs.info.rank_samples
@@ -92,7 +94,7 @@ def _make_trainer_class() -> type:
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, STATE_FILE.format(rank=self.stream.rank))
             with open(path + ".tmp", "w") as f:
-                json.dump(self.loader.state_dict(), f)
+                json.dump(self._trained_state or self.loader.state_dict(), f)
             os.replace(path + ".tmp", path)
 
         def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,

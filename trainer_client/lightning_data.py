@@ -17,16 +17,17 @@ zero gradient until the epoch's last step (see trainer_client.loader). One Light
 one epoch of the stream. Batches reach the device as `ModelInputs` (ids widened, pixels
 normalized there) through the data module's `transfer_batch_to_device`.
 
-Checkpoints: `state_dict()` is the loader's (torchdata conventions), so every Lightning
-checkpoint carries the stream's position under the data module's key (and, as a stateful
-loader, under the fit loop's); the aligned position is the same on every rank, so the rank-0
-checkpoint restores all ranks exactly once. Imports `lightning.pytorch` (or
+Checkpoints: `state_dict()` is the loader's (torchdata conventions) as of the batch last moved
+to the device (Lightning fetches one batch ahead), so every Lightning checkpoint carries the
+stream's position under the data module's key; the aligned position is the same on every rank,
+so the rank-0 checkpoint restores all ranks exactly once. Imports `lightning.pytorch` (or
 `pytorch_lightning`) when `StreamDataModule` is first used.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 from trainer_client.batch_stream import BatchStream
@@ -42,6 +43,17 @@ def _lightning() -> Any:
     raise ImportError("StreamDataModule needs `lightning` or `pytorch-lightning` installed")
 
 
+class _Epochs:
+    """What Lightning iterates: deliberately not stateful, so the only position checkpointed is
+    the data module's — that of the batch trained, not of the one Lightning fetched ahead."""
+
+    def __init__(self, loader: StreamLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+
 def _make_datamodule_class() -> type:
     pl = _lightning()
 
@@ -51,14 +63,18 @@ def _make_datamodule_class() -> type:
             self.stream = stream
             self.dtype = dtype
             self.loader = StreamLoader(stream, align=True)
+            self._trained_state: dict[str, Any] | None = None
 
-        def train_dataloader(self) -> StreamLoader:
-            return self.loader
+        def train_dataloader(self) -> _Epochs:
+            return _Epochs(self.loader)
 
         def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+            self._trained_state = batch.loader_state  # this batch is the one being trained
             return batch.to_model_inputs(device, self.dtype)
 
         def state_dict(self) -> dict[str, Any]:
+            if self._trained_state is not None:
+                return dict(self._trained_state)
             return self.loader.state_dict()
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:

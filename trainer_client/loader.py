@@ -15,8 +15,12 @@ nothing. `_num_yielded` counts the batches (fillers included) the current pass y
 next epoch, and so does the first pass after loading a finished state. `dataset_state` is the
 stream's own `state_dict()`; `odb_*` keys hold the pass's place in the plan. One difference:
 the stream cannot rewind, so a new pass over an unfinished epoch continues it rather than
-starting it again. An aligned loader's state is the same on every rank, so runtimes that
-checkpoint from rank 0 only (Lightning) restore every rank from it.
+starting it again, and a resumed pass that finds nothing left of its epoch goes on with the
+next one (an empty pass would read as the end of the data). An aligned loader's state is the
+same on every rank, so runtimes that checkpoint from rank 0 only (Lightning) restore every rank
+from it. Each yielded batch carries
+`batch.loader_state`, the state right after it: a runtime that fetches ahead of the step it
+trains (Lightning prefetches one batch) checkpoints the state of the batch it trained instead.
 
 Alignment (`align=True`): in join mode ranks may end an epoch at different steps. Trainers that
 cannot wrap their loop in torch's `Join` (the HF Trainer, Lightning) instead get *filler* steps
@@ -89,11 +93,15 @@ class StreamLoader:
         self._last_step: int | None = None
         self._collate = "padded"
         self._pending: dict[str, Any] | None = None
+        self._resumed = False  # restored mid-epoch, no pass has run since
 
     # --- StatefulDataLoader conventions ---
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:  # loaded, not yet iterated: that state still holds
             return dict(self._pending)
+        return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
         return {_NUM_YIELDED: self._num_yielded, _ITERATOR_FINISHED: self._finished,
                 _DATASET_STATE: self.stream.state_dict(), _EPOCH: self._epoch,
                 _FIRST_STEP: self._first_step, _NEXT_STEP: self._next_step,
@@ -118,14 +126,18 @@ class StreamLoader:
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None
+            self._resumed = not self._finished
         if self._finished:
-            self._num_yielded = 0
-            self._finished = False
-            self._epoch = self.stream.epoch
-            self._first_step = self.stream.epoch_first_step
-            self._next_step = max(self._first_step, self.stream.next_step)
-            self._last_step = None
+            self._start_epoch()
         return self._pass()
+
+    def _start_epoch(self) -> None:
+        self._num_yielded = 0
+        self._finished = False
+        self._epoch = self.stream.epoch
+        self._first_step = self.stream.epoch_first_step
+        self._next_step = max(self._first_step, self.stream.next_step)
+        self._last_step = None
 
     def _restore(self, state: dict[str, Any]) -> None:
         self._num_yielded = int(state[_NUM_YIELDED])
@@ -149,6 +161,17 @@ class StreamLoader:
         s.load_state_dict(position)
 
     def _pass(self) -> Iterator[StreamBatch]:
+        # Read when the pass runs: a runtime may create iterators it never advances.
+        resumed, self._resumed = self._resumed, False
+        before = self._num_yielded
+        yield from self._epoch_items()
+        if resumed and self._num_yielded == before and not self.stream.done:
+            # Resumed right after an epoch's last step: nothing was left of it, and an empty
+            # pass reads as "no more data" to trainers (HF stops). Go on with the next epoch.
+            self._start_epoch()
+            yield from self._epoch_items()
+
+    def _epoch_items(self) -> Iterator[StreamBatch]:
         s = self.stream
         if s.epoch == self._epoch:  # else the END was seen: only fillers can be left
             seen = s.last_end
@@ -156,6 +179,7 @@ class StreamLoader:
                 self._num_yielded += 1
                 self._next_step = batch.info.step + 1
                 self._collate = batch.info.collate
+                batch.loader_state = self._snapshot()
                 yield batch
             end = s.last_end
             if end is not None and end is not seen and end.epoch == self._epoch:
@@ -165,6 +189,8 @@ class StreamLoader:
                 step = self._next_step
                 self._num_yielded += 1
                 self._next_step += 1
-                yield filler_batch(step, self._epoch, s.rank, s.world_size, self._collate,
-                                   s.tensors)
+                filler = filler_batch(step, self._epoch, s.rank, s.world_size, self._collate,
+                                      s.tensors)
+                filler.loader_state = self._snapshot()
+                yield filler
         self._finished = True
