@@ -20,7 +20,7 @@ import numpy as np
 
 from trainer_client.pixels import PixelNorm, bfloat16_to_float32, normalize_numpy, normalize_torch
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
-from trainer_client.wire_format import NUMPY_DTYPES
+from trainer_client.wire_format import NUMPY_DTYPES, WIRE_DTYPES
 
 if sys.byteorder != "little":  # the wire is little-endian; views would be wrong
     raise ImportError("trainer_client needs a little-endian host")
@@ -74,7 +74,7 @@ class StreamBatch(dict):
             h.update(repr(self.pixel_norm).encode())
         for name in sorted(self):
             t = self[name]
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(f"{name}|{_wire_dtype(t)}|{tuple(t.shape)}".encode())
             h.update(_raw_bytes(t))
         return h.hexdigest()
 
@@ -98,6 +98,13 @@ class StreamBatch(dict):
 
 def _is_numpy(t: Any) -> bool:
     return isinstance(t, np.ndarray)
+
+
+def _wire_dtype(t: Any) -> int:
+    """The wire DType of a numpy or torch tensor (so a digest does not depend on the kind)."""
+    if _is_numpy(t):
+        return WIRE_DTYPES[t.dtype]
+    return next(k for k, v in _torch_dtypes().items() if v == t.dtype)
 
 
 def _raw_bytes(t: Any) -> bytes:
