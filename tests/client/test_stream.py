@@ -235,3 +235,20 @@ def test_a_rank_with_no_batch_in_an_epoch_runs_only_fillers():
             assert end.first_step == end.last_step == epoch
         for s in streams:
             s.close()
+
+
+def test_a_version_1_state_learns_where_its_epoch_starts_from_the_job():
+    """States saved before `epoch_first_step` existed still resume (and align): the stream asks
+    the service how many steps the earlier epochs had."""
+    with served(epochs=2) as svc:
+        with BatchStream(svc.address, "j", 0, 1, client_id="first") as s:
+            first_epoch = list(s)
+            saved = s.state_dict()
+        assert saved["epoch_first_step"] == len(first_epoch)
+        old = {k: v for k, v in saved.items() if k != "epoch_first_step"} | {"version": 1}
+        with BatchStream(svc.address, "j", 0, 1, client_id="second") as s:
+            s.load_state_dict(old)
+            assert s.epoch_first_step == len(first_epoch)
+            second_epoch = list(s)
+            assert s.last_end.first_step == len(first_epoch)
+    assert ids_of(second_epoch) == ALL_IDS
