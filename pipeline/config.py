@@ -69,6 +69,10 @@ class PreprocessConfig(_Model):
         "JobConfig.max_sample_tokens) or quarantine it as too_long")
     image_min_pixels: int = Field(56 * 56, gt=0)
     image_max_pixels: int = Field(1024 * 1024, gt=0)
+    pixel_dtype: Literal["uint8", "bfloat16", "float32"] = Field(
+        "uint8", description="how image patches are stored and sent: uint8 = raw pixels, "
+        "normalized on the trainer's device (4x fewer bytes than float32); bfloat16 / float32 = "
+        "normalized by preprocessing")
     augment: AugmentConfig = AugmentConfig()
 
     @model_validator(mode="after")

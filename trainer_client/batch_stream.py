@@ -3,7 +3,8 @@
     stream = BatchStream("host:50051", "sft-1", rank, world_size, token=os.environ["ODB_TOKEN"])
     for epoch in range(epochs):
         for batch in stream:          # ends at this rank's END for the epoch
-            loss = model(**batch).loss * loss_scale(batch)
+            inputs = batch.to_model_inputs("cuda", torch.bfloat16)
+            loss = causal_lm_loss(model(**inputs).logits, inputs["labels"], batch)
     ckpt["data"] = stream.state_dict()   # restore: stream.load_state_dict(ckpt["data"])
 
 Join mode (the default): ranks may get different numbers of steps in an epoch, so wrap the loop
@@ -12,37 +13,50 @@ the ranks still training instead of leaving them blocked in an all-reduce:
 
     with Join([ddp_model]):
         for batch in stream: ...
-Quota mode: every rank gets the same number of steps; no Join needed.
+Quota mode: every rank gets the same number of steps; no Join needed. Runtimes without Join
+(HF Trainer, Lightning) use `trainer_client.loader.StreamLoader`, which gives a rank that ended
+early filler steps until the epoch's last step.
 
 Position: `next_step` (the global step after the last yielded batch) and `epoch` (the first
 epoch whose END the trainer has not seen). A background thread keeps at most `prefetch`
 undelivered batches (credits: the server sends only as many as the client has granted).
+Batches are torch tensors when torch is installed, numpy arrays otherwise (`tensors=`).
 Acks: taking batch k+1 (or the END) acknowledges batch k, so a crash redelivers at most the
 step in progress. Connection failures reconnect with backoff and resume from what was received.
+
+Endpoint: any gRPC target (`host:port`, `dns:///svc:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`);
+the channel fails over between the addresses it resolves with gRPC's own load-balancing policy
+(`load_balancing`, `pick_first` by default), and the reconnect loop resumes the stream there.
+Exit: a stream left open (a trainer that stops early, raises or gets Ctrl-C) is closed at
+interpreter exit, before gRPC's threads could abort the process.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 
-from trainer_client.decode import StreamBatch, decode_batch
+from trainer_client.decode import StreamBatch, TensorKind, decode_batch, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import MISMATCH_PREFIX, WIRE_VERSION
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.FAILED_PRECONDITION,  # rank still held by our previous (dead) connection
 }
-_STATE_VERSION = 1
+RESUME_FROM_CURSOR = -1  # Open.resume_step: where the service's cursor says the rank left off
+_STATE_VERSION = 2  # 2 adds epoch_first_step; version 1 states still load
 
 
 class StreamError(RuntimeError):
@@ -61,6 +75,47 @@ class EpochEndInfo:
     mode: str  # "join" | "quota"
     epoch_steps: int
     job_done: bool
+    first_step: int = 0  # the epoch's first global step (steps are contiguous across epochs)
+
+    @property
+    def last_step(self) -> int:
+        """The epoch's last global step on any rank."""
+        return self.first_step + self.epoch_steps - 1
+
+
+class _Link:
+    """The channel, the live call and the receiver thread: what close() and interpreter exit
+    must shut. Held apart from the stream so an exit finalizer reaches it without keeping the
+    stream alive."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
+        self.lock = threading.Lock()
+        self.reqs: queue.SimpleQueue | None = None
+        self.call: Any = None
+        self.thread: threading.Thread | None = None
+        self.closing = False
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        """End the call (half-close, then cancel) and wait for the receiver to finish."""
+        with self.lock:
+            if self.reqs is not None:
+                self.reqs.put(None)
+            call = self.call
+        self.closing = True  # the receiver returns when the call ends; no reconnect
+        if drain_s and self.thread is not None:
+            # The server reads the acks still in flight, then ends the call itself.
+            self.thread.join(drain_s)
+        if call is not None:
+            call.cancel()
+        if self.thread is not None:
+            self.thread.join(5.0)
+        self.thread = None
+        self.reqs = None
+
+    def shut(self) -> None:
+        self.stop()
+        self.channel.close()
 
 
 class BatchStream:
@@ -70,6 +125,7 @@ class BatchStream:
         root_certificates: bytes | None = None, private_key: bytes | None = None,
         certificate_chain: bytes | None = None, max_message_mb: int = 256,
         reconnect_timeout: float = 60.0, backoff: tuple[float, float] = (0.05, 2.0),
+        load_balancing: str = "pick_first", tensors: TensorKind = "auto",
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
@@ -77,37 +133,44 @@ class BatchStream:
         self.prefetch = prefetch
         self.client_id = client_id or f"{job}/{rank}/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
+        self.tensors = resolve_tensor_kind(tensors)
         self._backoff = backoff
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         n = max_message_mb * 1024 * 1024
-        opts = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)]
+        opts = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
+                ("grpc.service_config",
+                 json.dumps({"loadBalancingConfig": [{load_balancing: {}}]}))]
         if root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
-            self._channel = grpc.secure_channel(endpoint, creds, options=opts)
+            channel = grpc.secure_channel(endpoint, creds, options=opts)
         else:
-            self._channel = grpc.insecure_channel(endpoint, options=opts)
-        self._stub = pb_grpc.DataServiceStub(self._channel)
+            channel = grpc.insecure_channel(endpoint, options=opts)
+        self._link = _Link(channel)
+        # Runs at close() or, for a stream never closed, at interpreter exit.
+        self._finalizer = weakref.finalize(self, _Link.shut, self._link)
+        self._stub = pb_grpc.DataServiceStub(channel)
         # Trainer-side position (what state_dict saves).
         self._next_step = 0
         self._epoch = 0
+        self._epoch_first_step: int | None = 0
         self._done = False
         self._last_yielded = -1
+        # Until a state is loaded or a batch arrives, the service picks the position: the rank's
+        # first unacknowledged step (a restarted trainer without a checkpoint goes on, exactly
+        # once, instead of starting over).
+        self._positioned = False
         self.last_end: EpochEndInfo | None = None
         self.reconnects = 0
         # Receiver side.
-        self._lock = threading.Lock()
         self._items: queue.Queue = queue.Queue()
         self._queued_batches = 0
-        self._reqs: queue.SimpleQueue | None = None
-        self._call = None
-        self._thread: threading.Thread | None = None
-        self._closing = False
 
     # --- checkpointing ---
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "job": self.job, "rank": self.rank,
                 "world_size": self.world_size, "next_step": self._next_step,
-                "epoch": self._epoch, "done": self._done}
+                "epoch": self._epoch, "done": self._done,
+                "epoch_first_step": self.epoch_first_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position; the stream (re)connects from it on the next iteration."""
@@ -116,11 +179,16 @@ class BatchStream:
             if state.get(key) != mine:
                 raise ValueError(f"state_dict is for {key}={state.get(key)!r}, "
                                  f"this stream has {key}={mine!r}")
-        self._stop_receiver()
+        self._link.stop()
         self._next_step = int(state["next_step"])
         self._epoch = int(state["epoch"])
         self._done = bool(state.get("done", False))
         self._last_yielded = self._next_step - 1
+        self._positioned = True
+        first = state.get("epoch_first_step")
+        # A version-1 state has no epoch start: epoch 0 starts at 0, later ones are asked for.
+        self._epoch_first_step = int(first) if first is not None else (
+            0 if self._epoch == 0 else None)
 
     # --- iteration ---
     @property
@@ -131,6 +199,23 @@ class BatchStream:
     def done(self) -> bool:
         return self._done
 
+    @property
+    def next_step(self) -> int:
+        """The global step after the last yielded batch."""
+        return self._next_step
+
+    @property
+    def epoch_first_step(self) -> int:
+        """The first global step of the current epoch (epochs' steps are contiguous)."""
+        if self._epoch_first_step is None:
+            ends = {e.epoch: e.steps for e in self.job_status().epoch_ends}
+            missing = [e for e in range(self._epoch) if e not in ends]
+            if missing:
+                raise StreamError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"job {self.job!r} reports no step count for epochs {missing}")
+            self._epoch_first_step = sum(ends[e] for e in range(self._epoch))
+        return self._epoch_first_step
+
     def __iter__(self) -> Iterator[StreamBatch]:
         """Batches of the current epoch, up to this rank's END for it."""
         if self._done:
@@ -139,16 +224,21 @@ class BatchStream:
         while True:
             item = self._take()
             if isinstance(item, EpochEndInfo):
-                self.last_end = item
+                first = self.epoch_first_step
+                self.last_end = replace(item, first_step=first)
                 self._epoch = item.epoch + 1
+                self._epoch_first_step = first + item.epoch_steps
                 self._done = item.job_done
                 if item.job_done:  # the final ack went out with this take: half-close
-                    with self._lock:
-                        if self._reqs is not None:
-                            self._reqs.put(None)
+                    with self._link.lock:
+                        if self._link.reqs is not None:
+                            self._link.reqs.put(None)
                 return
+            if item.info.epoch > self._epoch:  # resumed at the cursor, in a later epoch
+                self._epoch, self._epoch_first_step = item.info.epoch, None
             self._last_yielded = item.info.step
             self._next_step = item.info.step + 1
+            self._positioned = True
             yield item
 
     def ack(self) -> None:
@@ -156,8 +246,9 @@ class BatchStream:
         self._send(pb.Ack(consumed_step=self._last_yielded, credits=0))
 
     def close(self) -> None:
-        self._stop_receiver()
-        self._channel.close()
+        if self._finalizer.alive:
+            self._link.stop(drain_s=2.0)  # acks in flight are recorded before the call ends
+            self._finalizer()
 
     def __enter__(self) -> BatchStream:
         return self
@@ -176,12 +267,13 @@ class BatchStream:
                 item = self._items.get(timeout=1.0)
                 break
             except queue.Empty:
-                if self._thread is None or not self._thread.is_alive():
+                thread = self._link.thread
+                if thread is None or not thread.is_alive():
                     raise StreamError(grpc.StatusCode.UNAVAILABLE,
                                       "stream receiver stopped") from None
         if isinstance(item, StreamError):
             raise item
-        with self._lock:
+        with self._link.lock:
             is_batch = isinstance(item, StreamBatch)
             if is_batch:
                 self._queued_batches -= 1
@@ -191,61 +283,51 @@ class BatchStream:
         return item
 
     def _send(self, ack: pb.Ack) -> None:
-        with self._lock:
+        with self._link.lock:
             self._send_locked(ack)
 
     def _send_locked(self, ack: pb.Ack) -> None:
-        if self._reqs is not None:
-            self._reqs.put(pb.ClientMessage(ack=ack))
+        if self._link.reqs is not None:
+            self._link.reqs.put(pb.ClientMessage(ack=ack))
 
     def _ensure_receiver(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._closing = False
+        if not self._finalizer.alive:
+            raise StreamError(grpc.StatusCode.CANCELLED, "the stream is closed")
+        link = self._link
+        if link.thread is None or not link.thread.is_alive():
+            link.closing = False
             self._items = queue.Queue()
             self._queued_batches = 0
-            self._thread = threading.Thread(target=self._receive, name=f"odb-rank{self.rank}",
-                                            daemon=True)
-            self._thread.start()
-
-    def _stop_receiver(self) -> None:
-        with self._lock:
-            if self._reqs is not None:
-                self._reqs.put(None)
-            call = self._call
-        if self._done and self._thread is not None:
-            self._thread.join(2.0)  # let the final ack reach the server before cancelling
-        self._closing = True
-        if call is not None:
-            call.cancel()
-        if self._thread is not None:
-            self._thread.join(5.0)
-        self._thread = None
-        self._reqs = None
+            link.thread = threading.Thread(target=self._receive, name=f"odb-rank{self.rank}",
+                                           daemon=True)
+            link.thread.start()
 
     def _receive(self) -> None:
-        pos, epoch = self._next_step, self._epoch
+        link = self._link
+        pos = self._next_step if self._positioned else RESUME_FROM_CURSOR
+        epoch = self._epoch
         delay = self._backoff[0]
         last_progress = time.monotonic()
         job_done = False
-        while not self._closing:
+        while not link.closing:
             reqs: queue.SimpleQueue = queue.SimpleQueue()
-            with self._lock:
+            with link.lock:
                 credits = max(1, self.prefetch - self._queued_batches)
                 reqs.put(pb.ClientMessage(open=pb.Open(
                     job_id=self.job, rank=self.rank, world_size=self.world_size,
                     resume_step=pos, resume_epoch=epoch, client_id=self.client_id,
-                    credits=credits)))
-                self._reqs = reqs
-                self._call = call = self._stub.Stream(iter(reqs.get, None),
-                                                      metadata=self._metadata)
+                    credits=credits, wire_version=WIRE_VERSION)))
+                link.reqs = reqs
+                link.call = call = self._stub.Stream(iter(reqs.get, None),
+                                                     metadata=self._metadata)
             try:
                 for msg in call:
                     last_progress = time.monotonic()
                     delay = self._backoff[0]
                     if msg.WhichOneof("kind") == "batch":
-                        item = decode_batch(msg.batch)
+                        item = decode_batch(msg.batch, self.tensors)
                         pos = msg.batch.step + 1
-                        with self._lock:
+                        with link.lock:
                             self._queued_batches += 1
                         self._items.put(item)
                     else:
@@ -264,11 +346,12 @@ class BatchStream:
                 err = exc
             finally:
                 reqs.put(None)  # ends the request iterator of this call
-            if self._closing:
+            if link.closing:
                 return
             code = err.code() if err is not None else grpc.StatusCode.UNAVAILABLE
             details = (err.details() if err is not None else "stream ended without END") or ""
-            if code not in _RETRYABLE or time.monotonic() - last_progress > self.reconnect_timeout:
+            retry = code in _RETRYABLE and not details.startswith(MISMATCH_PREFIX)
+            if not retry or time.monotonic() - last_progress > self.reconnect_timeout:
                 self._items.put(StreamError(code, details))
                 return
             self.reconnects += 1
@@ -279,5 +362,3 @@ class BatchStream:
 def open_streams(endpoint: str, job: str, world_size: int, **kw: Any) -> list[BatchStream]:
     """One stream per rank (single-process tests and demos)."""
     return [BatchStream(endpoint, job, r, world_size, **kw) for r in range(world_size)]
-
-

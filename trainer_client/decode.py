@@ -1,32 +1,32 @@
-"""odb.v1 Batch -> dict of torch tensors without copying the payload.
+"""odb.v1 Batch -> a dict of tensors (torch when installed, else numpy) and the model's inputs.
 
-Tensors are `torch.frombuffer` views over the received message bytes (read-only memory: move
-them to the device or `.clone()` before writing in place).
+Tensors are views over the payload bytes read once out of the message (read-only memory: move
+them to the device or copy before writing in place). They keep their compact wire dtypes
+(int32 ids, bool mask, uint8 pixels); `StreamBatch.to_model_inputs(device, dtype)` does the
+conversions the model wants on the device, after the transfer.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import sys
 import warnings
 from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
 
-import torch
+import numpy as np
 
+from trainer_client.pixels import PixelNorm, bfloat16_to_float32, normalize_numpy, normalize_torch
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire_format import NUMPY_DTYPES, WIRE_DTYPES
 
 if sys.byteorder != "little":  # the wire is little-endian; views would be wrong
     raise ImportError("trainer_client needs a little-endian host")
 
-_DTYPES: dict[int, torch.dtype] = {
-    pb.INT32: torch.int32,
-    pb.INT64: torch.int64,
-    pb.FLOAT32: torch.float32,
-    pb.BFLOAT16: torch.bfloat16,
-    pb.FLOAT16: torch.float16,
-    pb.UINT8: torch.uint8,
-    pb.BOOL: torch.bool,
-}
+TensorKind = Literal["auto", "torch", "numpy"]
+_INT64_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids", "image_grid_thw")
 
 
 @dataclass(frozen=True)
@@ -46,39 +46,163 @@ class BatchInfo:
     rank_loss_tokens: int
     collate: str
     over_budget: bool
-    filler: bool = False  # quota mode's closing step: zero loss weight, not a delivery
+    # A batch that only keeps this rank's collectives in step, with loss scale 0 and no samples
+    # delivered: quota mode's closing step (a copy of a real sample) or a stand-in step of the
+    # aligned loader (trainer_client.loader).
+    filler: bool = False
 
 
-class StreamBatch(dict):
-    """A dict of tensors (pass `**batch` to the model) with the plan metadata on `.info`."""
+class ModelInputs(dict):
+    """The model's keyword arguments on the device (`model(**inputs)`), plan metadata on
+    `.info`."""
 
     info: BatchInfo
 
+
+class StreamBatch(dict):
+    """A dict of wire tensors with the plan metadata on `.info`; see `to_model_inputs`."""
+
+    info: BatchInfo
+    pixel_norm: PixelNorm | None = None
+    loader_state: dict[str, Any] | None = None  # set by StreamLoader: its state after this batch
+
     def digest(self) -> str:
-        """SHA-256 of step, sample ids and every tensor's name, dtype, shape and bytes: equal
-        digests mean byte-identical batches (how a resumed rank can audit a redelivery)."""
+        """SHA-256 of step, sample ids, pixel normalization and every tensor's name, dtype,
+        shape and bytes: equal digests mean byte-identical batches (how a resumed rank can
+        audit a redelivery)."""
         h = hashlib.sha256(f"{self.info.step}|{','.join(self.info.sample_ids)}".encode())
+        if self.pixel_norm is not None:
+            h.update(repr(self.pixel_norm).encode())
         for name in sorted(self):
             t = self[name]
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-            h.update(t.contiguous().numpy().tobytes())
+            h.update(f"{name}|{_wire_dtype(t)}|{tuple(t.shape)}".encode())
+            h.update(_raw_bytes(t))
         return h.hexdigest()
 
+    def to_model_inputs(self, device: Any = None, dtype: Any = None) -> ModelInputs:
+        """What the model's forward takes, converted on `device` after the transfer.
 
-def tensor_from_wire(t: pb.Tensor) -> torch.Tensor:
-    dtype = _DTYPES.get(t.dtype)
-    if dtype is None:
+        int64 `input_ids`, `labels`, `attention_mask`, `position_ids`, `image_grid_thw`;
+        `pixel_values` normalized in `dtype` (default float32); packed batches get the
+        flash-attention varlen names HF models take (`cu_seq_lens_q/k`, `max_length_q/k`).
+        numpy batches (no torch installed) convert in host memory; `device` must be None.
+        """
+        if self and _is_numpy(next(iter(self.values()))):
+            if device not in (None, "cpu"):
+                raise ValueError(f"a numpy batch cannot move to device {device!r}")
+            out = ModelInputs(_numpy_inputs(self, dtype))
+        else:
+            out = ModelInputs(_torch_inputs(self, device, dtype))
+        out.info = self.info
+        return out
+
+
+def _is_numpy(t: Any) -> bool:
+    return isinstance(t, np.ndarray)
+
+
+def _wire_dtype(t: Any) -> int:
+    """The wire DType of a numpy or torch tensor (so a digest does not depend on the kind)."""
+    if _is_numpy(t):
+        return WIRE_DTYPES[t.dtype]
+    return next(k for k, v in _torch_dtypes().items() if v == t.dtype)
+
+
+def _raw_bytes(t: Any) -> bytes:
+    if _is_numpy(t):
+        return np.ascontiguousarray(t).tobytes()
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _varlen_names(out: dict[str, Any], cu: Any, max_len: int) -> None:
+    out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+
+
+def _torch_inputs(batch: StreamBatch, device: Any, dtype: Any) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, t in batch.items():
+        if name == "max_seqlen":
+            continue
+        moved = t.to(device, non_blocking=True) if device is not None else t
+        if name in _INT64_INPUTS:
+            moved = moved.long()
+        elif name == "pixel_values":
+            if moved.dtype == torch.uint8:
+                if batch.pixel_norm is None:
+                    raise ValueError(f"step {batch.info.step}: uint8 pixel_values arrived "
+                                     "without pixel_norm")
+                moved = normalize_torch(moved, batch.pixel_norm, dtype)
+            else:
+                moved = moved.to(dtype or torch.float32)
+        out[name] = moved
+    if "cu_seqlens" in out:
+        _varlen_names(out, out.pop("cu_seqlens"), int(batch["max_seqlen"]))
+    return out
+
+
+def _numpy_inputs(batch: StreamBatch, dtype: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, a in batch.items():
+        if name == "max_seqlen":
+            continue
+        if name in _INT64_INPUTS:
+            a = a.astype(np.int64)
+        elif name == "pixel_values":
+            if a.dtype == np.uint8:
+                if batch.pixel_norm is None:
+                    raise ValueError(f"step {batch.info.step}: uint8 pixel_values arrived "
+                                     "without pixel_norm")
+                a = normalize_numpy(a, batch.pixel_norm)
+            elif a.dtype == np.uint16:  # bfloat16 bits: numpy has no bfloat16
+                a = bfloat16_to_float32(a)
+            a = a.astype(dtype or np.float32, copy=False)
+        out[name] = a
+    if "cu_seqlens" in out:
+        _varlen_names(out, out.pop("cu_seqlens"), int(batch["max_seqlen"]))
+    return out
+
+
+@cache
+def _torch_dtypes() -> dict[int, Any]:
+    import torch
+
+    return {k: torch.bfloat16 if k == pb.BFLOAT16 else torch.from_numpy(np.empty(0, v)).dtype
+            for k, v in NUMPY_DTYPES.items()}
+
+
+def resolve_tensor_kind(kind: TensorKind) -> Literal["torch", "numpy"]:
+    """"auto" -> "torch" when torch is importable, else "numpy"."""
+    if kind == "auto":
+        return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+    if kind not in ("torch", "numpy"):
+        raise ValueError(f"tensors must be 'auto', 'torch' or 'numpy', got {kind!r}")
+    return kind
+
+
+def tensor_from_wire(t: pb.Tensor, kind: Literal["torch", "numpy"] = "torch") -> Any:
+    if t.dtype not in NUMPY_DTYPES:
         raise ValueError(f"tensor {t.name!r}: unknown wire dtype {t.dtype}")
     shape = tuple(t.shape)
-    if not t.data:
+    data = t.data  # each read of a bytes field copies it out of the message: read it once
+    if kind == "numpy":
+        dt = NUMPY_DTYPES[t.dtype]
+        return np.frombuffer(data, dtype=dt).reshape(shape) if data else np.empty(shape, dt)
+    import torch
+
+    dtype = _torch_dtypes()[t.dtype]
+    if not data:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": by design
-        return torch.frombuffer(t.data, dtype=dtype).reshape(shape)
+        return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def decode_batch(b: pb.Batch) -> StreamBatch:
-    out = StreamBatch((t.name, tensor_from_wire(t)) for t in b.tensors)
+def decode_batch(b: pb.Batch, kind: Literal["torch", "numpy"] = "torch") -> StreamBatch:
+    out = StreamBatch((t.name, tensor_from_wire(t, kind)) for t in b.tensors)
     i = b.info
     out.info = BatchInfo(
         step=b.step, epoch=b.epoch, rank=b.rank, world_size=i.world_size,
@@ -87,4 +211,6 @@ def decode_batch(b: pb.Batch) -> StreamBatch:
         step_loss_tokens=i.step_loss_tokens, rank_loss_tokens=i.rank_loss_tokens,
         collate=b.collate, over_budget=b.over_budget, filler=b.filler,
     )
+    if b.HasField("pixel_norm"):
+        out.pixel_norm = PixelNorm.from_wire(b.pixel_norm)
     return out

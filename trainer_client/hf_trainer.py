@@ -3,67 +3,45 @@
     stream = BatchStream(endpoint, job, rank, world_size, token=...)
     trainer = StreamingTrainer(model=model, args=TrainingArguments(..., max_steps=N),
                                stream=stream)
-    trainer.train()
+    trainer.train()                     # or train(resume_from_checkpoint=dir)
 
 The service already batches (token budget) and shards (one stream per rank), so the Trainer must
-not re-batch or re-shard: `get_train_dataloader` returns `StreamDataLoader` unchanged. One pass
-over it is one epoch of this rank (ends at the rank's END); the Trainer's next epoch is the
-stream's next epoch. A stream has no length, so `max_steps` must be set. Step accounting: the
-loader counts the samples and tokens it actually emitted (`samples_seen` / `tokens_seen` in the
-logs), since batch sizes vary per step. Needs `accelerate` (a Trainer requirement).
+not re-batch or re-shard: `get_train_dataloader` returns a `StreamLoader` as it is. One pass over
+it is one epoch of the stream. A stream has no length, so `max_steps` must be set.
+
+Join mode without Join: the Trainer runs collectives of its own (gradient all-reduce, logging
+gathers), so a rank that reached its END cannot just stop. The loader is aligned: such a rank
+runs filler steps of zero gradient until the epoch's last step, and every rank runs the same
+number of optimizer steps (see trainer_client.loader).
+
+Exact loss: `compute_loss` is this rank's token-sum cross-entropy * world_size /
+step_loss_tokens (`causal_lm_loss`), from the step info every batch carries: after DDP's average
+the gradient is that of the mean over all loss tokens of the step, with no extra collective.
+That needs one batch per optimizer step (`gradient_accumulation_steps=1`; raise the service's
+token budget instead). The model must return `.logits` of a causal LM.
+
+Checkpoints: each rank writes its loader state next to the Trainer's checkpoint
+(`odb_stream_rank<r>.json`); `train(resume_from_checkpoint=...)` restores it and turns off the
+Trainer's data skipping (which would consume and lose batches). Needs transformers + accelerate,
+imported only when `StreamingTrainer` is first used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import os
 from typing import Any
 
-import torch
-
 from trainer_client.batch_stream import BatchStream
-from trainer_client.decode import StreamBatch
+from trainer_client.loader import StreamLoader
+from trainer_client.loss import causal_lm_loss
 
-
-def model_inputs(batch: StreamBatch) -> dict[str, torch.Tensor | int]:
-    """The model's keyword arguments: packed batches get HF's flash-attention varlen names."""
-    out: dict[str, Any] = dict(batch)
-    if "cu_seqlens" in out:
-        cu = out.pop("cu_seqlens")
-        max_len = int(out.pop("max_seqlen"))
-        out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len,
-                   max_length_k=max_len)
-    return out
-
-
-class StreamDataLoader:
-    """An iterable over one epoch per pass, counting what it emitted."""
-
-    def __init__(self, stream: BatchStream) -> None:
-        self.stream = stream
-        self.samples_emitted = 0
-        self.tokens_emitted = 0
-        self.batches_emitted = 0
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self.stream:
-            self.samples_emitted += batch.info.rank_samples
-            self.tokens_emitted += batch.info.rank_tokens
-            self.batches_emitted += 1
-            yield model_inputs(batch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"stream": self.stream.state_dict(), "samples": self.samples_emitted,
-                "tokens": self.tokens_emitted, "batches": self.batches_emitted}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state["stream"])
-        self.samples_emitted = state["samples"]
-        self.tokens_emitted = state["tokens"]
-        self.batches_emitted = state["batches"]
+STATE_FILE = "odb_stream_rank{rank}.json"
 
 
 def _make_trainer_class() -> type:
     from transformers import Trainer  # heavy: imported only when StreamingTrainer is used
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
     class StreamingTrainer(Trainer):
         def __init__(self, *args: Any, stream: BatchStream, **kwargs: Any) -> None:
@@ -71,15 +49,70 @@ def _make_trainer_class() -> type:
             if self.args.max_steps is None or self.args.max_steps <= 0:
                 raise ValueError("StreamingTrainer needs TrainingArguments.max_steps > 0: "
                                  "a stream has no length")
-            self.loader = StreamDataLoader(stream)
+            if self.args.gradient_accumulation_steps != 1:
+                raise ValueError("StreamingTrainer needs gradient_accumulation_steps=1 (exact "
+                                 "loss scaling is per step); raise the job's token budget")
+            self.stream = stream
+            self.loader = StreamLoader(stream, align=True)
+            self._trained_state: dict[str, Any] | None = None
+            self.samples_seen = 0
+            self.tokens_seen = 0
+            # Our loss is already normalized: no token count gathered across ranks, no
+            # division by the accumulation steps.
+            self.model_accepts_loss_kwargs = False
+            self.loss_is_scaled_for_ga = True
 
-        def get_train_dataloader(self) -> StreamDataLoader:  # type: ignore[override]
+        def get_train_dataloader(self) -> StreamLoader:  # type: ignore[override]
             return self.loader
 
+        def _prepare_inputs(self, inputs: Any) -> Any:
+            self._trained_state = inputs.loader_state  # the position to checkpoint
+            dtype = getattr(self.model, "dtype", None)
+            if not inputs.info.filler:
+                self.samples_seen += inputs.info.rank_samples
+                self.tokens_seen += inputs.info.rank_tokens
+            return inputs.to_model_inputs(self.args.device,
+                                          dtype if getattr(dtype, "is_floating_point", False)
+                                          else None)
+
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            labels = inputs["labels"]
+            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+            loss = causal_lm_loss(logits, labels, inputs.info)
+            return (loss, outputs) if return_outputs else loss
+
         def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-            logs = {**logs, "samples_seen": self.loader.samples_emitted,
-                    "tokens_seen": self.loader.tokens_emitted}
+            logs = {**logs, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}
             super().log(logs, *args, **kwargs)
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            super()._save_checkpoint(model, trial)
+            folder = os.path.join(self._get_output_dir(trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, STATE_FILE.format(rank=self.stream.rank))
+            with open(path + ".tmp", "w") as f:
+                json.dump(self._trained_state or self.loader.state_dict(), f)
+            os.replace(path + ".tmp", path)
+
+        def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+                  **kwargs: Any) -> Any:
+            if resume_from_checkpoint is True:
+                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+                if resume_from_checkpoint is None:
+                    raise ValueError(f"no checkpoint in {self.args.output_dir} to resume from")
+            if isinstance(resume_from_checkpoint, str):
+                path = os.path.join(resume_from_checkpoint,
+                                    STATE_FILE.format(rank=self.stream.rank))
+                if not os.path.exists(path):
+                    raise FileNotFoundError(f"{path}: no stream position in the checkpoint "
+                                            "(was it written by StreamingTrainer?)")
+                with open(path) as f:
+                    self.loader.load_state_dict(json.load(f))
+                self.args.ignore_data_skip = True  # skipping would consume the stream
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     return StreamingTrainer
 

@@ -8,16 +8,27 @@ gradients over the W ranks, so multiplying rank r's mean loss by
 makes the averaged gradient that of the mean over *all* loss tokens of the step:
     (1/W) * sum_r mean_r * n_r * W / N  =  sum_r sum_r_loss / N.
 Without scaling, a rank with 10 loss tokens weighs as much as one with 10,000.
+A joined rank (torch Join) or a filler step contributes zero gradients and still counts in W,
+which is what the formula assumes.
 """
 
 from __future__ import annotations
 
-from trainer_client.decode import BatchInfo, StreamBatch
+from typing import Any
+
+from trainer_client.decode import BatchInfo
+
+IGNORE_INDEX = -100
 
 
-def loss_scale(batch: StreamBatch | BatchInfo, *, by: str = "loss_tokens") -> float:
-    """Factor for this rank's mean loss; `by` = "loss_tokens" | "tokens" | "samples"."""
-    info = batch.info if isinstance(batch, StreamBatch) else batch
+def _info(batch: Any) -> BatchInfo:
+    return batch if isinstance(batch, BatchInfo) else batch.info
+
+
+def loss_scale(batch: Any, *, by: str = "loss_tokens") -> float:
+    """Factor for this rank's mean loss (`batch`: a StreamBatch, ModelInputs or BatchInfo);
+    `by` = "loss_tokens" | "tokens" | "samples"."""
+    info = _info(batch)
     if by == "loss_tokens":
         num, den = info.rank_loss_tokens, info.step_loss_tokens
     elif by == "tokens":
@@ -27,3 +38,18 @@ def loss_scale(batch: StreamBatch | BatchInfo, *, by: str = "loss_tokens") -> fl
     else:
         raise ValueError(f"by must be 'loss_tokens', 'tokens' or 'samples', got {by!r}")
     return 0.0 if den == 0 else num * info.world_size / den
+
+
+def causal_lm_loss(logits: Any, labels: Any, batch: Any) -> Any:
+    """Next-token cross-entropy of this rank, already scaled: sum over its loss tokens *
+    world_size / step_loss_tokens. Equal to `mean loss * loss_scale(batch)` but finite when the
+    rank has no loss tokens (a filler step: exactly zero, with gradients of zero)."""
+    import torch.nn.functional as F
+
+    info = _info(batch)
+    shifted = labels[..., 1:].reshape(-1)
+    flat = logits[..., :-1, :].reshape(-1, logits.size(-1))
+    total = F.cross_entropy(flat.float(), shifted, ignore_index=IGNORE_INDEX, reduction="sum")
+    if info.step_loss_tokens == 0:
+        return total * 0.0
+    return total * (info.world_size / info.step_loss_tokens)

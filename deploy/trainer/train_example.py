@@ -11,8 +11,10 @@ PIPELINE_TOKEN (the job's bearer token, from a Secret); RANK/WORLD_SIZE/LOCAL_RA
 The model is a toy (token embedding + linear head over token ids folded into a small vocabulary);
 what the example shows is the data-plane wiring: one BatchStream per rank, DDP under
 `torch.distributed.algorithms.Join` so ranks may end an epoch at different steps (join mode),
-exact cross-rank loss scaling with `loss_scale`, and the stream position in checkpoints so a
-restarted pod resumes at its first unacknowledged step.
+exact cross-rank loss scaling (`causal_lm_loss`), model inputs widened on the device
+(`to_model_inputs`), and the stream position in checkpoints so a restarted pod resumes at its
+first unacknowledged step. The other examples here do the same through the HF Trainer,
+Accelerate, Lightning and a torchdata-style loader.
 """
 
 from __future__ import annotations
@@ -24,13 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer_client import BatchStream, loss_scale
-
-IGNORE_INDEX = -100
+from trainer_client import BatchStream, causal_lm_loss
 
 
 class ToyLM(torch.nn.Module):
@@ -56,16 +55,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="file for model + stream position (per rank); resumed from if present")
     return p.parse_args()
-
-
-def token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token loss over this rank's loss tokens (labels != -100)."""
-    logits = model(batch["input_ids"].long())
-    labels = batch["labels"].long()
-    logits, labels = logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
-    if not (labels != IGNORE_INDEX).any():
-        return logits.sum() * 0.0  # keep the graph (DDP needs a backward on every rank)
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
 
 
 def main() -> int:
@@ -98,9 +87,10 @@ def main() -> int:
             # Join: a rank that runs out of batches first shadows the others' all-reduces.
             with Join([ddp]):
                 for batch in stream:
-                    tensors = {k: v.to(device) if device is not None else v
-                               for k, v in batch.items()}
-                    loss = token_loss(ddp, tensors) * loss_scale(batch)
+                    inputs = batch.to_model_inputs(device)
+                    labels = inputs["labels"]  # folded like the toy model folds its inputs
+                    labels = torch.where(labels >= 0, labels % args.vocab, labels)
+                    loss = causal_lm_loss(ddp(inputs["input_ids"]), labels, batch)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()

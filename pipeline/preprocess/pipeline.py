@@ -127,7 +127,8 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
     """The Ray Data plan of one epoch (lazy `ray.data.Dataset`; rows follow `rows.SCHEMA`).
 
     Columns: sample_id, source, row, num_tokens, num_visual_tokens, cost, truncated, input_ids,
-    labels, pixel_values (+pixel_dim), image_grid_thw, quarantine_reason, quarantine_detail;
+    labels, pixel_values (+pixel_dim, pixel_dtype), image_grid_thw, quarantine_reason,
+    quarantine_detail;
     arrays are little-endian bytes (see rows.py; `rows.from_row` turns a row into a sample).
     `start_row` leaves out the first rows of the stream (all sources, in order), `limit` keeps
     at most that many rows after it. `concurrency` = parallel workers (default: the cluster's

@@ -29,8 +29,9 @@ SCHEMA = pa.schema([
     ("truncated", pa.bool_()),
     ("input_ids", pa.binary()),  # int32 LE
     ("labels", pa.binary()),  # int32 LE
-    ("pixel_values", pa.binary()),  # float32 LE, [patches, pixel_dim]; empty = no images
+    ("pixel_values", pa.binary()),  # pixel_dtype LE, [patches, pixel_dim]; empty = no images
     ("pixel_dim", pa.int64()),
+    ("pixel_dtype", pa.string()),  # numpy dtype string: "|u1", "<u2" (bfloat16 bits), "<f4"
     ("image_grid_thw", pa.binary()),  # int64 LE, [num_images, 3]
     ("quarantine_reason", pa.string()),  # "" for a sample
     ("quarantine_detail", pa.string()),
@@ -54,7 +55,8 @@ def to_table(items: Sequence[Item]) -> pa.Table:
         if isinstance(it, QuarantinedRecord):
             for name, v in (("num_tokens", 0), ("num_visual_tokens", 0), ("cost", 0),
                             ("truncated", False), ("input_ids", b""), ("labels", b""),
-                            ("pixel_values", b""), ("pixel_dim", 0), ("image_grid_thw", b""),
+                            ("pixel_values", b""), ("pixel_dim", 0), ("pixel_dtype", ""),
+                            ("image_grid_thw", b""),
                             ("quarantine_reason", it.reason), ("quarantine_detail", it.detail)):
                 cols[name].append(v)
             continue
@@ -65,8 +67,9 @@ def to_table(items: Sequence[Item]) -> pa.Table:
         cols["truncated"].append(it.truncated)
         cols["input_ids"].append(_b(it.input_ids, "<i4"))
         cols["labels"].append(_b(it.labels, "<i4"))
-        cols["pixel_values"].append(_b(pv, "<f4"))
+        cols["pixel_values"].append(b"" if pv is None else _b(pv, pv.dtype.newbyteorder("<")))
         cols["pixel_dim"].append(0 if pv is None else int(pv.shape[1]))
+        cols["pixel_dtype"].append("" if pv is None else pv.dtype.newbyteorder("<").str)
         cols["image_grid_thw"].append(_b(it.image_grid_thw, "<i8"))
         cols["quarantine_reason"].append("")
         cols["quarantine_detail"].append("")
@@ -74,19 +77,21 @@ def to_table(items: Sequence[Item]) -> pa.Table:
 
 
 def from_row(row: dict[str, Any]) -> Item:
+    """Arrays are read-only views over the row's bytes (already a copy out of Arrow): no
+    second copy. The wire is little-endian, so views are in native order."""
     if row["quarantine_reason"]:
         return QuarantinedRecord(row["source"], int(row["row"]),
                                  QuarantineReason(row["quarantine_reason"]),
                                  row["quarantine_detail"] or "")
     pv = grid = None
     if row["image_grid_thw"]:
-        grid = np.frombuffer(row["image_grid_thw"], dtype="<i8").reshape(-1, 3).astype(np.int64)
-        pv = np.frombuffer(row["pixel_values"], dtype="<f4").reshape(-1, int(row["pixel_dim"]))
-        pv = pv.astype(np.float32)
+        grid = np.frombuffer(row["image_grid_thw"], dtype="<i8").reshape(-1, 3)
+        pv = np.frombuffer(row["pixel_values"], dtype=np.dtype(row["pixel_dtype"]))
+        pv = pv.reshape(-1, int(row["pixel_dim"]))
     return ProcessedSample(
         sample_id=row["sample_id"], source=row["source"], row=int(row["row"]),
-        input_ids=np.frombuffer(row["input_ids"], dtype="<i4").astype(np.int32),
-        labels=np.frombuffer(row["labels"], dtype="<i4").astype(np.int32),
+        input_ids=np.frombuffer(row["input_ids"], dtype="<i4"),
+        labels=np.frombuffer(row["labels"], dtype="<i4"),
         num_visual_tokens=int(row["num_visual_tokens"]), cost=int(row["cost"]),
         pixel_values=pv, image_grid_thw=grid, truncated=bool(row["truncated"]),
     )

@@ -25,7 +25,9 @@ class ProcessedSample:
     labels: np.ndarray  # int32 [num_tokens], -100 outside assistant turns
     num_visual_tokens: int = 0
     cost: int = 0  # under the job's cost model, alone
-    pixel_values: np.ndarray | None = None  # float32 [num_patches, C*T*P*P] (Qwen2-VL layout)
+    # [num_patches, C*T*P*P] (Qwen2-VL layout): raw uint8, bfloat16 bits (uint16) or float32,
+    # as preprocess.pixel_dtype says
+    pixel_values: np.ndarray | None = None
     image_grid_thw: np.ndarray | None = None  # int64 [num_images, 3]
     truncated: bool = False  # cut to JobConfig.max_sample_tokens() (vision-safe: whole images)
 

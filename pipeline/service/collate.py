@@ -1,11 +1,15 @@
-"""Server-side collation: one rank's samples -> ready tensors (numpy), so the trainer does no work.
+"""Server-side collation: one rank's samples -> ready tensors (numpy) in compact wire dtypes.
 
-`padded`: input_ids / attention_mask / labels (-100 on padding) / position_ids, shape [B, Lmax].
-`packed`: one row [1, T] of concatenated samples with `cu_seqlens` (int32, [n+1]) and
-`max_seqlen`, position_ids restarting at 0 per sample — what flash-attention varlen kernels take.
-The first label of every packed sample is -100 so the model's shifted loss never predicts a
-sample's first token from the previous sample's last one (same as HF DataCollatorWithFlattening).
-Vision samples add `pixel_values` (concatenated patches) and `image_grid_thw`.
+`padded`: int32 input_ids and labels (-100 on padding), bool attention_mask, shape [B, Lmax];
+no position_ids (the model derives them from the mask).
+`packed`: one row [1, T] of concatenated samples: int32 input_ids, labels and position_ids
+(restarting at 0 per sample), `cu_seqlens` (int32, [n+1]) and `max_seqlen` — what
+flash-attention varlen kernels take. The first label of every packed sample is -100 so the
+model's shifted loss never predicts a sample's first token from the previous sample's last one
+(same as HF DataCollatorWithFlattening).
+Vision samples add `pixel_values` (concatenated patches in their stored dtype: raw uint8,
+bfloat16 bits or float32) and `image_grid_thw`. The trainer widens ids and normalizes pixels on
+its device (`StreamBatch.to_model_inputs`), so the wire carries ~9 bytes per padded token.
 Pure functions; deterministic byte output (restarts must redeliver identical bytes).
 """
 
@@ -64,33 +68,31 @@ def collate(pieces: Sequence[Piece], mode: str, pad_id: int = 0) -> dict[str, np
 def _padded(pieces: Sequence[Piece], pad_id: int) -> dict[str, np.ndarray]:
     lens = [len(p.input_ids) for p in pieces]
     b, width = len(pieces), max(lens)
-    input_ids = np.full((b, width), pad_id, dtype=np.int64)
-    labels = np.full((b, width), IGNORE_INDEX, dtype=np.int64)
-    mask = np.zeros((b, width), dtype=np.int64)
-    pos = np.zeros((b, width), dtype=np.int64)
-    ramp = np.arange(width, dtype=np.int64)
+    input_ids = np.full((b, width), pad_id, dtype=np.int32)
+    labels = np.full((b, width), IGNORE_INDEX, dtype=np.int32)
+    mask = np.zeros((b, width), dtype=np.bool_)
     for i, (p, n) in enumerate(zip(pieces, lens, strict=True)):
         input_ids[i, :n] = p.input_ids
         labels[i, :n] = p.labels
-        mask[i, :n] = 1
-        pos[i, :n] = ramp[:n]
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels, "position_ids": pos}
+        mask[i, :n] = True
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
 def _packed(pieces: Sequence[Piece]) -> dict[str, np.ndarray]:
-    lens = np.array([len(p.input_ids) for p in pieces], dtype=np.int64)
+    lens = np.array([len(p.input_ids) for p in pieces], dtype=np.int32)
     cu = np.zeros(len(pieces) + 1, dtype=np.int32)
     np.cumsum(lens, out=cu[1:])
-    input_ids = np.concatenate([p.input_ids for p in pieces]).astype(np.int64)[None, :]
-    labels = np.concatenate([p.labels for p in pieces]).astype(np.int64)
+    # One copy each: concatenate straight into the wire dtype.
+    input_ids = np.concatenate([p.input_ids for p in pieces], dtype=np.int32)
+    labels = np.concatenate([p.labels for p in pieces], dtype=np.int32)
     labels[cu[:-1][lens > 0]] = IGNORE_INDEX
     # position_ids restart per sample: global index minus the start of its sample.
-    starts = np.repeat(cu[:-1].astype(np.int64), lens)
-    pos = (np.arange(int(cu[-1]), dtype=np.int64) - starts)[None, :]
+    pos = np.arange(int(cu[-1]), dtype=np.int32)
+    pos -= np.repeat(cu[:-1], lens)
     return {
-        "input_ids": input_ids,
+        "input_ids": input_ids[None, :],
         "labels": labels[None, :],
-        "position_ids": pos,
+        "position_ids": pos[None, :],
         "cu_seqlens": cu,
         "max_seqlen": np.array(int(lens.max()), dtype=np.int32),
     }
@@ -100,8 +102,13 @@ def _vision(pieces: Sequence[Piece]) -> dict[str, np.ndarray]:
     pv = [p.sample.pixel_values for p in pieces if p.sample.pixel_values is not None]
     if not pv:
         return {}
+    dtypes = {a.dtype for a in pv}
+    if len(dtypes) > 1:
+        ids = [p.sample.sample_id for p in pieces if p.sample.pixel_values is not None]
+        raise ValueError(f"samples {ids} mix pixel dtypes {sorted(map(str, dtypes))}: one job "
+                         "stores one preprocess.pixel_dtype")
     grids = [p.sample.image_grid_thw for p in pieces if p.sample.image_grid_thw is not None]
     return {
-        "pixel_values": np.concatenate(pv).astype(np.float32, copy=False),
+        "pixel_values": np.concatenate(pv),
         "image_grid_thw": np.concatenate(grids).astype(np.int64, copy=False),
     }

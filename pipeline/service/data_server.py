@@ -37,6 +37,7 @@ from pipeline.planner.types import EpochEnd
 from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.rank_cursor import End, Finished, Missing, RankCursor, Send
+from pipeline.service.wire_codec import wire_version_problem
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
@@ -191,6 +192,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"first message must be Open, got {first.WhichOneof('kind')}")
         op = first.open
+        problem = wire_version_problem(op)
+        if problem:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         rt = self._runtime(op.job_id, context)
         step, epoch = self._validate_open(op, rt, context)
         client_id = op.client_id or context.peer()
@@ -235,7 +239,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 conn.connected = False
             # A client whose stream went away before its final END keeps its lease until it
             # lapses: that is how the other ranks learn a peer is gone (Guarantee 4).
-            vanished = session.cancelled and not cursor.job_done
+            # (A client that half-closed early on purpose leaves them waiting just the same.)
+            vanished = (session.cancelled or session.client_closed) and not cursor.job_done
             if vanished:
                 with self._vanished_lock:
                     self._vanished[(rt.job.job_id, op.rank)] = client_id
@@ -378,6 +383,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
               context: grpc.ServicerContext) -> Iterator[pb.ServerMessage | bytes]:
         missing_since = 0.0
         while not s.cancelled:
+            if s.client_closed:  # closed early on purpose: every ack it sent is recorded
+                return
             if rt.stopping:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; reconnect")
             error = rt.error()

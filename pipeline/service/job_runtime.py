@@ -150,7 +150,8 @@ class JobRuntime:
                 return nxt, step.epoch
         ends = self.state.epoch_ends()
         epoch = sum(1 for e in ends if epoch_last_step(e) < nxt)
-        return nxt, epoch
+        # A rank done with the whole job gets its final END again, never a silent stream.
+        return nxt, min(epoch, self.job.epochs - 1)
 
     def build_message(self, step: Step, rank: int) -> bytes:
         samples = self.payloads.fetch(step, rank)

@@ -1,20 +1,30 @@
-"""numpy arrays <-> odb.v1 Tensor messages: raw little-endian C-order bytes + dtype + shape."""
+"""The server's side of the wire: numpy arrays <-> odb.v1 Tensor messages (raw little-endian
+C-order bytes + dtype + shape), whole Batch messages, and the check of a client's wire version.
+
+The dtype table and the version live in `trainer_client.wire_format`, shared with the client.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from pipeline.preprocess.vision import PIXEL_NORM
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire_format import NUMPY_DTYPES as _FROM_WIRE
+from trainer_client.wire_format import WIRE_DTYPES as _TO_WIRE
+from trainer_client.wire_format import version_mismatch
 
-_TO_WIRE: dict[np.dtype, int] = {
-    np.dtype("<i4"): pb.INT32,
-    np.dtype("<i8"): pb.INT64,
-    np.dtype("<f4"): pb.FLOAT32,
-    np.dtype("<f2"): pb.FLOAT16,
-    np.dtype("u1"): pb.UINT8,
-    np.dtype("?"): pb.BOOL,
-}
-_FROM_WIRE: dict[int, np.dtype] = {v: k for k, v in _TO_WIRE.items()}
+
+def wire_version_problem(open_msg: pb.Open) -> str | None:
+    """None when the client decodes this server's wire version; else the details for the
+    FAILED_PRECONDITION the data server must answer the Open with (naming both versions):
+
+        problem = wire_version_problem(op)
+        if problem:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+
+    The client never retries that status when the details carry this message."""
+    return version_mismatch(open_msg.wire_version)
 
 
 def encode(name: str, array: np.ndarray) -> pb.Tensor:
@@ -62,7 +72,15 @@ def batch_message_bytes(header: pb.Batch, arrays: dict[str, np.ndarray]) -> byte
     """A serialized `ServerMessage{batch}`: `header` (a Batch without tensors) plus the arrays,
     framed by hand so each payload is copied once (into the result) instead of through
     tobytes -> message field -> SerializeToString. Valid protobuf (fields may come in any
-    order; repeated fields concatenate), deterministic, parsed by the ordinary stubs."""
+    order; repeated fields concatenate), deterministic, parsed by the ordinary stubs.
+    Raw uint8 `pixel_values` get `pixel_norm` (how the trainer turns them into floats) unless
+    the header already has one."""
+    pv = arrays.get("pixel_values")
+    if pv is not None and pv.dtype == np.uint8 and not header.HasField("pixel_norm"):
+        own = pb.Batch()
+        own.CopyFrom(header)  # the caller's header stays as it was
+        PIXEL_NORM.to_wire(own.pixel_norm)
+        header = own
     parts: list[bytes | memoryview] = [header.SerializeToString()]
     for name, array in arrays.items():
         dt = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype

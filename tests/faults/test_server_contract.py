@@ -18,6 +18,7 @@ from pipeline.jobstate import MemoryJobState
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.service.server import start_service
 from trainer_client import StreamError
+from trainer_client.wire_format import WIRE_VERSION
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
@@ -60,6 +61,7 @@ class Raw:
 
 def open_msg(job: str, rank: int, world: int, credits: int = 1) -> pb.ClientMessage:
     return pb.ClientMessage(open=pb.Open(job_id=job, rank=rank, world_size=world,
+                                         wire_version=WIRE_VERSION,
                                          client_id=f"raw{rank}", credits=credits))
 
 

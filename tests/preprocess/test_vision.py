@@ -56,7 +56,7 @@ def test_image_pad_runs_inside_vision_markers(image_dir):
         assert (ids[st + 1: st + 1 + n] == PAD).all() and ids[st + 1 + n] == V_END
     assert (s.labels[ids == PAD] == IGNORE).all()
     assert s.pixel_values.shape == (int(np.prod(s.image_grid_thw, axis=1).sum()), 1176)
-    assert s.pixel_values.dtype == np.float32 and s.image_grid_thw.dtype == np.int64
+    assert s.pixel_values.dtype == np.uint8 and s.image_grid_thw.dtype == np.int64  # raw pixels
 
 
 def test_truncation_never_splits_an_image(image_dir):

@@ -38,9 +38,10 @@ def ddp(args: argparse.Namespace) -> None:
     records = []
     with BatchStream(args.address, args.job, args.rank, args.world) as stream, Join([model]):
         for batch in stream:
-            logits = model(batch["input_ids"])
+            inputs = batch.to_model_inputs()  # int64 ids and labels (the wire sends int32)
+            logits = model(inputs["input_ids"])
             loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, vocab), batch["labels"].reshape(-1), ignore_index=-100)
+                logits.reshape(-1, vocab), inputs["labels"].reshape(-1), ignore_index=-100)
             (loss * loss_scale(batch)).backward()
             opt.step()
             opt.zero_grad()

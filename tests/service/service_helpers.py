@@ -16,6 +16,7 @@ from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.server import RunningService, start_service
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import WIRE_VERSION
 
 
 def job_dict(job_id: str = "j", world_size: int = 2, **kw: Any) -> dict:
@@ -86,6 +87,7 @@ class RawStream:
 
 
 def open_msg(job: str = "j", rank: int = 0, world_size: int = 2, **kw: Any) -> pb.ClientMessage:
+    kw.setdefault("wire_version", WIRE_VERSION)  # the server refuses any other
     return pb.ClientMessage(open=pb.Open(job_id=job, rank=rank, world_size=world_size,
                                          client_id=kw.pop("client_id", f"c{rank}"),
                                          credits=kw.pop("credits", 2), **kw))

@@ -1,4 +1,5 @@
-"""Collation: padded and packed layouts, labels, positions, cu_seqlens, truncation, vision."""
+"""Collation: padded and packed layouts, compact wire dtypes, labels, positions, cu_seqlens,
+truncation, vision."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pipeline.service.collate import IGNORE_INDEX, Piece, collate, loss_tokens
 from pipeline.service.wire_codec import decode, encode
 
 
-def sample(row: int, n: int, masked: int = 0, vision: bool = False) -> ProcessedSample:
+def sample(row: int, n: int, masked: int = 0, vision: bool = False,
+           pixel_dtype: type = np.uint8) -> ProcessedSample:
     ids = np.arange(1, n + 1, dtype=np.int32) + 100 * row
     labels = ids.copy()
     labels[:masked] = IGNORE_INDEX
-    pv = np.full((4, 6), row, np.float32) if vision else None
+    pv = np.full((4, 6), row, pixel_dtype) if vision else None
     grid = np.array([[1, 2, 2]], np.int64) if vision else None
     return ProcessedSample(f"s:{row}", "s", row, ids, labels, pixel_values=pv,
                            image_grid_thw=grid)
@@ -22,18 +24,26 @@ def sample(row: int, n: int, masked: int = 0, vision: bool = False) -> Processed
 
 def test_padded_shapes_labels_mask_positions():
     out = collate([Piece(sample(0, 3)), Piece(sample(1, 5, masked=2))], "padded", pad_id=7)
-    assert set(out) == {"input_ids", "attention_mask", "labels", "position_ids"}
-    assert out["input_ids"].shape == (2, 5) and out["input_ids"].dtype == np.int64
+    # No position_ids: the model derives them from the mask (fewer bytes on the wire).
+    assert set(out) == {"input_ids", "attention_mask", "labels"}
+    assert out["input_ids"].shape == (2, 5) and out["input_ids"].dtype == np.int32
+    assert out["labels"].dtype == np.int32 and out["attention_mask"].dtype == np.bool_
     assert out["input_ids"][0].tolist() == [1, 2, 3, 7, 7]
     assert out["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert out["labels"][0].tolist() == [1, 2, 3, -100, -100]
     assert out["labels"][1].tolist() == [-100, -100, 103, 104, 105]
-    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]]
+
+
+def test_padded_batch_is_at_most_9_bytes_per_padded_token():
+    out = collate([Piece(sample(0, 300)), Piece(sample(1, 1000)), Piece(sample(2, 7))], "padded")
+    padded_tokens = out["input_ids"].size
+    assert sum(a.nbytes for a in out.values()) <= 9 * padded_tokens
 
 
 def test_packed_is_one_row_with_cu_seqlens_and_restarting_positions():
     out = collate([Piece(sample(0, 3)), Piece(sample(1, 4)), Piece(sample(2, 2))], "packed")
     assert out["input_ids"].shape == (1, 9)
+    assert {out[k].dtype for k in ("input_ids", "labels", "position_ids")} == {np.dtype(np.int32)}
     assert out["cu_seqlens"].dtype == np.int32
     assert out["cu_seqlens"].tolist() == [0, 3, 7, 9]
     assert int(out["max_seqlen"]) == 4
@@ -59,12 +69,19 @@ def test_loss_tokens_matches_collated_labels():
         assert loss_tokens(pieces, mode) == int((out["labels"] != IGNORE_INDEX).sum())
 
 
-def test_vision_tensors_are_concatenated():
-    out = collate([Piece(sample(0, 3, vision=True)), Piece(sample(1, 3)),
-                   Piece(sample(2, 3, vision=True))], "padded")
-    assert out["pixel_values"].shape == (8, 6)
+@pytest.mark.parametrize("pixel_dtype", [np.uint8, np.uint16, np.float32])
+def test_vision_tensors_are_concatenated_in_their_stored_dtype(pixel_dtype):
+    out = collate([Piece(sample(0, 3, vision=True, pixel_dtype=pixel_dtype)), Piece(sample(1, 3)),
+                   Piece(sample(2, 3, vision=True, pixel_dtype=pixel_dtype))], "padded")
+    assert out["pixel_values"].shape == (8, 6) and out["pixel_values"].dtype == pixel_dtype
     assert out["pixel_values"][:4].max() == 0 and out["pixel_values"][4:].min() == 2
     assert out["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]
+
+
+def test_mixed_pixel_dtypes_in_one_batch_are_an_error_naming_the_samples():
+    with pytest.raises(ValueError, match=r"s:0.*s:1.*mix pixel dtypes"):
+        collate([Piece(sample(0, 3, vision=True)),
+                 Piece(sample(1, 3, vision=True, pixel_dtype=np.float32))], "packed")
 
 
 def test_bad_mode_and_empty_batch_are_errors():
@@ -85,7 +102,19 @@ def test_wire_codec_round_trip_is_raw_little_endian():
         encode("c", np.zeros(2, np.complex128))
 
 
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_collation_is_deterministic_byte_for_byte(mode):
+    pieces = [Piece(sample(0, 50, masked=5, vision=True)), Piece(sample(1, 9), keep=4),
+              Piece(sample(2, 30, vision=True))]
+    first, again = collate(pieces, mode), collate(list(pieces), mode)
+    assert list(first) == list(again)
+    for name in first:
+        assert first[name].dtype == again[name].dtype
+        assert first[name].tobytes() == again[name].tobytes()
+
+
 def test_hand_framed_batch_message_parses_with_the_ordinary_stubs():
+    from pipeline.preprocess.vision import PIXEL_NORM
     from pipeline.service.wire_codec import batch_message_bytes
     from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
@@ -93,7 +122,9 @@ def test_hand_framed_batch_message_parses_with_the_ordinary_stubs():
     header = pb.Batch(step=7, epoch=1, rank=3, sample_ids=["s:0", "s:1"], collate="padded",
                       info=pb.StepInfo(step_samples=2, step_tokens=305, world_size=4))
     raw = batch_message_bytes(header, arrays)
+    assert not header.HasField("pixel_norm")  # the caller's header is left alone
     expected = pb.ServerMessage(batch=header)
+    PIXEL_NORM.to_wire(expected.batch.pixel_norm)  # raw uint8 pixels travel with their norm
     for name, arr in arrays.items():
         expected.batch.tensors.append(encode(name, arr))
     parsed = pb.ServerMessage.FromString(raw)
@@ -101,3 +132,24 @@ def test_hand_framed_batch_message_parses_with_the_ordinary_stubs():
     assert raw == batch_message_bytes(header, arrays)  # deterministic bytes
     for t in parsed.batch.tensors:
         assert np.array_equal(decode(t), arrays[t.name])
+
+
+def test_text_batches_carry_no_pixel_norm():
+    from pipeline.service.wire_codec import batch_message_bytes
+    from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+
+    raw = batch_message_bytes(pb.Batch(step=1), collate([Piece(sample(0, 8))], "padded"))
+    assert not pb.ServerMessage.FromString(raw).batch.HasField("pixel_norm")
+
+
+def test_wire_version_check_names_both_versions():
+    from pipeline.service.wire_codec import wire_version_problem
+    from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+    from trainer_client.wire_format import MISMATCH_PREFIX, WIRE_VERSION
+
+    assert wire_version_problem(pb.Open(job_id="j", wire_version=WIRE_VERSION)) is None
+    old = wire_version_problem(pb.Open(job_id="j"))  # a client from before the field: 0
+    assert old is not None and old.startswith(MISMATCH_PREFIX)
+    assert "before wire versions (0)" in old and f"sends version {WIRE_VERSION}" in old
+    newer = wire_version_problem(pb.Open(job_id="j", wire_version=WIRE_VERSION + 1))
+    assert newer is not None and f"version {WIRE_VERSION + 1}," in newer

@@ -41,7 +41,7 @@ def test_join_epoch_is_delivered_exactly_once_with_ready_tensors(collate):
     for r in got:
         for b in batches(got[r]):
             assert b.info.rank == r and b.info.world_size == 2
-            assert b["input_ids"].dtype == torch.int64
+            assert b["input_ids"].dtype == torch.int32  # the wire dtype (wire version 2)
             n_tok = sum(by_id[i].num_tokens for i in b.info.sample_ids)
             assert b.info.rank_tokens == n_tok
             if collate == "padded":
@@ -237,3 +237,25 @@ def test_server_restart_continues_the_plan_from_its_checkpoint():
             t.join(30)
     for r in range(2):
         assert heads[r] + tails[r] == ref_digests[r]
+
+
+def test_a_stream_without_a_state_goes_on_where_the_rank_left_off():
+    """Guarantee 5: a trainer restarted without a checkpoint resumes at its first unacknowledged
+    step (not at 0), and a rank done with the job gets its final END again."""
+    samples = synthetic_samples(200, max_len=600, seed=8)
+    cfg = service_config(job_dict(world_size=1, epochs=2))
+    with serving(cfg, {"j": samples}) as svc:
+        first = BatchStream(svc.address, "j", 0, 1, client_id="a")
+        it = iter(first)
+        head = [next(it) for _ in range(4)]
+        first.ack()  # the fourth batch is consumed too
+        first.close()
+        with BatchStream(svc.address, "j", 0, 1, client_id="b") as again:
+            rest = []
+            while not again.done:
+                rest += list(again)
+        assert rest[0].info.step == head[-1].info.step + 1
+        ids = [i for b in head + rest for i in b.info.sample_ids]
+        assert sorted(ids) == sorted(2 * [s.sample_id for s in samples])  # exactly once
+        with BatchStream(svc.address, "j", 0, 1, client_id="c") as late:
+            assert list(late) == [] and late.done and late.last_end.job_done

@@ -47,6 +47,16 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class PixelNorm(_message.Message):
+    __slots__ = ("rescale", "mean", "std")
+    RESCALE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    rescale: float
+    mean: _containers.RepeatedScalarFieldContainer[float]
+    std: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rescale: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class Ping(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -58,7 +68,7 @@ class Pong(_message.Message):
     def __init__(self, server_version: _Optional[str] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "resume_step", "resume_epoch", "client_id", "credits")
+    __slots__ = ("job_id", "rank", "world_size", "resume_step", "resume_epoch", "client_id", "credits", "wire_version")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +76,7 @@ class Open(_message.Message):
     RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -73,7 +84,8 @@ class Open(_message.Message):
     resume_epoch: int
     client_id: str
     credits: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ...) -> None: ...
+    wire_version: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ..., wire_version: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("consumed_step", "credits")
@@ -110,7 +122,7 @@ class StepInfo(_message.Message):
     def __init__(self, step_samples: _Optional[int] = ..., step_tokens: _Optional[int] = ..., rank_samples: _Optional[int] = ..., rank_tokens: _Optional[int] = ..., step_loss_tokens: _Optional[int] = ..., rank_loss_tokens: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("step", "epoch", "rank", "sample_ids", "info", "collate", "over_budget", "tensors", "filler")
+    __slots__ = ("step", "epoch", "rank", "sample_ids", "info", "collate", "over_budget", "tensors", "pixel_norm", "filler")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +131,7 @@ class Batch(_message.Message):
     COLLATE_FIELD_NUMBER: _ClassVar[int]
     OVER_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PIXEL_NORM_FIELD_NUMBER: _ClassVar[int]
     FILLER_FIELD_NUMBER: _ClassVar[int]
     step: int
     epoch: int
@@ -128,8 +141,9 @@ class Batch(_message.Message):
     collate: str
     over_budget: bool
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    pixel_norm: PixelNorm
     filler: bool
-    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ..., info: _Optional[_Union[StepInfo, _Mapping]] = ..., collate: _Optional[str] = ..., over_budget: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., filler: _Optional[bool] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ..., info: _Optional[_Union[StepInfo, _Mapping]] = ..., collate: _Optional[str] = ..., over_budget: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., pixel_norm: _Optional[_Union[PixelNorm, _Mapping]] = ..., filler: _Optional[bool] = ...) -> None: ...
 
 class End(_message.Message):
     __slots__ = ("epoch", "final_step", "mode", "epoch_steps", "job_done")

@@ -1,0 +1,48 @@
+"""What the example trainers share: where the stream is, which rank this is, and a model.
+
+Environment: PIPELINE_ENDPOINT (any gRPC target: host:port, dns:///svc:50051, ...), PIPELINE_JOB,
+PIPELINE_TOKEN (the job's bearer token); RANK / WORLD_SIZE / LOCAL_RANK from torchrun (a
+single process without torchrun is rank 0 of 1). The model is a small Qwen2 built from a config
+(nothing downloaded) unless --model-dir names a local checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+QWEN_VOCAB = 151936  # the service's real Qwen tokenizer ids fit
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--endpoint", default=os.environ.get("PIPELINE_ENDPOINT", "localhost:50051"))
+    p.add_argument("--job", default=os.environ.get("PIPELINE_JOB", "example-job"))
+    p.add_argument("--max-steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--model-dir", default=None, help="a local HF causal LM; default: tiny Qwen2")
+    return p
+
+
+def rank_and_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def open_stream(args: argparse.Namespace, rank: int, world: int) -> Any:
+    from trainer_client import BatchStream
+
+    return BatchStream(args.endpoint, args.job, rank, world,
+                       token=os.environ.get("PIPELINE_TOKEN") or None)
+
+
+def causal_lm(model_dir: str | None) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if model_dir:
+        return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    torch.manual_seed(0)  # every rank starts from the same weights
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=QWEN_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
