@@ -137,13 +137,15 @@ end
 if #new > 0 and m[2] == 'done' then return redis.error_reply('ODB_DONE') end
 local ne = tonumber(ARGV[i])
 local ends = {}
+local pending_ends = {}
 i = i + 1
 for s = 1, ne do
-  local old = redis.call('HGET', KEYS[3], ARGV[i])
+  local old = pending_ends[ARGV[i]] or redis.call('HGET', KEYS[3], ARGV[i])
   if old then
     if old ~= ARGV[i + 1] then return redis.error_reply('ODB_END_CONFLICT ' .. ARGV[i]) end
   else
     ends[#ends + 1] = i
+    pending_ends[ARGV[i]] = ARGV[i + 1]
   end
   i = i + 2
 end
