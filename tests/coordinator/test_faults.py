@@ -45,9 +45,8 @@ def test_state_survives_redis_kill_and_restart_from_the_aof(tmp_path):
     restart on the same dir and port: plan, checkpoint, counters, quarantine, cursors, rank and
     producer leases are all back, every publication landed whole or not at all, and the same
     producer generation goes on publishing."""
-    server = LocalRedis(data_dir=tmp_path, appendonly=True).start()
+    server = LocalRedis(data_dir=tmp_path, appendonly=True, appendfsync="always").start()
     try:
-        connect(server.url).config_set("appendfsync", "always")
         st = _state(server.url)
         gen = st.claim_producer("actor", 60)
         stop, published = threading.Event(), [0]

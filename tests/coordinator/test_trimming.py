@@ -12,20 +12,9 @@ from jobstate.builders import make_step, publication
 from pipeline.errors import StepConflict
 from pipeline.planner.types import EpochEnd
 
+from .retention import expected_trimmed
+
 LONG = 60.0
-
-
-def expected_trimmed(first_steps: dict[int, int], min_acked: int) -> int:
-    """Steps trimming drops given each epoch's first step (epochs with steps only): the epoch E
-    of the slowest rank's next step is kept, and the last epoch with steps before E (the one
-    the slowest rank finished last, even if empty epochs lie between)."""
-    need = min_acked + 1
-    started = sorted(e for e, f in first_steps.items() if f <= need)
-    if not started:
-        return -1
-    e = started[-1]
-    before = [x for x in started if x < e]
-    return -1 if not before else first_steps[before[-1]] - 1
 
 
 class Plan:
