@@ -32,7 +32,7 @@ the contract then relies on WAITAOF, see test_faults), several Redis nodes, the 
 timing (the lease here lapses by an explicit rule, as if the holder were partitioned), payload
 staging (ArrayFeed-like: nothing to stage), reconfiguration of the world size.
 
-Speed and determinism: by default 30 examples of up to 30 rules, derandomized (the same
+Speed and determinism: by default 50 examples of up to 30 rules, derandomized (the same
 sequences on every run; ~1-2 min). To hunt for bugs, run it randomized and longer:
     ODB_MODEL_EXAMPLES=500 ODB_MODEL_STEPS=50 ODB_MODEL_RANDOM=1 \
         pytest tests/coordinator/test_protocol_model.py
@@ -173,7 +173,7 @@ class ProtocolModel(RuleBasedStateMachine):
             self.lease_live = False  # a finished producer gives its lease up
 
     # Rules never need a precondition: one that does not apply returns (hypothesis wastes
-    # draws on disabled rules). Producer progress has three rules out of eleven.
+    # draws on disabled rules). Producer progress has three rules out of twelve.
     @rule(who=st.sampled_from(IDENTITIES))
     def start_producer(self, who: str) -> None:
         """A producer process starts (or restarts: the same identity takes over at once, the
@@ -300,6 +300,12 @@ class ProtocolModel(RuleBasedStateMachine):
             self._read_next(view)
         if ack and view.next > 0:
             self._ack(view, view.next - 1)
+
+    @rule(count=st.integers(1, 6), ack=st.booleans())
+    def all_ranks_read(self, count: int, ack: bool) -> None:
+        """Every rank reads on (the trainers move together, as in a collective)."""
+        for r in range(len(self.ranks)):
+            self.rank_reads(r, count, ack)
 
     def _read_next(self, view: RankView) -> None:
         """The rank reads step `view.next` if it is published."""
@@ -489,7 +495,7 @@ class ProtocolModel(RuleBasedStateMachine):
 
 def _settings() -> settings:
     random = os.environ.get("ODB_MODEL_RANDOM") == "1"
-    return settings(max_examples=int(os.environ.get("ODB_MODEL_EXAMPLES", "30")),
+    return settings(max_examples=int(os.environ.get("ODB_MODEL_EXAMPLES", "50")),
                     stateful_step_count=int(os.environ.get("ODB_MODEL_STEPS", "30")),
                     deadline=None, derandomize=not random, database=None if not random
                     else settings.default.database,
