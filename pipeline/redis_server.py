@@ -49,11 +49,13 @@ class LocalRedis:
         data_dir: str | Path | None = None,
         appendonly: bool = False,
         password: str | None = None,
+        appendfsync: str = "everysec",
     ) -> None:
         self.port = port or free_port()
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="odb-redis-"))
         self.appendonly = appendonly
+        self.appendfsync = appendfsync  # "always": nothing acknowledged is lost to a kill -9
         self.password = password
         self.proc: subprocess.Popen | None = None
         self._lock = None  # the state-dir lock of a durable embedded server
@@ -71,7 +73,7 @@ class LocalRedis:
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
+            "--appendfsync", self.appendfsync,
             "--daemonize", "no",
             "--logfile", str(self.data_dir / "redis.log"),
         ]

@@ -328,6 +328,7 @@ class RedisJobState(JobState):
         return int(exp) != -2
 
     def ack(self, rank: int, step: int) -> None:
+        self._check_rank(rank)
         if step < 0:
             return
         self._ack(rank, "", 0, step)

@@ -35,8 +35,9 @@ end
 if not v then redis.call('SET', KEYS[1], ARGV[1]) end
 redis.call('HSET', KEYS[3], 'config_hash', ARGV[3], 'world_size', ARGV[4], 'mode', ARGV[5],
   'seed', ARGV[6], 'state', 'planning', 'epoch', 0, 'published_through', -1,
-  'trimmed_through', -1, 'trim_epoch', 0, 'ckpt_epoch', -1, 'ckpt_rows', 0, 'ckpt_next_step', 0,
-  'producer_gen', 0, 'producer_holder', '', 'producer_exp', 0, 'created_ms', now)
+  'trimmed_through', -1, 'trim_epoch', 0, 'trim_keep', 0, 'ckpt_epoch', -1, 'ckpt_rows', 0,
+  'ckpt_next_step', 0, 'producer_gen', 0, 'producer_holder', '', 'producer_exp', 0,
+  'created_ms', now)
 -- Every rank starts at -1 so the minimum cursor (what trimming may drop) counts silent ranks.
 local w = tonumber(ARGV[4])
 local r = 0
@@ -137,13 +138,15 @@ end
 if #new > 0 and m[2] == 'done' then return redis.error_reply('ODB_DONE') end
 local ne = tonumber(ARGV[i])
 local ends = {}
+local pending_ends = {}
 i = i + 1
 for s = 1, ne do
-  local old = redis.call('HGET', KEYS[3], ARGV[i])
+  local old = pending_ends[ARGV[i]] or redis.call('HGET', KEYS[3], ARGV[i])
   if old then
     if old ~= ARGV[i + 1] then return redis.error_reply('ODB_END_CONFLICT ' .. ARGV[i]) end
   else
     ends[#ends + 1] = i
+    pending_ends[ARGV[i]] = ARGV[i + 1]
   end
   i = i + 2
 end
@@ -202,6 +205,10 @@ return {#new, expect - 1}
 # Trimming keeps the plan of the epoch the slowest rank is in and of the one before it, so any
 # step of the current epoch can be replayed (a trainer restored from an old checkpoint): steps
 # before the first step of epoch (E - 1) go, E being the epoch of the slowest rank's next step.
+# Epochs without steps (quota mode can carry a whole epoch over) are skipped both ways: E is the
+# latest epoch with steps that started by that step, and "the one before" the latest epoch with
+# steps before E (the one the slowest rank finished last). `trim_keep` stores that epoch's first
+# step so trimming can catch up over several calls.
 ACK = _NOW + """
 local rank, cid = ARGV[2], ARGV[3]
 local step = tonumber(ARGV[5])
@@ -222,7 +229,8 @@ if cid ~= '' then
 end
 local m
 if step >= 0 then
-  m = redis.call('HMGET', KEYS[1], 'published_through', 'trimmed_through', 'trim_epoch')
+  m = redis.call('HMGET', KEYS[1], 'published_through', 'trimmed_through', 'trim_epoch',
+    'epoch', 'trim_keep')
   if not m[1] then return redis.error_reply('ODB_NOJOB') end
   if step > tonumber(m[1]) then return redis.error_reply('ODB_AHEAD ' .. step .. ' ' .. m[1]) end
 end
@@ -240,20 +248,29 @@ if step >= 0 then
   redis.call('ZADD', KEYS[2], 'GT', step, rank)
   local lo = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
   local need = tonumber(lo[2]) + 1
-  local te = tonumber(m[3])
-  while true do
-    local f = redis.call('HGET', KEYS[1], 'ef:' .. (te + 1))
-    if f and tonumber(f) <= need then te = te + 1 else break end
-  end
-  if te ~= tonumber(m[3]) then redis.call('HSET', KEYS[1], 'trim_epoch', te) end
-  if te >= 1 then
-    local keep = tonumber(redis.call('HGET', KEYS[1], 'ef:' .. (te - 1)) or 0)
-    local tt = tonumber(m[2])
-    if keep - 1 > tt then
-      local upto = math.min(keep - 1, tt + 64)  -- at most 64 per call: amortized O(1)
-      for n = tt + 1, upto do redis.call('UNLINK', ARGV[1] .. 'step:' .. n) end
-      redis.call('HSET', KEYS[1], 'trimmed_through', upto)
+  local te, top = tonumber(m[3]), tonumber(m[4])
+  local moved = false
+  for e = te + 1, top do  -- usually one HGET: the next epoch has not started for that rank
+    local f = redis.call('HGET', KEYS[1], 'ef:' .. e)
+    if f then
+      if tonumber(f) > need then break end
+      te, moved = e, true
     end
+  end
+  local keep = tonumber(m[5] or 0)
+  if moved then
+    keep = 0
+    for e = te - 1, 0, -1 do
+      local f = redis.call('HGET', KEYS[1], 'ef:' .. e)
+      if f then keep = tonumber(f) break end
+    end
+    redis.call('HSET', KEYS[1], 'trim_epoch', te, 'trim_keep', keep)
+  end
+  local tt = tonumber(m[2])
+  if keep - 1 > tt then
+    local upto = math.min(keep - 1, tt + 64)  -- at most 64 per call: amortized O(1)
+    for n = tt + 1, upto do redis.call('UNLINK', ARGV[1] .. 'step:' .. n) end
+    redis.call('HSET', KEYS[1], 'trimmed_through', upto)
   end
 end
 return {exp, now}

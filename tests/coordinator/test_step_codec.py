@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipeline.service.job_state import PlannerCheckpoint
 
 from pipeline.coordinator import step_codec
+from pipeline.jobstate import PlannerCheckpoint, QuarantineEntry
 from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
 
 sample_ids = st.one_of(st.integers(-(2**40), 2**40), st.text(min_size=0, max_size=12))
@@ -48,6 +48,13 @@ def test_epoch_end_and_checkpoint_round_trip():
     assert step_codec.decode_epoch_end(step_codec.encode_epoch_end(end)) == end
     ck = PlannerCheckpoint(2, 100, 17, bytes(range(256)))
     assert step_codec.decode_checkpoint(step_codec.encode_checkpoint(ck)) == ck
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.builds(QuarantineEntry, st.text(max_size=20), st.text(max_size=12),
+                 st.text(max_size=40)))
+def test_quarantine_entry_round_trip(entry):
+    assert step_codec.decode_quarantine(step_codec.encode_quarantine(entry)) == entry
 
 
 def test_encoding_is_compact():

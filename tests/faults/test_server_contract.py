@@ -18,9 +18,9 @@ from pipeline.jobstate import MemoryJobState
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.service.server import start_service
 from trainer_client import StreamError
-from trainer_client.wire_format import WIRE_VERSION
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import WIRE_VERSION
 
 
 def cfg_for(job: dict, **kw) -> ServiceConfig:

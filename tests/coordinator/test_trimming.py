@@ -1,0 +1,98 @@
+"""Trimming by epochs: the ACK script drops the steps before the epoch *before* the one the
+slowest rank is in, so any step of a rank's current epoch (and the previous one) can be
+replayed, and Redis holds O(two epochs) of plan however long the job runs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from jobstate.builders import make_step, publication
+
+from pipeline.errors import StepConflict
+from pipeline.planner.types import EpochEnd
+
+from .retention import expected_trimmed
+
+LONG = 60.0
+
+
+class Plan:
+    """Publishes epochs of given lengths (0: an epoch with no steps, only its END)."""
+
+    def __init__(self, state, world_size: int) -> None:
+        self.state, self.w = state, world_size
+        self.gen = state.claim_producer("producer", LONG)
+        self.next = 0
+        self.epoch = 0
+        self.first_steps: dict[int, int] = {}
+
+    def epoch_of(self, length: int) -> None:
+        e, first = self.epoch, self.next
+        s = [make_step(n, self.w, epoch=e) for n in range(first, first + length)]
+        if s:
+            self.first_steps[e] = first
+        last = first + length - 1 if s else None
+        end = EpochEnd(e, (last,) * self.w, length)
+        self.state.publish(publication(s, epoch=e + 1, rows=0, next_step=first + length,
+                                       ends=(end,)), fence=self.gen)
+        self.next += length
+        self.epoch += 1
+
+
+def test_trimming_follows_the_slowest_rank_by_epochs_over_a_long_run(new_state):
+    st = new_state(world_size=3)
+    plan = Plan(st, 3)
+    rng = random.Random(5)
+    acked = [-1, -1, -1]
+    for _ in range(40):
+        plan.epoch_of(rng.randint(3, 15))
+        for _ in range(rng.randint(1, 6)):
+            r = rng.randrange(3)
+            step = min(plan.next - 1, acked[r] + rng.randint(0, 12))
+            st.ack(r, step)
+            acked[r] = max(acked[r], step)
+            tt = st.trimmed_through()
+            assert tt == expected_trimmed(plan.first_steps, min(acked))
+            assert st.get_step(tt + 1) is not None or tt + 1 > plan.next - 1
+            if tt >= 0:
+                assert st.get_step(tt) is None
+    tt = st.trimmed_through()
+    assert tt > 100  # the run was long enough to trim a lot
+    retained = list(st.client.scan_iter(match=st.keys.base + "step:*", count=1000))
+    assert len(retained) == plan.next - 1 - tt
+    # A trimmed step can still be republished identically (its digest stays), never otherwise.
+    assert st.publish(publication([make_step(3, 3)], epoch=plan.epoch, rows=0,
+                                  next_step=plan.next), fence=plan.gen) == 0
+    with pytest.raises(StepConflict, match="3"):
+        st.publish(publication([make_step(3, 3, salt="q")], epoch=plan.epoch, rows=0,
+                               next_step=plan.next), fence=plan.gen)
+
+
+def test_an_epoch_without_steps_does_not_stop_trimming(new_state):
+    """Quota mode can close an epoch with no step (everything carried over to the next one)."""
+    st = new_state(world_size=2)
+    plan = Plan(st, 2)
+    for length in (4, 0, 3, 5, 0, 0, 2, 4):
+        plan.epoch_of(length)
+    for first in sorted(plan.first_steps.values()):
+        for r in range(2):
+            st.ack(r, first)
+        assert st.trimmed_through() == expected_trimmed(plan.first_steps, first)
+    assert st.trimmed_through() == plan.first_steps[6] - 1  # keeps epochs 6 and 7
+
+
+def test_trimming_catches_up_64_steps_per_ack(new_state):
+    """Acks that jump whole long epochs trim at most 64 steps per call (bounded script time);
+    later acks finish the job."""
+    st = new_state(world_size=1)
+    plan = Plan(st, 1)
+    for _ in range(4):
+        plan.epoch_of(150)
+    st.ack(0, 449)  # epochs 0, 1 and 2 done: keep 2 and 3, i.e. trim through 299
+    assert st.trimmed_through() == 63
+    seen = [63]
+    while st.trimmed_through() < 299:
+        st.ack(0, 449)
+        seen.append(st.trimmed_through())
+    assert seen == [63, 127, 191, 255, 299]

@@ -1,0 +1,41 @@
+"""Plain values the job-state tests publish: steps whose content is a function of a salt, and
+publications around them (one place, shared by tests/jobstate and tests/coordinator)."""
+
+from __future__ import annotations
+
+from pipeline.jobstate import PlannerCheckpoint, Publication, QuarantineEntry
+from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
+
+
+def make_step(n: int, world_size: int = 4, *, epoch: int = 0, salt: str = "",
+              per_rank: int = 2, ranks: list[int] | None = None) -> Step:
+    """A step whose sample ids are unique per (n, rank, salt): another salt, another plan."""
+    batches = []
+    for r in ranks if ranks is not None else range(world_size):
+        samples = tuple(MeasuredSample(f"src{salt}:{n}:{r}:{i}", 10 + i + r) for i in
+                        range(per_rank))
+        batches.append(Batch(r, samples, cost=sum(s.num_tokens for s in samples)))
+    return Step(epoch, n, tuple(batches), StepInfo(sum(len(b.samples) for b in batches),
+                                                   sum(b.cost for b in batches)))
+
+
+def steps(first: int, last: int, world_size: int = 4, **kw) -> tuple[Step, ...]:
+    """Steps first..last (inclusive) built by `make_step`."""
+    return tuple(make_step(n, world_size, **kw) for n in range(first, last + 1))
+
+
+def publication(step_list: tuple[Step, ...] | list[Step] = (), *, epoch: int = 0,
+                rows: int | None = None, next_step: int | None = None,
+                ends: tuple[EpochEnd, ...] = (), samples_in: int = 0,
+                quarantined: tuple[QuarantineEntry, ...] = (), done: bool = False,
+                state: bytes = b"") -> Publication:
+    """A publication whose checkpoint defaults to "just after the last of these steps" (the
+    input position `rows` defaults to that step number + 1, so later publications move on)."""
+    step_list = tuple(step_list)
+    if next_step is None:
+        next_step = step_list[-1].step + 1 if step_list else 0
+    if rows is None:
+        rows = next_step
+    return Publication(checkpoint=PlannerCheckpoint(epoch, rows, next_step, state),
+                       steps=step_list, ends=tuple(ends), samples_in=samples_in,
+                       quarantined=tuple(quarantined), done=done)
