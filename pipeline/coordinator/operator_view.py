@@ -47,7 +47,7 @@ def job_summary(client: redis.Redis, job_id: str) -> JobSummary | None:
         retained_steps=rec.published_through - rec.trimmed_through,
         min_acked=min((r.acked for r in ranks), default=-1),
         ranks=ranks,
-        lapsed_ranks=[r.rank for r in ranks if r.lapsed],
+        lapsed_ranks=st.lapsed_ranks(),
         counters=st.counters(),
         producer=st.producer_lease(),
         error=st.error(),

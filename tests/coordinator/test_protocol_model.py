@@ -118,10 +118,10 @@ class ProtocolModel(RuleBasedStateMachine):
         world_size=st.integers(2, 3), mode=st.sampled_from(["join", "quota"]),
         epochs=st.integers(2, 3), seed=st.integers(0, 3),
         over_budget=st.sampled_from(["alone", "quarantine", "truncate"]),
-        buffer_size=st.sampled_from([2, 4]),
+        window_samples=st.sampled_from([2, 4]),
         rows=st.lists(st.one_of(st.integers(1, 90), st.just(0)), min_size=3, max_size=14),
     )
-    def setup(self, world_size, mode, epochs, seed, over_budget, buffer_size, rows) -> None:
+    def setup(self, world_size, mode, epochs, seed, over_budget, window_samples, rows) -> None:
         # A length of 0 stands for a record the preprocessing quarantined (a feed-level
         # QuarantineEntry); lengths over the budget of 64 meet the over-budget policy.
         self.items = [quarantine_entry(f"s:{i}") if n == 0
@@ -129,7 +129,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.job = JobConfig(
             job_id="model", world_size=world_size, mode=mode, seed=seed, epochs=epochs,
             source={"paths": ["model-rows"]},
-            batching={"token_budget": 64, "buffer_size": buffer_size, "pool_steps": 1,
+            batching={"token_budget": 64, "max_window_samples": window_samples, "pool_steps": 1,
                       "over_budget": over_budget})
         self.ref: ReferencePlan = reference_plan(self.items, self.job)
         self.redis = ModelRedis(self.tmp.name)
@@ -545,7 +545,7 @@ def test_scenario_a_resent_publication_counts_once():
     run is a retry at the same position (found by the model check with `if not retry` removed
     from PUBLISH)."""
     m = _run(dict(world_size=2, mode="join", epochs=2, seed=0, over_budget="alone",
-                  buffer_size=2, rows=[1, 0, 0]),
+                  window_samples=2, rows=[1, 0, 0]),
              ("start_producer", {"who": "producer-a"}),
              ("advance_through_a_redis_crash", {"down": 0.05, "fault": "resent", "rows": 3}),
              ("advance_current", {"rows": 12}))
@@ -554,7 +554,7 @@ def test_scenario_a_resent_publication_counts_once():
 
 def test_scenario_a_zombie_wakes_after_its_restart_and_is_fenced():
     m = _run(dict(world_size=2, mode="quota", epochs=3, seed=1, over_budget="quarantine",
-              buffer_size=2, rows=ROWS),
+              window_samples=2, rows=ROWS),
          ("start_producer", {"who": "producer-a"}),
          ("advance_current", {"rows": 9}),
          *_drain(2)[:4],
@@ -572,7 +572,7 @@ def test_scenario_a_zombie_wakes_after_its_restart_and_is_fenced():
 
 def test_scenario_the_other_producer_takes_over_a_lapsed_lease_mid_epoch():
     m = _run(dict(world_size=3, mode="join", epochs=2, seed=2, over_budget="alone",
-              buffer_size=4, rows=ROWS),
+              window_samples=4, rows=ROWS),
          ("start_producer", {"who": "producer-a"}),
          ("advance_current", {"rows": 11}),
          ("start_producer", {"who": "producer-b"}),  # refused: a's lease is live
@@ -592,7 +592,7 @@ def test_scenario_the_other_producer_takes_over_a_lapsed_lease_mid_epoch():
 
 def test_scenario_redis_crashes_while_ranks_replay_and_leases_lapse():
     m = _run(dict(world_size=2, mode="join", epochs=3, seed=3, over_budget="truncate",
-              buffer_size=2, rows=ROWS),
+              window_samples=2, rows=ROWS),
          ("start_producer", {"who": "producer-b"}),
          ("advance_through_a_redis_crash", {"down": 0.3, "fault": "down", "rows": 8}),
          ("rank_lease", {"r": 0, "client": "client-0", "action": "claim_and_die"}),

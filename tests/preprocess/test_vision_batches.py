@@ -72,16 +72,17 @@ def qwen2_vl():
 
 
 def _forward(model, arrays: dict[str, np.ndarray]) -> float:
+    """The batch as a trainer meets it: framed for the wire, decoded by the client and turned
+    into the model's inputs (int64 ids, normalized pixels), then one forward."""
     import torch
 
-    ids = torch.from_numpy(arrays["input_ids"])
-    kw = {"input_ids": ids, "labels": torch.from_numpy(arrays["labels"]),
-          "mm_token_type_ids": (ids == PAD).long()}
-    if "attention_mask" in arrays:
-        kw["attention_mask"] = torch.from_numpy(arrays["attention_mask"])
-    if "pixel_values" in arrays:
-        kw["pixel_values"] = torch.from_numpy(arrays["pixel_values"])
-        kw["image_grid_thw"] = torch.from_numpy(arrays["image_grid_thw"])
+    from pipeline.service.wire_codec import batch_message_bytes
+    from trainer_client.decode import decode_batch
+    from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+
+    msg = pb.ServerMessage.FromString(batch_message_bytes(pb.Batch(), arrays))
+    kw = dict(decode_batch(msg.batch).to_model_inputs())
+    kw["mm_token_type_ids"] = (kw["input_ids"] == PAD).long()
     with torch.no_grad():
         return float(model(**kw).loss)
 
