@@ -33,6 +33,7 @@ interpreter exit, before gRPC's threads could abort the process.
 
 from __future__ import annotations
 
+import gc
 import json
 import queue
 import threading
@@ -115,7 +116,12 @@ class _Link:
 
     def shut(self) -> None:
         self.stop()
+        with self.lock:
+            self.call = None
         self.channel.close()
+        # At interpreter exit this runs from atexit, while daemon threads still run: collect
+        # any call left in a reference cycle now, not in the final GC (see _receive).
+        gc.collect()
 
 
 class BatchStream:
@@ -339,17 +345,19 @@ class BatchStream:
                         job_done = job_done or e.job_done
                 if job_done:  # the server closes after our final ack (see __iter__)
                     return
-                err: grpc.RpcError | None = None
+                code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without END"
             except grpc.RpcError as exc:
                 if job_done:
                     return
-                err = exc
+                # Keep the status, not the error: the error is the call itself, and holding it
+                # in this frame makes a cycle that only the interpreter's final GC frees, whose
+                # grpc __del__ can then deadlock on a lock of a frozen daemon thread.
+                code, details = exc.code(), exc.details() or ""
             finally:
                 reqs.put(None)  # ends the request iterator of this call
+            del call
             if link.closing:
                 return
-            code = err.code() if err is not None else grpc.StatusCode.UNAVAILABLE
-            details = (err.details() if err is not None else "stream ended without END") or ""
             retry = code in _RETRYABLE and not details.startswith(MISMATCH_PREFIX)
             if not retry or time.monotonic() - last_progress > self.reconnect_timeout:
                 self._items.put(StreamError(code, details))
