@@ -252,8 +252,11 @@ class ServiceConfig(_Model):
         2.0, ge=0, description="how long an Open naming a step beyond the plan waits for a "
         "restarting producer before OUT_OF_RANGE")
     lease_seconds: float = Field(10.0, gt=0)
-    rank_timeout_seconds: float = Field(60.0, gt=0)
-    # What the live ranks get once a rank's lease has lapsed for rank_timeout_seconds: `fail` =
+    rank_timeout_seconds: float = Field(
+        60.0, gt=0, description="how long a rank may be gone (its lease lapsed, or never "
+        "claimed since the job's first rank connected) before the failure policy applies; "
+        "it must cover the trainer ranks' start-up skew")
+    # What the live ranks get once a rank has been gone for rank_timeout_seconds: `fail` =
     # a clear ABORTED error naming the rank; `wait` = keep waiting for it to come back.
     rank_failure_policy: Literal["fail", "wait"] = "fail"
     metrics_port: int | None = Field(9464, ge=0, le=65535)

@@ -64,6 +64,10 @@ class JobKeys:
         return self.base + "lapsed"
 
     @property
+    def claimed(self) -> str:  # set: ranks that ever held a lease (a never-connected rank is not)
+        return self.base + "claimed"
+
+    @property
     def counters(self) -> str:  # hash: counter name -> integer
         return self.base + "counters"
 
@@ -78,5 +82,5 @@ class JobKeys:
     def fixed(self) -> list[str]:
         """All keys except the per-step ones (those are found from meta's step range)."""
         return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
-                self.lease_exp, self.lease, self.lapsed, self.counters, self.quarantine_ids,
-                self.quarantine]
+                self.lease_exp, self.lease, self.lapsed, self.claimed, self.counters,
+                self.quarantine_ids, self.quarantine]

@@ -306,7 +306,7 @@ class RedisJobState(JobState):
     # --------------------------------------------------- ranks: leases, cursors
     def _ack_keys(self) -> list[str]:
         k = self.keys
-        return [k.meta, k.acked, k.lease_exp, k.lease, k.lapsed, k.counters]
+        return [k.meta, k.acked, k.lease_exp, k.lease, k.lapsed, k.counters, k.claimed]
 
     def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int,
              soft: bool = False) -> list:
@@ -397,20 +397,32 @@ class RedisJobState(JobState):
         return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0)
 
     # ------------------------------------------------------------- failures
-    def _lapsed(self, older_than_seconds: float) -> tuple[dict[int, float], set[int]]:
+    def _lapsed(self, older_than_seconds: float, absent: bool = False
+                ) -> tuple[dict[int, float], set[int], dict[int, float]]:
+        """(lapsed now -> seconds, taken over after a lapse, never claimed -> seconds since the
+        job's first claim; only with `absent`)."""
+        k = self.keys
         offset_ms = round(older_than_seconds * 1000) if older_than_seconds > 0 else 0
-        now, rows, history = self._run(scripts.lapsed, [self.keys.lease_exp, self.keys.lapsed],
-                                       [offset_ms])
+        now, rows, history, claimed, first = self._run(
+            scripts.lapsed, [k.lease_exp, k.lapsed, k.claimed, k.meta],
+            [offset_ms, "1" if absent else "0"])
         live = {int(rows[i]): (int(now) - int(float(rows[i + 1]))) / 1000.0
                 for i in range(0, len(rows), 2)}
-        return live, {int(r) for r in history}
+        never: dict[int, float] = {}
+        if absent and first:
+            waited = (int(now) - int(first)) / 1000.0
+            seen = {int(r) for r in claimed}
+            never = {r: waited for r in range(self.world_size) if r not in seen}
+        return live, {int(r) for r in history}, never
 
     def lapsed_ranks(self) -> list[int]:
-        live, history = self._lapsed(0)
+        live, history, _ = self._lapsed(0)
         return sorted(set(live) | history)
 
     def timed_out_ranks(self, timeout_seconds: float) -> dict[int, float]:
-        return dict(sorted(self._lapsed(timeout_seconds)[0].items()))
+        live, _, never = self._lapsed(timeout_seconds, absent=True)
+        limit = max(0.0, timeout_seconds)
+        return dict(sorted({**live, **{r: t for r, t in never.items() if t > limit}}.items()))
 
     def rank_health(self) -> list[RankHealth]:
         k = self.keys

@@ -197,7 +197,7 @@ return {#new, expect - 1}
 """
 
 # Heartbeat (lease renew / claim) and ack in one round trip, plus amortized trimming.
-# KEYS: meta, acked, lease_exp, lease, lapsed, counters
+# KEYS: meta, acked, lease_exp, lease, lapsed, counters, claimed
 # ARGV: base, rank, client_id ('' = no lease change), lease_ms, step (< 0 = no ack),
 #       soft ('1': another live holder is not an error, nothing changes, returns -2)
 # Returns {lease_expiry_ms (-1 if no lease change, -2 if soft-refused), now_ms}.
@@ -239,6 +239,9 @@ if cid ~= '' then
   exp = now + tonumber(ARGV[4])
   redis.call('HSET', KEYS[4], rank, now .. ':' .. cid)
   redis.call('ZADD', KEYS[3], exp, rank)
+  -- A rank that never claims is timed out from the job's first claim (Guarantee 4).
+  redis.call('SADD', KEYS[7], rank)
+  redis.call('HSETNX', KEYS[1], 'first_claim_ms', now)
   if took_over then  -- the previous holder's lease lapsed without release: keep it reported
     redis.call('SADD', KEYS[5], rank)
     redis.call('HINCRBY', KEYS[6], 'lease_lapses', 1)
@@ -286,12 +289,16 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 """
 
-# Leases expired at least ARGV[1] ms ago: O(log W + k) on the expiry zset.
-# KEYS: lease_exp, lapsed. Returns {now_ms, {rank, expiry, ...}, {ranks taken over after a lapse}}.
+# Leases expired at least ARGV[1] ms ago: O(log W + k) on the expiry zset; with ARGV[2] = '1'
+# also the ranks that ever claimed and the job's first claim (O(W): only the timeout check).
+# KEYS: lease_exp, lapsed, claimed, meta. Returns {now_ms, {rank, expiry, ...}, {ranks taken
+# over after a lapse}, {claimed ranks} or {}, first_claim_ms or false}.
 LAPSED = _NOW + """
 local rows = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[1])),
   'WITHSCORES')
-return {now, rows, redis.call('SMEMBERS', KEYS[2])}
+if ARGV[2] ~= '1' then return {now, rows, redis.call('SMEMBERS', KEYS[2]), {}, false} end
+return {now, rows, redis.call('SMEMBERS', KEYS[2]), redis.call('SMEMBERS', KEYS[3]),
+  redis.call('HGET', KEYS[4], 'first_claim_ms')}
 """
 
 # Every rank's cursor, lease expiry and last heartbeat, consistently at one instant: O(W).

@@ -220,7 +220,9 @@ class JobState(ABC):
 
     @abstractmethod
     def timed_out_ranks(self, timeout_seconds: float) -> dict[int, float]:
-        """Ranks whose lease is lapsed *now* for longer than the timeout -> seconds lapsed."""
+        """Ranks gone for longer than the timeout -> seconds gone: a lease lapsed *now* for
+        that long, or a rank that never claimed a lease while the job's first claim (of any
+        rank) is that old (Guarantee 4: a rank that never connects is treated as a dead one)."""
 
     @abstractmethod
     def rank_health(self) -> list[RankHealth]:

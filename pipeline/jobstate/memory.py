@@ -50,6 +50,8 @@ class MemoryJobState(JobState):
         self._leases: dict[int, RankLease] = {}
         self._heartbeats: dict[int, float] = {}
         self._lapsed: set[int] = set()
+        self._claimed: set[int] = set()  # ranks that ever held a lease
+        self._first_claim: float | None = None
         self._acked = [-1] * world_size
         self._counts: Counter = Counter()
         self._quarantine: dict[str, QuarantineEntry] = {}  # insertion-ordered, one per id
@@ -212,6 +214,9 @@ class MemoryJobState(JobState):
             self._counts["lease_lapses"] += 1
         lease = RankLease(rank, client_id, now + lease_seconds)
         self._leases[rank] = lease
+        self._claimed.add(rank)
+        if self._first_claim is None:
+            self._first_claim = now
         self._heartbeats[rank] = now
         return lease
 
@@ -290,9 +295,14 @@ class MemoryJobState(JobState):
 
     def timed_out_ranks(self, timeout_seconds: float) -> dict[int, float]:
         now = self._clock()
+        limit = max(0.0, timeout_seconds)
         with self._lock:
-            return {r: now - lease.expires_at for r, lease in sorted(self._leases.items())
-                    if now - lease.expires_at > max(0.0, timeout_seconds)}
+            out = {r: now - lease.expires_at for r, lease in self._leases.items()
+                   if now - lease.expires_at > limit}
+            if self._first_claim is not None and now - self._first_claim > limit:
+                out.update({r: now - self._first_claim for r in range(self.world_size)
+                            if r not in self._claimed})
+            return dict(sorted(out.items()))
 
     def rank_health(self) -> list[RankHealth]:
         now = self._clock()

@@ -156,7 +156,7 @@ def _exercise_every_call(url: str) -> RedisJobState:
     assert st.ack_many([(0, 5)]) == [None]
     assert st.trimmed_through() == 1  # epochs 1 and 2 kept
     assert st.get_step_for(5, [0]).batch_for(0) == make_step(5, 2).batch_for(0)
-    assert st.lapsed_ranks() == [] and st.timed_out_ranks(0) == {}
+    assert st.lapsed_ranks() == [] and st.timed_out_ranks(60) == {}
     assert st.rank_health()[1].acked == 5 and st.lease(1).client_id == "c"
     st.release_rank(1, "c")
     assert st.counters().samples_in == 4 and len(st.quarantine()) == 1

@@ -50,10 +50,17 @@ def get_job(address: str) -> pb.JobStatus:
 def start_and_kill_rank0(svc, tmp_path):
     log, state = tmp_path / "rank0.jsonl", tmp_path / "rank0.state.json"
     proc = rank_proc(svc.address, "dead", 0, W, log, state, sleep=0.1)
+    # The others start once rank 0 is connected: a rank that has not connected yet counts as
+    # gone from the first claim on, and a slow process start must not look like that.
+    steps0 = lambda: len([x for x in read_log(log) if "step" in x])  # noqa: E731
+    try:
+        wait_for(lambda: steps0() >= 1, 60, "rank 0's first step")
+    except AssertionError:
+        proc.kill()
+        raise AssertionError(f"rank 0: {read_log(log)[-1:]}") from None
     others = [RankThread(svc.address, "dead", r, W, sleep=0.01).start() for r in (1, 2)]
     try:
-        wait_for(lambda: len([x for x in read_log(log) if "step" in x]) >= 3, 60,
-                 "rank 0 to take 3 steps")
+        wait_for(lambda: steps0() >= 3, 60, "rank 0 to take 3 steps")
     except AssertionError:
         proc.kill()
         raise AssertionError(f"rank 0: {read_log(log)[-1:]}") from None
@@ -113,3 +120,24 @@ def test_wait_policy_keeps_waiting_then_finishes_when_the_rank_returns(redis_cli
     # ranks never get a step twice
     assert_join_coverage([recs0, others[0].records, others[1].records],
                          [s.sample_id for s in samples], 1, max_redelivered=[1, 0, 0])
+
+
+def test_a_rank_that_never_connects_is_treated_as_a_dead_one(redis_client, redis_url):
+    """Guarantee 4's other half: rank 0 never opens a stream. Its absence counts from the job's
+    first claim; after rank_timeout_seconds the live ranks get the fail policy's ABORTED naming
+    it, within the bound (before the fix they waited for it forever)."""
+    svc, _ = serve(redis_url, "fail")
+    try:
+        started = time.monotonic()
+        others = [RankThread(svc.address, "dead", r, W, sleep=0.01).start() for r in (1, 2)]
+        for r in others:
+            r.join(TIMEOUT + 20)
+        for r in others:
+            assert isinstance(r.error, StreamError), f"rank {r.rank}: {r.error!r}"
+            assert r.error.code == grpc.StatusCode.ABORTED
+            assert "rank 0 has been gone for" in r.error.details
+            assert TIMEOUT <= r.error_at - started <= TIMEOUT + 10, r.error_at - started
+            assert not r.stream.done
+        assert "rank 0 has been gone for" in get_job(svc.address).error
+    finally:
+        svc.stop(grace=0.5)

@@ -487,7 +487,8 @@ def test_release_only_by_the_holder_and_it_is_not_a_lapse(env):
     assert (h.client_id, h.lease_expires_at, h.heartbeat_age, h.lapsed) == (None, None, None,
                                                                             False)
     env.sleep(LAPSE)
-    assert st.lapsed_ranks() == [] and st.timed_out_ranks(0) == {}
+    # A released lease is no lapse; ranks 1-3 never claimed since rank 0's claim: gone.
+    assert st.lapsed_ranks() == [] and sorted(st.timed_out_ranks(0)) == [1, 2, 3]
     st.claim_rank(0, "B", LONG)
     assert st.counters().lease_lapses == 0 and st.lapsed_ranks() == []
     st.release_rank(3, "nobody")  # never claimed: a no-op
@@ -497,11 +498,12 @@ def test_a_lapse_is_reported_by_lapsed_timed_out_and_health(env):
     st = env.state
     st.claim_rank(2, "A", SHORT)
     st.claim_rank(3, "C", LONG)
-    assert st.lapsed_ranks() == [] and st.timed_out_ranks(0) == {}
+    assert st.lapsed_ranks() == [] and st.timed_out_ranks(5) == {}
     env.sleep(SHORT + 0.3)
-    assert st.lapsed_ranks() == [2]
+    assert st.lapsed_ranks() == [2]  # never-claimed ranks are not lapses
     out = st.timed_out_ranks(0.1)
-    assert list(out) == [2] and 0.1 < out[2] < 5
+    assert list(out) == [0, 1, 2] and 0.1 < out[2] < 5
+    assert SHORT + 0.3 - 0.01 <= out[0] == out[1] < 5  # gone since the first claim
     assert st.timed_out_ranks(30) == {}
     health = st.rank_health()
     assert [h.rank for h in health] == [0, 1, 2, 3]
@@ -512,8 +514,27 @@ def test_a_lapse_is_reported_by_lapsed_timed_out_and_health(env):
     assert health[0].client_id is None and health[0].heartbeat_age is None
     # Taken over: still reported as lapsed (it happened), but no longer timed out.
     st.claim_rank(2, "B", LONG)
-    assert st.lapsed_ranks() == [2] and st.timed_out_ranks(0) == {}
+    assert st.lapsed_ranks() == [2] and sorted(st.timed_out_ranks(0)) == [0, 1]
     assert not st.rank_health()[2].lapsed
+
+
+def test_a_rank_that_never_connects_times_out_from_the_first_claim(make_env):
+    """Guarantee 4's other half: no lease at all is as gone as a lapsed one, counted from the
+    moment the job's first rank claimed (before any claim nobody is waiting)."""
+    env = make_env(world_size=3)
+    st = env.state
+    env.sleep(LAPSE)
+    assert st.timed_out_ranks(0) == {}  # nobody connected yet: nothing to time out
+    st.claim_rank(0, "A", LONG)
+    env.sleep(LAPSE)
+    st.claim_rank(2, "C", LONG)  # a late rank: its wait ends when it claims
+    out = st.timed_out_ranks(SHORT)
+    assert list(out) == [1] and LAPSE - 0.01 <= out[1] < 5
+    assert st.timed_out_ranks(30) == {}
+    st.claim_rank(1, "B", SHORT)
+    assert st.timed_out_ranks(0) == {}
+    env.sleep(LAPSE)  # and from now on it is an ordinary lease that may lapse
+    assert list(st.timed_out_ranks(0)) == [1]
 
 
 def test_rank_and_client_id_are_checked(make_env):
