@@ -148,12 +148,6 @@ def test_numpy_batches_when_asked_and_the_digest_ignores_the_kind():
 
 # --- the wire version ----------------------------------------------------------------------
 
-def _server_checks_wire_version() -> bool:
-    return "wire_version_problem" in (ROOT / "pipeline/service/data_server.py").read_text()
-
-
-@pytest.mark.skipif(not _server_checks_wire_version(),
-                    reason="the data server does not call wire_codec.wire_version_problem yet")
 def test_an_old_client_gets_failed_precondition_naming_both_versions():
     with served() as svc:
         raw = RawStream(svc.address, open_msg(world_size=1, wire_version=0))  # as before the field
@@ -168,8 +162,6 @@ def test_an_old_client_gets_failed_precondition_naming_both_versions():
             assert ids_of(list(stream)) == ALL_IDS
 
 
-@pytest.mark.skipif(not _server_checks_wire_version(),
-                    reason="the data server does not call wire_codec.wire_version_problem yet")
 def test_a_client_of_another_version_fails_at_once_instead_of_retrying(monkeypatch):
     import trainer_client.batch_stream as bs
 

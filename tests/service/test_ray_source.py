@@ -41,3 +41,37 @@ def test_ray_preprocessed_chats_are_served_exactly_once(ray_session, tmp_path, r
     finally:
         svc.stop(grace=0.5)
         stop_producer("j")
+
+
+@pytest.mark.skipif(not CHATS.exists(), reason="sample data missing")
+def test_a_checkpoint_far_back_in_the_epoch_replays_byte_identical_batches(
+        ray_session, tmp_path, redis_url, redis_client):
+    """Resume from anywhere in the current epoch (issue #13): a trainer restored from a state
+    saved more than 64 steps ago, after the whole epoch was acknowledged and every staged
+    payload released, gets the very same batches again, rebuilt by id from the plan."""
+    from trainer_client import BatchStream
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_bytes(b"".join(CHATS.read_bytes().splitlines(keepends=True)[:200]))
+    job = job_dict(world_size=1, source={"paths": [str(chats)]},
+                   batching={"token_budget": 1024, "max_window_samples": 32, "pool_steps": 1})
+    svc = start_service(service_config(job, redis_url=redis_url))
+    try:
+        first: dict[int, str] = {}
+        with BatchStream(svc.address, "j", 0, 1) as stream:
+            for batch in stream:
+                first[batch.info.step] = batch.digest()
+                if batch.info.step == 2:
+                    saved = stream.state_dict()
+        assert len(first) > 64 + 3, f"only {len(first)} steps: the epoch is too short"
+        runtime = svc.runtimes["j"]
+        assert runtime.state.acked(0) == max(first)  # everything acknowledged, then released
+        rebuilt_before = runtime.payloads.rebuilt
+        with BatchStream(svc.address, "j", 0, 1, client_id="restored") as stream:
+            stream.load_state_dict(saved)
+            again = {b.info.step: b.digest() for b in stream}
+        assert again == {n: d for n, d in first.items() if n >= 3}
+        assert runtime.payloads.rebuilt > rebuilt_before  # not served from a cache
+    finally:
+        svc.stop(grace=0.5)
+        stop_producer("j")
