@@ -114,12 +114,6 @@ def _chunk_task(batch: pa.Table, job_json: str, epoch: int) -> pa.Table:
     return _process_chunks(proc, batch)
 
 
-def _default_concurrency() -> int:
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
-
-
 def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
                   limit: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                   concurrency: int | None = None, compute: str = DEFAULT_COMPUTE,
@@ -131,8 +125,11 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
     quarantine_detail;
     arrays are little-endian bytes (see rows.py; `rows.from_row` turns a row into a sample).
     `start_row` leaves out the first rows of the stream (all sources, in order), `limit` keeps
-    at most that many rows after it. `concurrency` = parallel workers (default: the cluster's
-    CPUs); `compute` = "tasks" (pooled workers, warm across epochs) or "actors" (actor pool).
+    at most that many rows after it. `concurrency` = a fixed number of parallel workers;
+    None (the service) = as many as the cluster has CPUs for, at every moment: nothing is
+    frozen at epoch start, so a growing cluster (the KubeRay autoscaler sees the pending tasks)
+    is used at once; `compute` = "tasks" (pooled workers, warm across epochs) or "actors"
+    (an autoscaling actor pool).
     Ray must be initialized by the caller.
     """
     import ray
@@ -154,12 +151,14 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
         object_store_memory=object_store_limit)
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    n = min(concurrency or _default_concurrency(), len(chunks))
+    n = min(concurrency, len(chunks)) if concurrency else None
     common = {"batch_size": 1,  # one chunk per call; a chunk is already `chunk_rows` records
               "batch_format": "pyarrow", "num_cpus": 1}
     if compute == "actors":
+        pool = (ray.data.ActorPoolStrategy(size=n) if n else
+                ray.data.ActorPoolStrategy(min_size=1, max_size=len(chunks)))
         return ds.map_batches(_ChunkActor, fn_constructor_args=(job.model_dump_json(), epoch),
-                              compute=ray.data.ActorPoolStrategy(size=n), **common)
+                              compute=pool, **common)
     if compute != "tasks":
         raise ValueError(f"compute must be 'tasks' or 'actors', got {compute!r}")
     return ds.map_batches(_chunk_task, fn_args=(job.model_dump_json(), epoch),

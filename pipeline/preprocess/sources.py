@@ -2,9 +2,10 @@
 
 Rows are numbered by the source itself (0-based JSONL line / Parquet row), never by Ray's block
 layout, so `sample_id = "<source>:<row>"` is stable across runs, block sizes and restarts. A
-JSONL file is indexed once (byte offset of every line start, cached per process) which gives
-both the read plan (chunks of whole lines, read in parallel by Ray tasks) and O(1) random
-access for `SampleStore`. JSONL is read as bytes and parsed by us: a bad line becomes a
+JSONL file is indexed once (`LineIndex`: the byte offset of every 64th line start, found by
+Ray tasks over byte ranges for large files, cached per process), which gives both the read plan
+(chunks of whole lines, read in parallel by Ray tasks) and random access for `SampleStore` (one
+read of at most 64 lines). JSONL is read as bytes and parsed by us: a bad line becomes a
 quarantined row instead of failing Ray's JSON reader. Local paths and any URI pyarrow's
 filesystems understand (s3://, gs://, ...) work.
 """
@@ -47,8 +48,10 @@ class Chunk:
     file: SourceFile
     first_row: int
     num_rows: int
-    byte_start: int = 0  # jsonl
+    byte_start: int = 0  # jsonl: the anchored bytes that hold the rows (LineIndex.span)
     byte_end: int = 0
+    span_first_row: int = 0  # jsonl: the row at byte_start
+    span_rows: int = 0  # jsonl: rows in [byte_start, byte_end)
     row_group: int = -1  # parquet
     group_offset: int = 0  # parquet: first row's position inside the row group
 
@@ -139,26 +142,105 @@ def _stat_key(path: str) -> tuple:
     return (path, st.st_size, st.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=64)
-def _line_index(key: tuple) -> np.ndarray:
-    path, size = key[0], key[1]
-    starts = [np.zeros(1, dtype=np.int64)]
-    pos = 0
-    while pos < size:
-        block = read_bytes(path, pos, min(size, pos + _INDEX_BLOCK))
+# Every INDEX_STRIDE-th line start is kept: a read of rows [a, b) reads from the anchor at or
+# before a to the one at or after b (at most 2 strides more than it needs), and the index costs
+# 8 bytes per 64 lines. Files over INDEX_SPLIT_BYTES are indexed by Ray tasks over byte ranges
+# (when Ray is up), so no process reads a whole large file to plan its rows.
+INDEX_STRIDE = 64
+INDEX_SPLIT_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LineIndex:
+    """Where the rows of one JSONL file start: `anchors[k]` is the byte offset of line
+    `k * INDEX_STRIDE` (for every k with a line there), then the file size as a sentinel. A
+    final newline does not open another row."""
+
+    rows: int
+    size: int
+    anchors: np.ndarray
+
+    def span(self, first: int, end: int) -> tuple[int, int, int, int]:
+        """Rows [first, end) lie in bytes [start, stop), which hold rows [anchor_row,
+        anchor_row + rows_in_span): -> (start, stop, anchor_row, rows_in_span)."""
+        a, b = first // INDEX_STRIDE, -(-end // INDEX_STRIDE)
+        b = min(b, len(self.anchors) - 1)
+        top = min(b * INDEX_STRIDE, self.rows)
+        return int(self.anchors[a]), int(self.anchors[b]), a * INDEX_STRIDE, top - a * INDEX_STRIDE
+
+
+def _newlines(path: str, start: int, end: int) -> np.ndarray:
+    """Absolute offsets of the newlines in bytes [start, end), read in bounded blocks."""
+    out = [np.zeros(0, dtype=np.int64)]
+    pos = start
+    while pos < end:
+        block = read_bytes(path, pos, min(end, pos + _INDEX_BLOCK))
         if not block:
             break
-        nl = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10).astype(np.int64)
-        starts.append(nl + pos + 1)
+        out.append(np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10) + pos)
         pos += len(block)
-    idx = np.concatenate(starts)
-    # A final newline does not open another row; the last element is the file end sentinel.
-    idx = idx[idx < size]
-    return np.append(idx, size)
+    return np.concatenate(out).astype(np.int64, copy=False)
 
 
-def line_index(path: str) -> np.ndarray:
-    """Byte offset of each line start, plus the file size as a final sentinel (cached)."""
+def _anchors_in(newlines: np.ndarray, first_newline: int, rows: int) -> np.ndarray:
+    """Line starts that are anchors, among the lines opened by these newlines (newline number
+    `g`, counted over the file from 0, opens line g + 1)."""
+    opened = np.arange(first_newline + 1, first_newline + 1 + len(newlines), dtype=np.int64)
+    keep = (opened % INDEX_STRIDE == 0) & (opened < rows)
+    return newlines[keep] + 1
+
+
+def _range_counts(path: str, start: int, end: int) -> tuple[int, np.ndarray]:
+    nl = _newlines(path, start, end)
+    return len(nl), nl
+
+
+def _index_ranges(path: str, size: int) -> tuple[list[int], list[Any], Any]:
+    """Per byte range: its newline count and its newline offsets (Ray refs when Ray is up and
+    the file is large, else arrays), plus how to turn offsets into anchors."""
+    ranges = [(s, min(size, s + INDEX_SPLIT_BYTES)) for s in range(0, size, INDEX_SPLIT_BYTES)]
+    try:
+        import ray
+
+        distributed = len(ranges) > 1 and ray.is_initialized()
+    except ImportError:  # the light client never indexes, but keep the module importable
+        distributed = False
+    if not distributed:
+        done = [_range_counts(path, s, e) for s, e in ranges]
+        return [c for c, _ in done], [nl for _, nl in done], _anchors_in
+    count_task = ray.remote(num_cpus=0, num_returns=2)(_range_counts)
+    pairs = [count_task.remote(path, s, e) for s, e in ranges]
+    counts = ray.get([c for c, _ in pairs])
+    anchor_task = ray.remote(num_cpus=0)(_anchors_in)
+
+    def anchors(nl_ref: Any, first: int, rows: int) -> Any:
+        return anchor_task.remote(nl_ref, first, rows)  # the offsets never leave the cluster
+
+    return counts, [nl for _, nl in pairs], anchors
+
+
+@functools.lru_cache(maxsize=64)
+def _line_index(key: tuple) -> LineIndex:
+    path, size = key[0], key[1]
+    if size == 0:
+        return LineIndex(0, 0, np.zeros(1, dtype=np.int64))
+    counts, newlines, anchors_of = _index_ranges(path, size)
+    ends_with_newline = read_bytes(path, size - 1, size) == b"\n"
+    rows = sum(counts) + (0 if ends_with_newline else 1)
+    parts, first = [], 0
+    for n, nl in zip(counts, newlines, strict=True):
+        parts.append(anchors_of(nl, first, rows))
+        first += n
+    if parts and not isinstance(parts[0], np.ndarray):
+        import ray
+
+        parts = ray.get(parts)
+    anchors = np.concatenate([np.zeros(1, dtype=np.int64), *parts, np.array([size])])
+    return LineIndex(rows, size, anchors.astype(np.int64, copy=False))
+
+
+def line_index(path: str) -> LineIndex:
+    """The file's `LineIndex` (cached per process while the file's size and mtime stay)."""
     return _line_index(_stat_key(path))
 
 
@@ -183,7 +265,7 @@ def parquet_row_groups(path: str) -> np.ndarray:
 
 def num_rows(f: SourceFile) -> int:
     if f.kind == "jsonl":
-        return len(line_index(f.path)) - 1
+        return line_index(f.path).rows
     return int(parquet_row_groups(f.path).sum())
 
 
@@ -208,9 +290,14 @@ def plan_chunks(files: list[SourceFile], chunk_rows: int, start_row: int = 0,
 
 def _head(c: Chunk, n: int) -> Chunk:
     if c.file.kind == "jsonl":
-        idx = line_index(c.file.path)
-        return replace(c, num_rows=n, byte_end=int(idx[c.first_row + n]))
+        return _jsonl_chunk(c.file, line_index(c.file.path), c.first_row, c.first_row + n)
     return replace(c, num_rows=n)
+
+
+def _jsonl_chunk(f: SourceFile, idx: LineIndex, first: int, end: int) -> Chunk:
+    start, stop, span_first, span_rows = idx.span(first, end)
+    return Chunk(f, first, end - first, start, stop, span_first_row=span_first,
+                 span_rows=span_rows)
 
 
 def _plan(files: list[SourceFile], chunk_rows: int, start_row: int) -> list[Chunk]:
@@ -221,12 +308,11 @@ def _plan(files: list[SourceFile], chunk_rows: int, start_row: int) -> list[Chun
     for f in files:
         if f.kind == "jsonl":
             idx = line_index(f.path)
-            n = len(idx) - 1
+            n = idx.rows
             first = min(skip, n)
             skip -= first
             for r in range(first, n, chunk_rows):
-                e = min(n, r + chunk_rows)
-                chunks.append(Chunk(f, r, e - r, int(idx[r]), int(idx[e])))
+                chunks.append(_jsonl_chunk(f, idx, r, min(n, r + chunk_rows)))
         else:
             base = 0
             for g, n in enumerate(parquet_row_groups(f.path).tolist()):
@@ -266,16 +352,23 @@ _groups = _GroupCache()
 def read_chunk(chunk: Chunk) -> list[tuple[int, Any]]:
     """-> [(row, raw)] where raw is the line's bytes (jsonl) or the row as a dict (parquet)."""
     if chunk.file.kind == "jsonl":
-        data = read_bytes(chunk.file.path, chunk.byte_start, chunk.byte_end)
-        lines = data.split(b"\n")
-        if data.endswith(b"\n"):
-            lines.pop()
-        if len(lines) != chunk.num_rows:  # the file changed since it was indexed
-            raise RuntimeError(f"{chunk.file.path} changed while being read")
-        return [(chunk.first_row + i, ln.removesuffix(b"\r")) for i, ln in enumerate(lines)]
+        lines = _span_lines(chunk.file.path, chunk.byte_start, chunk.byte_end, chunk.span_rows)
+        skip = chunk.first_row - chunk.span_first_row
+        return [(chunk.first_row + i, ln.removesuffix(b"\r"))
+                for i, ln in enumerate(lines[skip: skip + chunk.num_rows])]
     table = _groups.get(chunk.file.path, chunk.row_group)
     rows = table.slice(chunk.group_offset, chunk.num_rows).to_pylist()
     return [(chunk.first_row + i, r) for i, r in enumerate(rows)]
+
+
+def _span_lines(path: str, start: int, stop: int, rows: int) -> list[bytes]:
+    data = read_bytes(path, start, stop)
+    lines = data.split(b"\n")
+    if data.endswith(b"\n"):
+        lines.pop()
+    if len(lines) != rows:  # the file changed since it was indexed
+        raise RuntimeError(f"{path} changed while being read")
+    return lines
 
 
 def read_row(f: SourceFile, row: int) -> Any:
@@ -284,9 +377,8 @@ def read_row(f: SourceFile, row: int) -> Any:
     if not 0 <= row < n:
         raise KeyError(f"{f.source} has no row {row} (it has {n})")
     if f.kind == "jsonl":
-        idx = line_index(f.path)
-        raw = read_bytes(f.path, int(idx[row]), int(idx[row + 1]))
-        return raw.removesuffix(b"\n").removesuffix(b"\r")
+        start, stop, first, rows = line_index(f.path).span(row, row + 1)
+        return _span_lines(f.path, start, stop, rows)[row - first].removesuffix(b"\r")
     groups = parquet_row_groups(f.path)
     ends = np.cumsum(groups)
     g = int(np.searchsorted(ends, row, side="right"))

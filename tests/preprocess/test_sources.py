@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import random
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import pipeline.preprocess.sources as sources
 from pipeline.config import SourceConfig
 from pipeline.preprocess.sources import (
+    INDEX_STRIDE,
     SourceNotFound,
     expand_sources,
     line_index,
@@ -31,7 +37,7 @@ def test_jsonl_rows_exact_for_any_chunk_size(tmp_path, ending):
     p = tmp_path / "x.jsonl"
     p.write_bytes(b"\n".join(lines) + ending)
     (f,) = expand_sources(SourceConfig(paths=[str(p)]))
-    assert num_rows(f) == 6 and line_index(str(p))[-1] == p.stat().st_size
+    assert num_rows(f) == 6 and line_index(str(p)).anchors[-1] == p.stat().st_size
     want = [(str(p), i, ln.removesuffix(b"\r")) for i, ln in enumerate(lines)]
     for k in (1, 2, 4, 6, 100):
         assert _rows([f], k) == want
@@ -73,3 +79,43 @@ def test_missing_source_is_a_user_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SourceNotFound, match=r"no \.jsonl"):
         expand_sources(SourceConfig(paths=[str(tmp_path / "empty")]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 3 * INDEX_STRIDE + 3), ending=st.sampled_from([b"\n", b""]),
+       chunk=st.integers(1, 2 * INDEX_STRIDE + 1), start=st.integers(0, 3 * INDEX_STRIDE + 5),
+       seed=st.integers(0, 9))
+def test_anchored_spans_give_exact_rows_around_stride_boundaries(tmp_path_factory, n, ending,
+                                                                 chunk, start, seed):
+    rng = random.Random(seed)
+    lines = [b"x" * rng.randint(0, 5) for _ in range(n)]
+    p = tmp_path_factory.mktemp("spans") / "x.jsonl"
+    p.write_bytes(b"\n".join(lines) + (ending if n else b""))
+    (f,) = expand_sources(SourceConfig(paths=[str(p)]))
+    # An empty last line without a final newline is no row (nothing follows the last newline).
+    want_lines = lines if ending or not n or lines[-1] else lines[:-1]
+    assert num_rows(f) == len(want_lines)
+    want = [(str(p), i, ln) for i, ln in enumerate(want_lines)]
+    assert _rows([f], chunk, start=start) == want[start:]
+    for i in sorted({0, len(want_lines) // 2, len(want_lines) - 1}) if want_lines else ():
+        assert read_row(f, i) == want_lines[i]
+
+
+def test_a_large_file_is_indexed_by_ray_tasks_alike(ray_session, tmp_path, monkeypatch):
+    """Byte ranges indexed by Ray tasks (the offsets stay in the object store) give the index
+    one process computes, and the same rows (ranges of 4 KiB here stand for 64 MiB)."""
+    rng = random.Random(3)
+    lines = [b"r%d " % i + b"y" * rng.randint(0, 90) for i in range(5000)]
+    p = tmp_path / "big.jsonl"
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    (f,) = expand_sources(SourceConfig(paths=[str(p)]))
+    local = sources._line_index.__wrapped__(sources._stat_key(str(p)))
+    monkeypatch.setattr(sources, "INDEX_SPLIT_BYTES", 4096)
+    ranges, _, anchors_of = sources._index_ranges(str(p), p.stat().st_size)
+    assert len(ranges) > 50 and anchors_of is not sources._anchors_in  # really distributed
+    sources._line_index.cache_clear()
+    spread = line_index(str(p))
+    assert spread.rows == local.rows == 5000
+    assert spread.anchors.tolist() == local.anchors.tolist()
+    assert [raw for _, _, raw in _rows([f], 256, start=77)] == lines[77:]
+    assert read_row(f, 4999) == lines[4999]
