@@ -74,6 +74,10 @@ class PreprocessConfig(_Model):
         "normalized on the trainer's device (4x fewer bytes than float32); bfloat16 / float32 = "
         "normalized by preprocessing")
     augment: AugmentConfig = AugmentConfig()
+    object_store_mb: int = Field(
+        256, gt=0, description="Ray object-store memory the epoch's preprocessing may fill ahead "
+        "of the planner before it waits (back-pressure); must hold a few blocks (a 256-row block "
+        "with 15% images is ~50 MB)")
 
     @model_validator(mode="after")
     def _pixel_range(self) -> PreprocessConfig:

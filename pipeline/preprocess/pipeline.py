@@ -35,11 +35,11 @@ Item = ProcessedSample | QuarantinedRecord
 
 DEFAULT_CHUNK_ROWS = 256
 DEFAULT_COMPUTE = "tasks"
-# Object-store budget of the preprocessing stream. Ray's default (unbounded for this op)
-# produced the whole epoch while the consumer was paused; a cap makes producers wait. It must
-# hold a few blocks: Qwen2-VL pixel patches are ~1.5 MB per 256x256 image, so a 256-row block
-# with 15% images is ~50 MB, and a 64 MB cap halved throughput (bench/preprocess_bench.py).
-OBJECT_STORE_LIMIT_BYTES = 256 * 1024 * 1024
+# The object-store budget of the preprocessing stream is `preprocess.object_store_mb`. Ray's
+# default (unbounded for this op) produced the whole epoch while the consumer was paused; a cap
+# makes producers wait. It must hold a few blocks: Qwen2-VL pixel patches are ~1.5 MB per
+# 256x256 image, so a 256-row block with 15% images is ~50 MB, and a 64 MB cap halved
+# throughput (bench/preprocess_bench.py).
 
 
 @dataclass
@@ -117,7 +117,7 @@ def _chunk_task(batch: pa.Table, job_json: str, epoch: int) -> pa.Table:
 def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
                   limit: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                   concurrency: int | None = None, compute: str = DEFAULT_COMPUTE,
-                  object_store_limit: int = OBJECT_STORE_LIMIT_BYTES) -> Any:
+                  object_store_limit: int | None = None) -> Any:
     """The Ray Data plan of one epoch (lazy `ray.data.Dataset`; rows follow `rows.SCHEMA`).
 
     Columns: sample_id, source, row, num_tokens, num_visual_tokens, cost, truncated, input_ids,
@@ -148,7 +148,7 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
     ctx = ds.context  # this dataset's own copy: the caller's global DataContext is untouched
     ctx.execution_options.preserve_order = True  # deterministic stream order
     ctx.execution_options.resource_limits = ExecutionResources(
-        object_store_memory=object_store_limit)
+        object_store_memory=object_store_limit or job.preprocess.object_store_mb * 2**20)
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     n = min(concurrency, len(chunks)) if concurrency else None
@@ -169,7 +169,7 @@ def iter_samples(job: JobConfig, epoch: int, *, start_row: int = 0,
                  limit: int | None = None, stats: PreprocessStats | None = None,
                  chunk_rows: int = DEFAULT_CHUNK_ROWS, concurrency: int | None = None,
                  compute: str = DEFAULT_COMPUTE,
-                 object_store_limit: int = OBJECT_STORE_LIMIT_BYTES) -> Iterator[Item]:
+                 object_store_limit: int | None = None) -> Iterator[Item]:
     """Every record of the epoch in source order (file, then row), as a sample or quarantined.
 
     Exactly one item per source row, so a consumer that has taken k items restarts with

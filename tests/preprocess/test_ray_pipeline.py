@@ -10,7 +10,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.preprocess.pipeline import (
-    OBJECT_STORE_LIMIT_BYTES,
     PreprocessStats,
     SampleQuarantined,
     SampleStore,
@@ -143,7 +142,8 @@ def test_build_dataset_plan_columns_and_limits(ray_session, dataset, streamed):
     ds = build_dataset(dataset, 1, start_row=2, limit=3, chunk_rows=CHUNK, concurrency=1)
     ctx = ds.context
     assert ctx.execution_options.preserve_order
-    assert ctx.execution_options.resource_limits.object_store_memory == OBJECT_STORE_LIMIT_BYTES
+    assert (ctx.execution_options.resource_limits.object_store_memory
+            == dataset.preprocess.object_store_mb * 2**20)
     rows = ds.take_all()
     assert set(rows[0]) == set(SCHEMA.names)
     assert [r["row"] for r in rows] == [2, 3, 4]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import ray
 from service_helpers import consume_all, job_dict, service_config
 
 from pipeline.producer.actor import stop_producer
@@ -72,6 +73,62 @@ def test_a_checkpoint_far_back_in_the_epoch_replays_byte_identical_batches(
             again = {b.info.step: b.digest() for b in stream}
         assert again == {n: d for n, d in first.items() if n >= 3}
         assert runtime.payloads.rebuilt > rebuilt_before  # not served from a cache
+    finally:
+        svc.stop(grace=0.5)
+        stop_producer("j")
+
+
+def _plasma_mib() -> float:
+    import re
+
+    import ray
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    return float(re.search(r"Plasma memory usage (\d+) MiB", text)[1])
+
+
+def test_with_no_consumer_preprocessing_and_planning_wait_with_flat_memory(
+        ray_session, tmp_path, redis_url, redis_client):
+    """Back-pressure end to end (issue #12): nobody consumes. The producer stops at
+    `max_ahead` steps, Ray Data stops at `preprocess.object_store_mb`, and what the job holds
+    stays flat instead of growing with the dataset."""
+    import json
+    import time
+
+    from pipeline.producer.actor import find_producer
+    from pipeline.sample_data.generate import generate
+
+    total = 12_000
+    chats = tmp_path / "many.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in generate(total, 5, mean_tokens=80,
+                                                                     image_frac=0.0)))
+    job = job_dict(world_size=2, source={"paths": [str(chats)]},
+                   preprocess={"object_store_mb": 4},
+                   batching={"token_budget": 2048, "pool_steps": 1})
+    svc = start_service(service_config(job, redis_url=redis_url))
+    try:
+        state = svc.runtimes["j"].state
+        deadline = time.monotonic() + 120
+        while state.published_through() < 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert state.published_through() >= 0, "nothing planned"
+        time.sleep(3.0)  # let it run into its limits
+
+        def held() -> tuple:
+            info = ray.get(find_producer("j").info.remote(), timeout=30)
+            return (state.published_through(), state.counters().samples_in,
+                    info["held"]["blocks"], _plasma_mib())
+
+        first = held()
+        time.sleep(4.0)
+        second = held()
+        assert first[:3] == second[:3], (first, second)  # nothing more planned or read
+        published, samples_in, blocks, plasma = second
+        assert published <= 2 * 10 + 4  # max_ahead per rank (+ the balancing pool)
+        assert samples_in < total // 3 and blocks <= 8  # the rest was never preprocessed
+        # Seen: 3 MiB in the object store, 266 of 12,000 rows published, 2 blocks held.
+        assert abs(second[3] - first[3]) <= 2 and plasma <= 16, (first, second)
     finally:
         svc.stop(grace=0.5)
         stop_producer("j")
