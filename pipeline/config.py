@@ -110,6 +110,10 @@ class BatchingConfig(_Model):
     pool_steps: int | None = Field(
         None, gt=0, description="steps' worth of batches pooled for rank balancing; "
         "None = the planner's default (~256 batches). Smaller starts streaming sooner.")
+    ramp_up: bool = Field(
+        True, description="start each epoch's planning with a small window and pool that "
+        "double with every step (the first batch after a few budgets of samples, not after "
+        "lookahead_tokens + ~256 batches); false = full window and pool from the first step")
     over_budget: Literal["truncate", "alone", "quarantine"] = Field(
         "truncate", description="a sample over token_budget / max_visual_tokens: `truncate` = "
         "preprocessing cuts every sample to fit a batch alone (JobConfig.max_sample_tokens); "
@@ -126,7 +130,7 @@ class BatchingConfig(_Model):
             token_budget=self.token_budget, collate=self.collate, attn_a=self.attn_a,
             attn_b=self.attn_b, max_visual_tokens=self.max_visual_tokens,
             lookahead_tokens=self.lookahead_tokens, max_window_samples=self.max_window_samples,
-            over_budget=self.over_budget,
+            over_budget=self.over_budget, ramp_up=self.ramp_up,
         )
 
 

@@ -51,11 +51,10 @@ class BatchFormer:
         self._budget = policy.token_budget
         self._vcap = policy.max_visual_tokens
         self._padded = policy.cost_model.padded
-        self._cap_tokens = policy.lookahead_tokens
         self._cap_samples = policy.max_window_samples
         # Merge and cut in chunks: cut down to 15/16 of either bound so the next arrivals fit.
-        self._target_tokens = self._cap_tokens - max(1, self._cap_tokens // 16)
         self._target_samples = self._cap_samples - max(1, self._cap_samples // 16)
+        self.limit_tokens(policy.lookahead_tokens)
         self._lens = _EMPTY  # sorted ascending by (length, seq)
         self._vis = _EMPTY
         self._seqs = _EMPTY
@@ -66,6 +65,12 @@ class BatchFormer:
         self._pending: list[MeasuredSample] = []
         self._tokens = 0  # tokens held (window + pending)
         self._next_seq = 0
+
+    def limit_tokens(self, cap: int) -> None:
+        """Bound the window at `cap` tokens (at most `lookahead_tokens`, at least one budget):
+        the planner's ramp at an epoch's start. Takes effect at the next arrival."""
+        self._cap_tokens = max(self._budget, min(int(cap), self.policy.lookahead_tokens))
+        self._target_tokens = self._cap_tokens - max(1, self._cap_tokens // 16)
 
     def __len__(self) -> int:
         return len(self._lens) + len(self._pending)

@@ -34,6 +34,8 @@ class BatchingPolicy:
         image-heavy jobs may want less.
     max_window_samples: safety cap on the samples the window holds (see MAX_WINDOW_SAMPLES).
     attn_a/attn_b: compute model `a*L + b*L^2`, used to balance ranks (not to cap batches).
+    ramp_up: an epoch's planning starts small and grows (see `StepPlanner`): its first step
+        comes after a few budgets of samples instead of the full window and pool.
     """
 
     token_budget: int
@@ -44,6 +46,7 @@ class BatchingPolicy:
     lookahead_tokens: int | None = None
     max_window_samples: int = MAX_WINDOW_SAMPLES
     over_budget: OverBudgetPolicy = OverBudgetPolicy.ALONE
+    ramp_up: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int):
@@ -72,6 +75,8 @@ class BatchingPolicy:
         elif isinstance(la, bool) or not isinstance(la, int) or la < self.token_budget:
             raise ValueError(f"lookahead_tokens must be an integer >= token_budget "
                              f"({self.token_budget}) or None, got {la!r}")
+        if not isinstance(self.ramp_up, bool):
+            raise ValueError(f"ramp_up must be a bool, got {self.ramp_up!r}")
         ws = self.max_window_samples
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise ValueError(f"max_window_samples must be an integer >= 1, got {ws!r}")

@@ -8,9 +8,12 @@
 
 Flow per sample: over-budget policy -> `BatchFormer` window -> pool of formed batches -> when the
 pool holds `pool_steps * W` batches they are grouped by cost into steps (`rank_balancer`).
-Latency: an epoch's first step needs `lookahead_tokens` worth of samples plus a pool of ~256 batches
-(default `pool_steps = ceil(256 / W)`); a smaller `pool_steps` starts sooner and balances less
-well.
+Latency: at full size an epoch's step needs `lookahead_tokens` worth of samples plus a pool of ~256
+batches (default `pool_steps = ceil(256 / W)`). With `policy.ramp_up` (the default) an epoch
+starts small: after k steps of the epoch the window is `RAMP_FIRST_BUDGETS * 2**k` budgets and
+the pool `2**k` steps (each capped at its configured size), so the first step comes after a few
+budgets of samples and the plan reaches full size after a handful of steps. The ramp is a
+function of the steps already emitted in the epoch, so restores see the same sizes.
 
 End of epoch:
 - join: the window is flushed; if the batches left do not divide by W, the biggest are split in
@@ -56,6 +59,8 @@ from pipeline.planner.types import (
     StepInfo,
 )
 from pipeline.quarantine import QuarantineReason
+
+RAMP_FIRST_BUDGETS = 4  # the window of an epoch's first step, in token budgets (see above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +176,8 @@ class StepPlanner:
             pool_steps = 1 if world_size == 1 else max(2, -(-256 // world_size))
         if pool_steps < 1:
             raise ValueError(f"pool_steps must be >= 1, got {pool_steps}")
-        self._pool_target = pool_steps * world_size
+        self._pool_target = pool_steps * world_size  # at full size
+        self._pool_now = self._pool_target  # while ramping up: smaller (see `_ramp`)
         self._former = BatchFormer(policy)
         self._pool: list[PendingBatch] = []
         self.epoch = 0
@@ -200,7 +206,7 @@ class StepPlanner:
                 self._pool.extend(PendingBatch(tuple(b)) for b in cut)
         else:
             self._admit(sample, events)
-        if len(self._pool) >= self._pool_target:
+        if len(self._pool) >= self._pool_now:
             self._release(events, final=False)
         return events
 
@@ -284,6 +290,7 @@ class StepPlanner:
         p._carry = state.carried_over
         p.quarantined = state.quarantined
         p._pool = list(state.pool)
+        p._ramp()
         for s in state.window:
             # The window was below both of its bounds, so re-adding cuts nothing; the same
             # arrival order gives the same sorted window.
@@ -300,6 +307,7 @@ class StepPlanner:
         self._epoch_started = True
         self._epoch_first_step = self.next_step
         self._last_step = [None] * self.world_size
+        self._ramp()
         carry, self._carry = self._carry, ()
         for s in carry:  # carried samples open the epoch (already admitted once: in budget)
             self._admit(s, events)
@@ -342,6 +350,14 @@ class StepPlanner:
             self.quarantined += 1
             events.append(Quarantined(s, QuarantineReason.OVER_BUDGET, why))
 
+    def _ramp(self) -> None:
+        """Window and pool sizes for the steps already emitted in this epoch."""
+        if not self.policy.ramp_up:
+            return
+        k = min(30, self.next_step - self._epoch_first_step) if self._epoch_started else 0
+        self._pool_now = min(self._pool_target, self.world_size << k)
+        self._former.limit_tokens(self._budget * RAMP_FIRST_BUDGETS << k)
+
     def _lengths(self, pb: PendingBatch) -> list[int]:
         if pb.truncated_to:
             cut = dict(pb.truncated_to)
@@ -366,6 +382,7 @@ class StepPlanner:
             rest = sorted(groups.pop())
         for group in groups:
             self._emit_step([pool[i] for i in group], events)
+        self._ramp()
         left = [pool[i] for i in rest]
         if not final:
             self._pool = left

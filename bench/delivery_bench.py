@@ -1,0 +1,314 @@
+"""Delivery benchmark: real `serve` replicas on one Redis feeding real rank processes over gRPC.
+
+    .venv/bin/python bench/delivery_bench.py [--quick]
+
+Measured side by side in one run, on loopback:
+  1. delivery: MB/s and batches/s to 8 rank processes (BatchStream, decoded to torch) from 1 and
+     from 2 replica processes (ranks split between them), against raw TCP carrying the very
+     same serialized batch bytes to 8 processes (what loopback can carry);
+  2. data stall: 8 trainers consuming at half the measured per-rank rate (1 replica);
+  3. CPU per delivered batch of one replica as the world grows (W = 8, 64, 256 simulated ranks,
+     threads in 2 consumer processes, the same number of steps each): it must not grow with W.
+Replicas are separate processes (`start_service` over a private redis-server) serving an
+in-memory synthetic job: delivery, not preprocessing, is measured. Every replica holds the same
+deterministic samples; one producer plans (the job's lease), any replica serves any rank.
+Writes bench/results/delivery/delivery_bench{,_quick}.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from replica_procs import Replica, array_job, consume_threads, job_samples  # noqa: E402
+
+OUT_DIR = ROOT / "bench" / "results" / "delivery"
+RANKS = 8
+WARMUP = 8  # batches per rank: the first prefetch windows filling at connect
+
+
+# --- trainer rank processes ------------------------------------------------------------------
+
+def _rank(address: str, job: str, rank: int, world: int, start, step_time: float, q) -> None:
+    from trainer_client import BatchStream
+
+    start.wait()
+    n = nbytes = 0
+    waited = warm_waited = 0.0
+    first = last = None
+    warm_at = None
+    t_start = time.perf_counter()
+    with BatchStream(address, job, rank, world, prefetch=4) as s:
+        it = iter(s)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            t1 = time.perf_counter()
+            if first is None:
+                first = time.time()
+            else:
+                waited += t1 - t0
+                if n >= WARMUP:
+                    warm_waited += t1 - t0
+            last = time.time()
+            n += 1
+            if n == WARMUP:
+                warm_at = time.perf_counter()
+            nbytes += sum(t.numel() * t.element_size() for t in batch.values())
+            if step_time > 0:
+                time.sleep(step_time)  # the simulated forward/backward
+    end = time.perf_counter()
+    q.put({"rank": rank, "batches": n, "bytes": nbytes, "first": first, "last": last,
+           "waited": waited, "wall": end - t_start, "warm_waited": warm_waited,
+           "warm_wall": end - (warm_at or t_start)})
+
+
+def _deliver(redis_url: str, job_id: str, replicas: int, steps: int, budget: int,
+             max_len: int, step_time: float = 0.0) -> dict:
+    job = array_job(job_id, RANKS, budget)
+    reps = [Replica(redis_url, job, steps, max_len) for _ in range(replicas)]
+    ctx = mp.get_context("spawn")
+    start, q = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(reps[r % replicas].address, job_id, r, RANKS,
+                                             start, step_time, q)) for r in range(RANKS)]
+    for p in procs:
+        p.start()
+    time.sleep(6.0)  # the rank processes import torch and grpc before the clock starts
+    cpu0 = [r.cpu() for r in reps]
+    start.set()
+    res = [q.get(timeout=900) for _ in procs]
+    for p in procs:
+        p.join(30)
+    cpu = [r.cpu() - c for r, c in zip(reps, cpu0, strict=True)]
+    stops = [r.stop() for r in reps]
+    t0, t1 = min(r["first"] for r in res), max(r["last"] for r in res)
+    batches, nbytes = sum(r["batches"] for r in res), sum(r["bytes"] for r in res)
+    served = [sorted(s["fetched_by_rank"]) for s in stops]
+    return {"replicas": replicas, "batches": batches, "bytes": nbytes, "seconds": t1 - t0,
+            "batches_per_s": batches / (t1 - t0), "mb_per_s": nbytes / (t1 - t0) / 1e6,
+            "replica_cpu_s": cpu, "ranks_served": served,
+            "stall_fraction": sum(r["waited"] for r in res) / sum(r["wall"] for r in res),
+            "stall_fraction_after_warmup":
+                sum(r["warm_waited"] for r in res) / sum(r["warm_wall"] for r in res)}
+
+
+# --- raw TCP of the same bytes ---------------------------------------------------------------
+
+def _real_messages(budget: int, max_len: int, count: int) -> list[bytes]:
+    """Serialized ServerMessages exactly as a replica builds them for this job."""
+    from pipeline.config import JobConfig
+    from pipeline.planner.step_planner import StepPlanner
+    from pipeline.planner.types import Step
+    from pipeline.service.batch_builder import batch_message
+
+    job = JobConfig.model_validate(array_job("raw", RANKS, budget))
+    samples = job_samples(RANKS, count // RANKS + 4, budget, max_len)
+    by_id = {s.sample_id: s for s in samples}
+    planner = StepPlanner(job.batching.policy(), RANKS, pool_steps=1)
+    events = planner.feed_many(s.measured("padded") for s in samples) + planner.end_epoch()
+    out = []
+    for step in (e for e in events if isinstance(e, Step)):
+        for b in step.batches:
+            out.append(batch_message(step, b.rank, [by_id[str(s.sample_id)] for s in b.samples],
+                                     collate="padded", pad_id=0, world_size=RANKS))
+        if len(out) >= count:
+            break
+    return out
+
+
+def _raw_client(port: int, start, q) -> None:
+    start.wait()
+    sock = socket.create_connection(("127.0.0.1", port))
+    buf = memoryview(bytearray(256 * 1024 * 1024))
+    header = bytearray(8)
+    n = nbytes = 0
+    first = None
+    while True:
+        got = 0
+        while got < 8:
+            k = sock.recv_into(memoryview(header)[got:], 8 - got)
+            if k == 0:
+                break
+            got += k
+        (size,) = struct.unpack("<Q", header) if got == 8 else (0,)
+        if size == 0:
+            break
+        got = 0
+        while got < size:
+            got += sock.recv_into(buf[got:size], size - got)
+        first = first or time.time()
+        n += 1
+        nbytes += size
+    q.put({"batches": n, "bytes": nbytes, "first": first, "last": time.time()})
+    sock.close()
+
+
+def _raw(messages: list[bytes], per_rank: int) -> dict:
+    ctx = mp.get_context("spawn")
+    start, q = ctx.Event(), ctx.Queue()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(RANKS)
+    port = listener.getsockname()[1]
+    procs = [ctx.Process(target=_raw_client, args=(port, start, q)) for _ in range(RANKS)]
+    for p in procs:
+        p.start()
+    start.set()
+
+    def send(conn: socket.socket, offset: int) -> None:
+        for i in range(per_rank):
+            m = messages[(offset + i) % len(messages)]
+            conn.sendall(struct.pack("<Q", len(m)))
+            conn.sendall(m)
+        conn.sendall(struct.pack("<Q", 0))
+        conn.close()
+
+    threads = []
+    for r in range(RANKS):
+        conn, _ = listener.accept()
+        threads.append(threading.Thread(target=send, args=(conn, r)))
+    for t in threads:
+        t.start()
+    res = [q.get(timeout=600) for _ in procs]
+    for t in threads:
+        t.join()
+    for p in procs:
+        p.join(30)
+    listener.close()
+    t0, t1 = min(r["first"] for r in res), max(r["last"] for r in res)
+    batches, nbytes = sum(r["batches"] for r in res), sum(r["bytes"] for r in res)
+    return {"batches": batches, "bytes": nbytes, "seconds": t1 - t0,
+            "batches_per_s": batches / (t1 - t0), "mb_per_s": nbytes / (t1 - t0) / 1e6}
+
+
+# --- CPU per batch as W grows ----------------------------------------------------------------
+
+def _cpu_per_batch(redis_url: str, world: int, steps: int, budget: int, max_len: int) -> dict:
+    job = array_job(f"cpu-w{world}", world, budget)
+    rep = Replica(redis_url, job, steps, max_len)
+    ctx = mp.get_context("spawn")
+    start, q = ctx.Event(), ctx.Queue()
+    groups = [list(range(world))[i::2] for i in range(2)]
+    procs = [ctx.Process(target=consume_threads, args=(rep.address, job["job_id"], g, world,
+                                                      start, q)) for g in groups]
+    for p in procs:
+        p.start()
+    time.sleep(6.0)
+    cpu0, t0 = rep.cpu(), time.perf_counter()
+    start.set()
+    outs = [q.get(timeout=900) for _ in procs]
+    got = sum(o["batches"] for o in outs)
+    errors = [e for o in outs for e in o["errors"]]
+    cpu, wall = rep.cpu() - cpu0, time.perf_counter() - t0
+    for p in procs:
+        p.join(30)
+    rep.stop()
+    return {"world_size": world, "batches": got, "replica_cpu_s": cpu, "wall_s": wall,
+            "cpu_ms_per_batch": cpu / got * 1e3, "errors": errors[:5]}
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.8))
+    d = result["delivery"]
+    names = ["raw TCP\n(same bytes)"] + [f"gRPC, {r['replicas']} replica(s)" for r in d]
+    a.bar(names, [result["raw"]["mb_per_s"]] + [r["mb_per_s"] for r in d],
+          color=["#999", "#3a7", "#2a5"])
+    a.set_ylabel("MB/s to 8 rank processes")
+    a.set_title("delivery on loopback")
+    s = result["stall"]
+    b.bar(["stall (all)", "after warm-up"],
+          [s["stall_fraction"] * 100, s["stall_fraction_after_warmup"] * 100],
+          color=["#c63", "#e96"])
+    b.axhline(1.0, ls="--", color="k", lw=0.8)
+    b.set_ylabel("% of trainer time waiting for data")
+    b.set_title(f"trainer at half rate ({s['target_steps_per_s']:.1f} steps/s)")
+    w = result["cpu_vs_world"]
+    c.plot([r["world_size"] for r in w], [r["cpu_ms_per_batch"] for r in w], "o-")
+    c.set_xscale("log", base=2)
+    c.set_xticks([r["world_size"] for r in w], [str(r["world_size"]) for r in w])
+    c.set_ylim(bottom=0)
+    c.set_xlabel("ranks served by one replica")
+    c.set_ylabel("replica CPU ms per delivered batch")
+    c.set_title("CPU per batch vs world size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (a few minutes)")
+    ap.add_argument("--budget", type=int, default=32768, help="token budget per batch")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from pipeline.redis_server import LocalRedis
+
+    steps = 40 if args.quick else 120
+    budget, max_len = args.budget, 1536
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    with LocalRedis() as redis:
+        url = redis.url
+        delivery = []
+        for n in (1, 2):
+            log(f"delivery: {n} replica(s), {RANKS} ranks, {steps} steps ...")
+            delivery.append(_deliver(url, f"deliver-{n}", n, steps, budget, max_len))
+            log(f"  {delivery[-1]['mb_per_s']:.0f} MB/s, "
+                f"{delivery[-1]['batches_per_s']:.0f} batches/s")
+        log("raw TCP of the same bytes ...")
+        raw = _raw(_real_messages(budget, max_len, 64), delivery[0]["batches"] // RANKS)
+        log(f"  {raw['mb_per_s']:.0f} MB/s")
+        target = delivery[0]["batches_per_s"] / RANKS * 0.5
+        log(f"stall at {target:.1f} steps/s per rank ...")
+        stall = _deliver(url, "stall", 1, max(10, steps // 2), budget, max_len, 1.0 / target)
+        stall["target_steps_per_s"] = target
+        log(f"  stall {stall['stall_fraction']:.2%} "
+            f"(after warm-up {stall['stall_fraction_after_warmup']:.2%})")
+        # The same steps at every W, so each stream's set-up (open, lease, END) weighs alike.
+        cpu_steps = 16 if args.quick else 48
+        cpu = []
+        for w in (8, 64, 256):
+            log(f"CPU per batch at W={w} ({cpu_steps} steps) ...")
+            cpu.append(_cpu_per_batch(url, w, cpu_steps, 4096, 512))
+            log(f"  {cpu[-1]['cpu_ms_per_batch']:.2f} ms per batch")
+    result = {
+        "command": "python bench/delivery_bench.py" + (" --quick" if args.quick else ""),
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                 "load_avg_at_end": os.getloadavg()[0]},
+        "ranks": RANKS, "token_budget": budget, "steps": steps,
+        "delivery": delivery, "raw": raw,
+        "grpc_vs_raw": [d["mb_per_s"] / raw["mb_per_s"] for d in delivery],
+        "stall": stall, "cpu_vs_world": cpu,
+    }
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    name = "delivery_bench_quick" if args.quick else "delivery_bench"
+    (OUT_DIR / f"{name}.json").write_text(json.dumps(result, indent=2))
+    _plot(result, OUT_DIR / f"{name}.png")
+    print(json.dumps({"mb_per_s": [d["mb_per_s"] for d in delivery],
+                      "raw_mb_per_s": raw["mb_per_s"], "grpc_vs_raw": result["grpc_vs_raw"],
+                      "stall_after_warmup": stall["stall_fraction_after_warmup"],
+                      "cpu_ms_per_batch": {c["world_size"]: c["cpu_ms_per_batch"] for c in cpu}},
+                     indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

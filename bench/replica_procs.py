@@ -1,0 +1,105 @@
+"""Serving replicas and many-rank consumers as separate processes, for the benchmarks.
+
+`Replica` runs `start_service` in a process of its own (as deployed) over a shared Redis, for a
+job whose samples are synthetic token arrays every replica builds alike (deterministic seed):
+what is measured is serving, not preprocessing. One producer plans the job (its lease); any
+replica serves any rank. `consume_threads` is many ranks as threads of one process, taking
+batches as fast as they come.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import threading
+
+
+def array_job(job_id: str, world: int, budget: int) -> dict:
+    return {"job_id": job_id, "world_size": world, "source": {"paths": ["arrays"]},
+            "batching": {"token_budget": budget, "max_window_samples": 512, "pool_steps": 1}}
+
+
+def job_samples(world: int, steps: int, budget: int, max_len: int):
+    """About `steps` steps' worth of samples of `max_len // 3 .. max_len` tokens."""
+    from pipeline.preprocess.array_source import synthetic_samples
+
+    mean = (max_len // 3 + max_len) / 2
+    return synthetic_samples(max(world, int(steps * world * budget / mean * 0.8)),
+                             min_len=max_len // 3, max_len=max_len, seed=7)
+
+
+def _replica(redis_url: str, job: dict, steps: int, max_len: int, extra: dict, conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from pipeline.config import ServiceConfig
+    from pipeline.preprocess.array_source import ArraySource
+    from pipeline.service.server import start_service
+
+    cfg = ServiceConfig.model_validate({
+        "redis_url": redis_url, "metrics_port": None,
+        "grpc": {"host": "127.0.0.1", "port": 0, "max_message_mb": 256}, "jobs": [job],
+        **extra})
+    source = ArraySource(job_samples(job["world_size"], steps, job["batching"]["token_budget"],
+                                     max_len))
+    svc = start_service(cfg, sample_sources={job["job_id"]: source})
+    conn.send(svc.port)
+    while True:
+        cmd = conn.recv()
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        if cmd == "cpu":
+            conn.send(ru.ru_utime + ru.ru_stime)
+        elif cmd == "stop":
+            fetched = svc.runtimes[job["job_id"]].payloads.fetched_by_rank()
+            svc.stop(grace=0.5)
+            conn.send({"cpu_s": ru.ru_utime + ru.ru_stime, "fetched_by_rank": fetched})
+            return
+
+
+class Replica:
+    """One serving replica process; `address` once it listens."""
+
+    def __init__(self, redis_url: str, job: dict, steps: int, max_len: int,
+                 **service: object) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_replica,
+                                args=(redis_url, job, steps, max_len, service, child),
+                                daemon=True)
+        self.proc.start()
+        if not self.conn.poll(300):
+            raise RuntimeError("replica did not start")
+        self.address = f"127.0.0.1:{self.conn.recv()}"
+
+    def cpu(self) -> float:
+        """CPU seconds the replica process used so far."""
+        self.conn.send("cpu")
+        return self.conn.recv()
+
+    def stop(self) -> dict:
+        self.conn.send("stop")
+        out = self.conn.recv()
+        self.proc.join(30)
+        return out
+
+
+def consume_threads(address: str, job: str, ranks: list[int], world: int, start, q) -> None:
+    """Each rank in a thread, reading its stream to the end; puts the batches taken."""
+    from trainer_client import BatchStream
+
+    start.wait()
+    counts: dict[int, int] = {}
+    errors: list[str] = []
+
+    def one(rank: int) -> None:
+        try:
+            with BatchStream(address, job, rank, world, prefetch=4) as s:
+                counts[rank] = sum(1 for _ in s)
+        except Exception as exc:  # reported, not hidden: the run is then invalid
+            errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    q.put({"batches": sum(counts.values()), "errors": errors})
