@@ -13,11 +13,14 @@ import argparse
 import logging
 import signal
 import threading
+import time
+from collections.abc import Callable
 
-from pipeline.config import load_config
+from pipeline.config import ServiceConfig, load_config
 from pipeline.errors import UserError
 
 log = logging.getLogger("pipeline.serve")
+RAY_START_DELAY_S = 10.0  # Ray's start waits this long at most for the first steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
     for job in config.jobs:
         job.token()  # fail now, with the variable's name, if a token is missing
     from pipeline.observability import configure_logging, start_metrics_server
-    from pipeline.ray_runtime import PrivateRay, join_cluster
     from pipeline.redis_server import LocalRedis
     from pipeline.service.server import start_service
 
@@ -45,23 +47,22 @@ def run(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"redis_url": embedded.url})
         print(f"odb-pipeline serve: embedded Redis with its state in {embedded.data_dir}",
               flush=True)
-    private_ray = None
+    # Ray starts after the gRPC server (it takes 5-10 s on a small machine): ranks connect at
+    # once and the first steps are planned in this process meanwhile
+    # (producer.hosting.BootstrapHost); Ray's start waits for them, up to RAY_START_DELAY_S,
+    # so that its processes do not take the CPUs the first batch needs.
+    ray_up = RayStarter(config)
     try:
-        if config.ray.address:
-            join_cluster(config.ray.address)
-        else:
-            private_ray = PrivateRay(num_cpus=config.ray.num_cpus,
-                                     object_store_mb=config.ray.object_store_mb,
-                                     prefix="odb-serve-ray-").__enter__()
         try:
-            svc = start_service(config)
+            svc = start_service(config, ray_ready=ray_up.ready)
         except OSError as exc:
             raise UserError(str(exc)) from None
+        ray_up.start(lambda: all(rt.state.published_through() >= 0 or rt.state.is_done()
+                                 for rt in svc.runtimes.values()))
         metrics_port = None
         if config.metrics_port is not None:
             _, metrics_port = start_metrics_server(config.metrics_port, svc,
                                                    host=config.grpc.host)
-        # After ray.init, which installs its own SIGTERM handler (it would abort the process).
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -71,14 +72,64 @@ def run(args: argparse.Namespace) -> int:
               + (f"; metrics on :{metrics_port}" if metrics_port else ""), flush=True)
         try:
             while not stop.wait(0.5):
-                pass
+                if ray_up.error is not None:
+                    raise UserError(f"Ray did not start: {ray_up.error}")
         finally:
             print("odb-pipeline serve: draining", flush=True)
             svc.stop(grace=2.0)
     finally:
-        if private_ray is not None:
-            private_ray.close()
+        ray_up.close()
         if embedded is not None:
             embedded.cleanup()
     print("odb-pipeline serve: stopped", flush=True)
     return 0
+
+
+class RayStarter:
+    """Joins the configured cluster or starts a private Ray, in a thread (ray.init off the main
+    thread leaves our signal handlers alone); `ready` is set once it is up."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.ready = threading.Event()
+        self.error: str | None = None
+        self._private = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, first_steps_out: Callable[[], bool]) -> None:
+        self._thread = threading.Thread(target=self._run, args=(first_steps_out,),
+                                        name="ray-start", daemon=True)
+        self._thread.start()
+
+    def _run(self, first_steps_out: Callable[[], bool]) -> None:
+        from pipeline.ray_runtime import PrivateRay, join_cluster
+
+        deadline = time.monotonic() + RAY_START_DELAY_S
+        while time.monotonic() < deadline:
+            try:
+                if first_steps_out():
+                    break
+            except Exception:  # the state answers later: start Ray anyway at the deadline
+                log.debug("first-steps check failed", exc_info=True)
+            time.sleep(0.1)
+
+        ray_cfg = self.config.ray
+        try:
+            if ray_cfg.address:
+                join_cluster(ray_cfg.address)
+            else:
+                self._private = PrivateRay(num_cpus=ray_cfg.num_cpus,
+                                           object_store_mb=ray_cfg.object_store_mb,
+                                           prefix="odb-serve-ray-").__enter__()
+        except Exception as exc:  # reported by the serve loop as a one-line error
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("Ray did not start: %s", self.error)
+            return
+        self.ready.set()
+        log.info("Ray is up")
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(60)
+        if self._private is not None:
+            self._private.close()

@@ -35,9 +35,13 @@ def _load(path: str):
     # Quiet and offline: nothing here may reach for the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers import AutoTokenizer
+    # The generic fast tokenizer, not AutoTokenizer: the latter imports torch through the model
+    # config classes (~3 s per process, every Ray worker included); tokenizer.json and
+    # tokenizer_config.json define the same ids, offsets, special tokens and chat template
+    # (tests/preprocess/test_template_labels.py checks it against AutoTokenizer).
+    from transformers import PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     if not getattr(tok, "is_fast", False):
         # Label masks need character offsets, which only fast (Rust) tokenizers give.
         raise UserError(f"tokenizer at {path} has no fast (tokenizer.json) version")

@@ -1,18 +1,23 @@
 """Images -> Qwen2-VL pixel patches and visual-token counts.
 
-`Qwen2VLImageProcessorPil` needs only Pillow + numpy (the default class needs torchvision).
-An image of grid (t, h, w) becomes t*h*w patches of C*T*P*P values and t*h*w / merge_size**2
-visual tokens: the `<|image_pad|>` run that replaces the template's single placeholder.
+The same arithmetic as transformers' `Qwen2VLImageProcessorPil` (Pillow + numpy): `smart_resize`
+to multiples of 28 pixels within [min_pixels, max_pixels], a bicubic resize, then patches of
+14x14 pixels, repeated over 2 temporal frames, flattened channel-major. It is done here, not by
+that class, because importing it imports torch (~3 s per process: every Ray worker and the cold
+start of `serve`); tests/preprocess/test_vision.py and tests/client/test_pixels.py check it
+against the class, byte for byte. An image of grid (t, h, w) becomes t*h*w patches of C*T*P*P
+values and t*h*w / merge_size**2 visual tokens: the `<|image_pad|>` run that replaces the
+template's single placeholder.
 
-Patches are stored as `preprocess.pixel_dtype` says: `uint8` (default) keeps the processor's
-resized pixels raw, with rescale and normalization off, and the trainer normalizes them on its
-device with `PIXEL_NORM` (a quarter of float32's bytes); `bfloat16` (as uint16 bit patterns)
-and `float32` hold the processor's normalized output.
+Patches are stored as `preprocess.pixel_dtype` says: `uint8` (default) keeps the resized pixels
+raw and the trainer normalizes them on its device with `PIXEL_NORM` (a quarter of float32's
+bytes); `bfloat16` (as uint16 bit patterns) and `float32` hold the normalized values.
 """
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,9 +29,49 @@ from pipeline.quarantine import QuarantineReason as R
 from trainer_client.pixels import PixelNorm, bfloat16_bits
 
 # Qwen2VLImageProcessorPil's rescale factor and OpenAI CLIP mean/std: what uint8 patches need
-# on the trainer. VisionProcessor refuses a processor that normalizes otherwise.
+# on the trainer (tests/client/test_pixels.py checks them against the class).
 PIXEL_NORM = PixelNorm(rescale=1 / 255, mean=(0.48145466, 0.4578275, 0.40821073),
                        std=(0.26862954, 0.26130258, 0.27577711))
+PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2  # Qwen2-VL's vision encoder
+
+
+def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int,
+                 factor: int = PATCH_SIZE * MERGE_SIZE) -> tuple[int, int]:
+    """(height, width) as multiples of `factor` with their product within [min_pixels,
+    max_pixels], keeping the aspect ratio as closely as possible (Qwen2-VL's rule)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got "
+                         f"{max(height, width) / min(height, width)}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _patches(chw: np.ndarray) -> np.ndarray:
+    """[C, H, W] -> [grid_h * grid_w, C * T * P * P] in Qwen2-VL's order (merge windows
+    contiguous, each frame repeated T times)."""
+    c, h, w = chw.shape
+    gh, gw, m, p = h // PATCH_SIZE, w // PATCH_SIZE, MERGE_SIZE, PATCH_SIZE
+    x = chw.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], TEMPORAL_PATCH_SIZE, p, p))
+    return x.reshape(gh * gw, c * TEMPORAL_PATCH_SIZE * p * p)
+
+
+def _normalized(chw: np.ndarray) -> np.ndarray:
+    """uint8 [C, H, W] -> float32, rescaled and normalized in the image processor's order of
+    operations (float64 rescale, float32 normalize), so float32 storage matches it exactly."""
+    x = (chw.astype(np.float64) * PIXEL_NORM.rescale).astype(np.float32)
+    mean = np.asarray(PIXEL_NORM.mean, np.float32)[:, None, None]
+    std = np.asarray(PIXEL_NORM.std, np.float32)[:, None, None]
+    return (x - mean) / std
 
 
 def decode_image(ref: ImageRef, source_path: str):
@@ -56,18 +101,9 @@ def decode_image(ref: ImageRef, source_path: str):
 
 class VisionProcessor:
     def __init__(self, cfg: PreprocessConfig) -> None:
-        from transformers import Qwen2VLImageProcessorPil
-
-        self.processor = Qwen2VLImageProcessorPil(
-            min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels
-        )
-        self.merge_size = int(self.processor.merge_size)
+        self.min_pixels, self.max_pixels = cfg.image_min_pixels, cfg.image_max_pixels
+        self.merge_size = MERGE_SIZE
         self.pixel_dtype = cfg.pixel_dtype
-        mine = PixelNorm(float(self.processor.rescale_factor), tuple(self.processor.image_mean),
-                         tuple(self.processor.image_std))
-        if mine != PIXEL_NORM:
-            raise ValueError(f"the image processor normalizes with {mine}, but uint8 patches "
-                             f"are sent with {PIXEL_NORM}")
 
     def visual_tokens(self, grid_thw: np.ndarray) -> np.ndarray:
         """Per-image count of `<|image_pad|>` tokens for rows of (t, h, w)."""
@@ -77,27 +113,25 @@ class VisionProcessor:
         """-> (pixel_values [patches, C*T*P*P] in `pixel_dtype`, image_grid_thw int64 [n, 3])."""
         from PIL import Image
 
-        prepared = []
+        patches, grids = [], []
         for i, im in enumerate(images):
             s = scales[i] if i < len(scales) else 1.0
             if s != 1.0:
-                # Augmentation: rescale before the processor's own min/max-pixel resize, so the
-                # visual-token count (the true cost) changes as it would in training.
+                # Augmentation: rescale before the min/max-pixel resize, so the visual-token
+                # count (the true cost) changes as it would in training.
                 w, h = im.size
                 im = im.resize((max(1, round(w * s)), max(1, round(h * s))),
                                Image.Resampling.BICUBIC)
-            prepared.append(im)
-        raw = self.pixel_dtype == "uint8"
-        try:
-            out = self.processor(images=prepared, return_tensors="np", do_rescale=not raw,
-                                 do_normalize=not raw)
-        except ValueError as exc:  # e.g. extreme aspect ratios smart_resize refuses
-            raise RecordError(R.BAD_IMAGE, f"image processor refused the image: {exc}") from None
-        pv = out["pixel_values"]
-        if raw:  # resized 8-bit pixels held as float32 by the processor: exact in uint8
-            pv = pv.astype(np.uint8)
-        elif self.pixel_dtype == "bfloat16":
+            try:
+                h, w = smart_resize(im.height, im.width, self.min_pixels, self.max_pixels)
+            except ValueError as exc:  # e.g. extreme aspect ratios
+                raise RecordError(R.BAD_IMAGE, f"image processor refused the image: {exc}"
+                                  ) from None
+            rgb = np.asarray(im.convert("RGB").resize((w, h), Image.Resampling.BICUBIC),
+                             dtype=np.uint8).transpose(2, 0, 1)
+            patches.append(_patches(rgb if self.pixel_dtype == "uint8" else _normalized(rgb)))
+            grids.append((1, h // PATCH_SIZE, w // PATCH_SIZE))
+        pv = np.concatenate(patches)
+        if self.pixel_dtype == "bfloat16":
             pv = bfloat16_bits(pv)
-        else:
-            pv = np.ascontiguousarray(pv, dtype=np.float32)
-        return pv, np.ascontiguousarray(out["image_grid_thw"], dtype=np.int64)
+        return np.ascontiguousarray(pv), np.asarray(grids, dtype=np.int64).reshape(-1, 3)

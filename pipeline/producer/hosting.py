@@ -7,6 +7,11 @@ producer actually publishes, so starting many hosts is safe.
   (`actor.ensure_producer`). The actor outlives this replica.
 - `ThreadHost` (in-memory sources): a producer thread in this process; replicas that lose the
   race for the lease wait in `Producer._claim` and take over when the holder goes away.
+- `BootstrapHost` (a Ray job on a replica whose Ray is still starting): a `ThreadHost` over a
+  `LocalFeed` plans the first steps in this process; once Ray is up it stops (its lease is
+  released at a publication boundary: rows it read but did not publish are read again) and an
+  `ActorHost` takes over, its actor resuming from the checkpoint. It plans only a job that is
+  unplanned with no live producer lease; otherwise it is just the actor host, started late.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pipeline.config import JobConfig
 from pipeline.errors import StateError
 from pipeline.jobstate.interface import JobState
 from pipeline.producer.feed import MeasuredFeed
+from pipeline.producer.local_feed import LocalFeed
 from pipeline.producer.producer import Producer, ProducerSettings
 
 log = logging.getLogger(__name__)
@@ -93,3 +99,56 @@ class ActorHost:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+
+class BootstrapHost:
+    def __init__(self, job: JobConfig, state: JobState, redis_url: str, *, holder: str,
+                 settings: ProducerSettings, ray_ready: threading.Event,
+                 fsync_publish: bool = False) -> None:
+        self.job, self.state, self.holder, self.settings = job, state, holder, settings
+        self.ray_ready = ray_ready
+        self.feed = LocalFeed(job)
+        self.actor_host = ActorHost(job, state, redis_url, settings=settings,
+                                    fsync_publish=fsync_publish)
+        self._local: ThreadHost | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._hand_over,
+                                        name=f"producer-bootstrap-{job.job_id}", daemon=True)
+
+    def start(self) -> None:
+        if self._needs_producer():
+            self._local = ThreadHost(self.job, self.state, self.feed, holder=self.holder,
+                                     settings=self.settings)
+            self._local.start()
+            log.info("job %s: planning in this process while Ray starts", self.job.job_id,
+                     extra={"job": self.job.job_id})
+        self._thread.start()
+
+    def _needs_producer(self) -> bool:
+        try:
+            if self.state.is_done():
+                return False
+            lease = self.state.producer_lease()
+        except StateError:
+            return False
+        return lease is None or lease.expires_at <= time.time()
+
+    def _hand_over(self) -> None:
+        while not self.ray_ready.wait(0.2):
+            if self._stop.is_set():
+                return
+        if self._local is not None:
+            self._local.stop()  # releases the lease: the actor resumes from the checkpoint
+            log.info("job %s: Ray is up; the producer actor takes over", self.job.job_id,
+                     extra={"job": self.job.job_id})
+        if not self._stop.is_set():
+            self.actor_host.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._local is not None:
+            self._local.stop(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.actor_host.stop(timeout)
+        self.feed.drop()

@@ -3,7 +3,9 @@
 `PayloadSource.fetch(step, rank)` returns the rank's samples in batch order, byte-identical
 whenever and wherever it is called (restarts redeliver identical batches).
 - `ArrayPayloads`: the in-memory `ArraySource` the job was planned from.
-- `RayPayloads`: asks the job's producer actor for the object holding this (step, rank) batch
+- `RayPayloads`: first the batches a bootstrap producer of this replica staged in this process
+  (`LocalFeed`, while Ray started), then asks the job's producer actor for the object holding
+  this (step, rank) batch
   (the references of concurrent requests travel in one actor call) and reads it through Ray's
   object manager. When the producer does not hold it — published by a previous producer,
   released after the rank acknowledged it (a trainer rewinding to an older checkpoint), or the
@@ -19,7 +21,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.config import JobConfig
 from pipeline.jobstate.interface import JobState
@@ -27,6 +29,9 @@ from pipeline.planner.types import Batch, MeasuredSample, Step
 from pipeline.preprocess.array_source import ArraySource
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.coalescer import Coalescer
+
+if TYPE_CHECKING:
+    from pipeline.producer.local_feed import LocalFeed
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +80,10 @@ class ArrayPayloads(_Counting):
 
 
 class RayPayloads(_Counting):
-    def __init__(self, job: JobConfig, state: JobState) -> None:
+    def __init__(self, job: JobConfig, state: JobState, local: LocalFeed | None = None) -> None:
         super().__init__()
         self.job = job
+        self.local = local
         self.state = state  # END records tell which samples quota mode carried over
         self.collate = job.batching.collate
         self._actor_lock = threading.Lock()
@@ -117,6 +123,10 @@ class RayPayloads(_Counting):
         from pipeline.preprocess.rows import from_table
 
         batch = _batch(step, rank)
+        here = self.local.staged(step.step, rank) if self.local is not None else None
+        if here is not None:
+            self._count(rank, len(here))
+            return here
         ref = self._refs((step.step, rank))
         if ref is not None:
             try:

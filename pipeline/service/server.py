@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Mapping
 from concurrent import futures
@@ -30,7 +31,7 @@ from pipeline.errors import UserError
 from pipeline.jobstate.interface import JobState
 from pipeline.preprocess.array_source import ArraySource
 from pipeline.producer.feed import ArrayFeed
-from pipeline.producer.hosting import ActorHost, ProducerHost, ThreadHost
+from pipeline.producer.hosting import ActorHost, BootstrapHost, ProducerHost, ThreadHost
 from pipeline.producer.producer import ProducerSettings
 from pipeline.service.auth import server_credentials
 from pipeline.service.data_server import DataServicer, add_servicer
@@ -89,8 +90,8 @@ def producer_settings(config: ServiceConfig, pool_steps: int | None = None) -> P
 
 
 def _job_parts(config: ServiceConfig, job: JobConfig, state: JobState,
-               array: ArraySource | None, replica_id: str, settings: ProducerSettings
-               ) -> tuple[PayloadSource, ProducerHost]:
+               array: ArraySource | None, replica_id: str, settings: ProducerSettings,
+               ray_ready: threading.Event | None) -> tuple[PayloadSource, ProducerHost]:
     if array is not None:
         host = ThreadHost(job, state, ArrayFeed(array, job.batching.collate),
                           holder=f"replica:{replica_id}", settings=settings)
@@ -98,6 +99,11 @@ def _job_parts(config: ServiceConfig, job: JobConfig, state: JobState,
     if not config.redis_url:
         raise UserError(f"job {job.job_id!r}: jobs preprocessed by Ray need a Redis "
                         "(redis_url): their producer is a Ray actor in another process")
+    if ray_ready is not None and not ray_ready.is_set():
+        host = BootstrapHost(job, state, config.redis_url, holder=f"replica:{replica_id}",
+                             settings=settings, ray_ready=ray_ready,
+                             fsync_publish=config.fsync_publish)
+        return RayPayloads(job, state, local=host.feed), host
     return (RayPayloads(job, state),
             ActorHost(job, state, config.redis_url, settings=settings,
                       fsync_publish=config.fsync_publish))
@@ -113,10 +119,13 @@ def start_service(
     max_workers: int | None = None,
     pool_steps: int | None = None,
     replica_id: str | None = None,
+    ray_ready: threading.Event | None = None,
 ) -> RunningService:
     """Start this replica's runtimes and gRPC server for every job of `config`; returns once
     listening. `tokens` overrides the per-job bearer tokens (default: each job's `token_env`
-    variable); `pool_steps` the planner's balancing pool (None: the job's config)."""
+    variable); `pool_steps` the planner's balancing pool (None: the job's config).
+    `ray_ready`: an event set once Ray is initialized, for a caller that starts Ray meanwhile
+    (None: Ray is up already); until then Ray jobs are planned in this process."""
     job_states = dict(job_states or {})
     sample_sources = dict(sample_sources or {})
     replica_id = replica_id or new_replica_id()
@@ -126,7 +135,7 @@ def start_service(
     for job in config.jobs:
         state = job_states.get(job.job_id) or make_job_state(config, job)
         payloads, host = _job_parts(config, job, state, sample_sources.get(job.job_id),
-                                    replica_id, settings)
+                                    replica_id, settings, ray_ready)
         runtimes[job.job_id] = JobRuntime(job, state, payloads, host)
         toks[job.job_id] = tokens[job.job_id] if tokens and job.job_id in tokens else job.token()
 

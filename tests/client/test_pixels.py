@@ -1,4 +1,4 @@
-"""Image bytes: raw uint8 patches from the real Qwen2-VL processor travel a quarter of float32's
+"""Image bytes: raw uint8 patches, equal to the real Qwen2-VL processor's resized pixels, travel a quarter of float32's
 bytes and the client's normalization on the trainer side equals the processor's float32 output.
 
 Real pictures (scikit-image's bundled data, a grayscale one among them) go through the real
@@ -36,9 +36,16 @@ def processor(pixel_dtype: str) -> VisionProcessor:
     return VisionProcessor(PreprocessConfig(image_max_pixels=MAX_PIXELS, pixel_dtype=pixel_dtype))
 
 
+def library(**kw):
+    """transformers' own Qwen2-VL image processor: the reference VisionProcessor follows."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(max_pixels=MAX_PIXELS, **kw)
+
+
 def reference(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """The processor's own float32 output (rescale and normalize on)."""
-    out = processor("float32").processor(images=images(names), return_tensors="np")
+    out = library()(images=images(names), return_tensors="np")
     return out["pixel_values"], out["image_grid_thw"]
 
 
@@ -55,7 +62,7 @@ def through_the_wire(pixel_dtype: str, names: list[str], kind: str):
 
 
 def test_pixel_norm_is_the_processor_s():
-    p = processor("uint8").processor
+    p = library()
     assert PixelNorm(p.rescale_factor, tuple(p.image_mean), tuple(p.image_std)) == PIXEL_NORM
 
 
@@ -100,3 +107,23 @@ def test_float32_storage_is_the_processor_output_exactly():
     expected, _ = reference(PICTURES[:1])
     batch, _ = through_the_wire("float32", PICTURES[:1], "numpy")
     assert np.array_equal(batch.to_model_inputs()["pixel_values"], expected)
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(56 * 56, 224 * 224), (56 * 56, 1024 * 1024),
+                                        (128 * 128, 160 * 160)])
+def test_raw_patches_are_the_library_s_resized_pixels_byte_for_byte(lo, hi):
+    """Our resize and patch order is transformers' Qwen2VLImageProcessorPil's (rescale and
+    normalize off), on real pictures of many sizes and aspect ratios, grayscale included."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    ref = Qwen2VLImageProcessorPil(min_pixels=lo, max_pixels=hi)
+    ours = VisionProcessor(PreprocessConfig(image_min_pixels=lo, image_max_pixels=hi))
+    pics = images(PICTURES + ["page", "text", "horse", "coins"])
+    pics += [p.crop((0, 0, max(29, p.width // 3), p.height)) for p in pics[:3]]  # tall, odd
+    for pic in pics:
+        want = ref(images=[pic], return_tensors="np", do_rescale=False, do_normalize=False)
+        got, grid = ours.process([pic])
+        assert grid.tolist() == want["image_grid_thw"].tolist()
+        assert got.dtype == np.uint8
+        assert np.array_equal(got, want["pixel_values"].astype(np.uint8))
+        assert np.array_equal(want["pixel_values"], got.astype(np.float32))  # exact in uint8

@@ -154,3 +154,35 @@ def test_cost_uses_attention_model_only_when_b_positive():
     assert s.cost == 2 * 17 + 0.5 * 17 * 17 + 0.5  # ceil(178.5)
     s = _one(make_job(batching={"attn_a": 3.0, "attn_b": 0.0}), chat())
     assert s.cost == 17
+
+
+def test_the_fast_tokenizer_we_load_equals_autotokenizer_without_torch():
+    """load_tokenizer uses the generic fast tokenizer (AutoTokenizer would import torch in every
+    process): the same ids, offsets, special tokens and chat template on real text."""
+    import subprocess
+    import sys
+
+    import pydoc_data.topics
+    from transformers import AutoTokenizer
+
+    from pipeline.config import PreprocessConfig
+    from pipeline.preprocess.tokenizer import tokenizer_dir
+
+    ours = load_tokenizer(PreprocessConfig())
+    auto = AutoTokenizer.from_pretrained(tokenizer_dir(PreprocessConfig()), local_files_only=True)
+    texts = [*list(pydoc_data.topics.topics.values())[:40], "naïve café 東京 🙂 <|image_pad|>x"]
+    for t in texts:
+        a = ours(t, return_offsets_mapping=True)
+        b = auto(t, return_offsets_mapping=True)
+        assert a["input_ids"] == b["input_ids"] and a["offset_mapping"] == b["offset_mapping"]
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    assert ours.apply_chat_template(msgs, tokenize=False) == auto.apply_chat_template(
+        msgs, tokenize=False)
+    assert (ours.eos_token, ours.pad_token, len(ours)) == (auto.eos_token, auto.pad_token,
+                                                           len(auto))
+    probe = ("import sys; from pipeline.config import PreprocessConfig; "
+             "from pipeline.preprocess.tokenizer import load_tokenizer; "
+             "load_tokenizer(PreprocessConfig()); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

@@ -231,7 +231,9 @@ def test_pixels_per_visual_token_is_the_image_processors(pictures):
 
     cfg = make_job().preprocess
     vp = VisionProcessor(cfg)
-    assert (vp.processor.patch_size * vp.merge_size) ** 2 == PIXELS_PER_VISUAL_TOKEN
+    from pipeline.preprocess.vision import PATCH_SIZE
+
+    assert (PATCH_SIZE * vp.merge_size) ** 2 == PIXELS_PER_VISUAL_TOKEN
     # A picture smaller than image_min_pixels is enlarged to exactly that many visual tokens.
     _, grid = vp.process([Image.open(pictures / "camera.png").convert("RGB").resize((20, 20))])
     assert vp.visual_tokens(grid).tolist() == [cfg.min_image_visual_tokens] == [4]

@@ -80,3 +80,73 @@ def test_serve_streams_a_job_then_drains_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_serve_plans_the_first_steps_while_ray_starts_then_the_actor_takes_over(
+        tmp_path, redis_url, redis_client):
+    """Cold start (issue #15): the gRPC server listens before Ray is up and a bootstrap
+    producer plans the first steps in the serve process, so the first batch does not wait for
+    Ray; once Ray is up the job's producer actor takes the lease over at a publication boundary
+    and the epoch is still delivered exactly once."""
+    import time
+
+    from pipeline.coordinator import RedisJobState
+    from pipeline.preprocess.pipeline import SampleStore
+    from trainer_client import BatchStream
+
+    path = _config(tmp_path, batching={"token_budget": 4096})
+    path.write_text(json.dumps({**json.loads(path.read_text()), "redis_url": redis_url}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--config", str(path)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines: list[tuple[float, str]] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line))
+            if "listening on" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    got: dict[int, list] = {0: [], 1: []}
+
+    def rank(r: int) -> None:
+        with BatchStream(address, "sft", r, 2) as s:
+            for b in s:
+                got[r].append((time.monotonic(), b))
+
+    try:
+        assert ready.wait(180), "".join(ln for _, ln in lines)
+        text = "".join(ln for _, ln in lines)
+        port = re.search(r"listening on \S+:(\d+)", text).group(1)
+        address = f"127.0.0.1:{port}"
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        log = "".join(ln for _, ln in lines)
+        assert "planning in this process while Ray starts" in log, log[-3000:]
+        took_over = next(t for t, ln in lines if "producer actor takes over" in ln)
+        first = min(t for r in got for t, _ in got[r][:1])
+        assert first < took_over  # the first batch came before Ray's producer existed
+        state = RedisJobState.attach(redis_url, "sft")
+        lease = state.producer_lease()  # released once the actor finished, or still its own
+        assert state.is_done() and (lease is None or lease.holder.startswith("actor:"))
+        assert state.error() is None
+        ids = [i for r in got for _, b in got[r] for i in b.info.sample_ids]
+        assert len(ids) == len(set(ids)) == state.counters().samples_in > 0
+        # A batch the bootstrap planned holds exactly what Ray's preprocessing would give.
+        _, b0 = got[0][0]
+        from pipeline.config import load_config
+
+        sample = SampleStore(load_config(str(path)).jobs[0]).get(b0.info.sample_ids[0], 0)
+        assert b0["input_ids"][0, : sample.num_tokens].tolist() == sample.input_ids.tolist()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,91 @@
+"""A Ray-preprocessed job's rows processed in this process: the feed of the bootstrap producer.
+
+While a `serve` replica's Ray starts (5-10 s on a small machine), the job's first steps are
+planned from rows preprocessed here, by the very `Processor` the Ray tasks run (same job, epoch,
+seed: byte-identical samples), so the first batch does not wait for Ray. The payloads of staged
+batches stay in this process (`staged`), where this replica's `RayPayloads` finds them; any
+other replica rebuilds them by id. Once Ray is up the bootstrap producer stops, its lease goes
+to the job's producer actor, which resumes from the checkpoint (producer/hosting.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+from pipeline.config import JobConfig
+from pipeline.planner.types import MeasuredSample, Step
+from pipeline.preprocess.process import Processor
+from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
+from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk
+from pipeline.producer.feed import FeedItem, quarantine_entry
+
+CHUNK_ROWS = 32  # small reads: the first step needs a few budgets of samples (planner ramp)
+
+
+class LocalFeed:
+    def __init__(self, job: JobConfig) -> None:
+        self.job = job
+        self.collate = job.batching.collate
+        self._lock = threading.Lock()
+        # Yielded, not yet staged or discarded, by id in arrival order: quota mode can carry
+        # a sample of epoch e-1 next to the same id of epoch e (told apart by their sizes).
+        self._fed: dict[str, list[ProcessedSample]] = {}
+        self._staged: dict[tuple[int, int], list[ProcessedSample]] = {}
+
+    def iter_epoch(self, epoch: int, start_row: int = 0) -> Iterator[FeedItem]:
+        processor = Processor(self.job, epoch)
+        for chunk in plan_chunks(expand_sources(self.job.source), CHUNK_ROWS, start_row):
+            for item in processor.process(chunk.file, read_chunk(chunk)):
+                if isinstance(item, QuarantinedRecord):
+                    yield quarantine_entry(item)
+                    continue
+                with self._lock:
+                    self._fed.setdefault(item.sample_id, []).append(item)
+                yield item.measured(self.collate)
+
+    def _take(self, s: MeasuredSample) -> ProcessedSample | None:
+        held = self._fed.get(str(s.sample_id), [])
+        for i, p in enumerate(held):
+            if p.measured(self.collate) == s:
+                del held[i]
+                if not held:
+                    del self._fed[str(s.sample_id)]
+                return p
+        return None
+
+    def stage(self, steps: Sequence[Step]) -> None:
+        with self._lock:
+            for step in steps:
+                for b in step.batches:
+                    # A sample restored from a checkpoint was read by an earlier producer: it
+                    # is not here, and the replicas rebuild it by id.
+                    got = [self._take(s) for s in b.samples]
+                    if all(p is not None for p in got):
+                        self._staged[(step.step, b.rank)] = got  # type: ignore[assignment]
+
+    def staged(self, step: int, rank: int) -> list[ProcessedSample] | None:
+        """The payloads of (step, rank) if this feed staged them."""
+        with self._lock:
+            return self._staged.get((step, rank))
+
+    def release(self, keys: Sequence[tuple[int, int]]) -> None:
+        with self._lock:
+            for k in keys:
+                self._staged.pop(k, None)
+
+    def discard(self, samples: Sequence[MeasuredSample]) -> None:
+        with self._lock:
+            for s in samples:
+                self._take(s)
+
+    def close(self) -> None:
+        """Stop feeding; staged payloads stay for this replica's streams (bounded by the
+        producer's back-pressure: `max_ahead` steps) until `drop`."""
+        with self._lock:
+            self._fed.clear()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._fed.clear()
+            self._staged.clear()
