@@ -92,6 +92,10 @@ def _job_parts(config: ServiceConfig, job: JobConfig, state: JobState,
                array: ArraySource | None, replica_id: str, settings: ProducerSettings
                ) -> tuple[PayloadSource, ProducerHost]:
     if array is not None:
+        if job.organization.kind == "sdo":
+            raise UserError(f"job {job.job_id!r}: organization.kind sdo needs a job preprocessed "
+                            "by Ray Data (a `source` of files: its records are embedded), not "
+                            "an in-memory sample source")
         host = ThreadHost(job, state, ArrayFeed(array, job.batching.collate),
                           holder=f"replica:{replica_id}", settings=settings)
         return ArrayPayloads(array), host
