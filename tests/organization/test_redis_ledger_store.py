@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from sdo_cases import graph_of
 
-from pipeline.coordinator import RedisJobState, job_summary, keys
+from pipeline.coordinator import RedisJobState, job_summary, keys, registry
 from pipeline.coordinator.redis_ledger_store import RedisLedgerStore
 from pipeline.errors import Fenced
 from pipeline.organization.epoch_visits import plan_epoch_visits
@@ -98,3 +98,5 @@ def test_only_the_current_producer_generation_writes(state, redis_url, redis_cli
     summary = job_summary(redis_client, JOB)
     assert summary.exposure == ExposureLedger.from_dict(l2).summary()
     assert summary.exposure["epochs"] == 2
+    registry.delete_job(redis_client, JOB)  # the operator's delete takes the SDO keys too
+    assert not [k for k in redis_client.keys("*") if JOB.encode() in k]
