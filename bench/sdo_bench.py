@@ -300,7 +300,7 @@ def plot_exposure(res: dict, path: Path) -> None:
         r = res[key]
         a.set(title=f"after {epochs} epochs: min {r['min']}, p50 {r['p50']}, max {r['max']}; "
                     f"longest unseen {r['max_epochs_unseen']}",
-              xlabel="visits per sample", ylabel="samples")
+              xlabel="visits per sample", ylabel="samples (log scale)", yscale="log")
         a.title.set_fontsize(9)
         a.legend(fontsize=8)
     fig.suptitle(f"SDO exposure per sample ({res['graph']['nodes']} samples, k="
