@@ -17,8 +17,9 @@ per-sample gradients inside a batch, at the initial weights and after training);
 embedding locality; the exposure histogram after the epochs; padding efficiency and locality
 over a sweep of `locality` (the padding price of locality).
 
-Run:  .venv/bin/python bench/sdo_bench.py [--quick]
-Writes bench/results/sdo/sdo_bench{,_quick}.json and .png.
+Run:  .venv/bin/python bench/sdo_bench.py [--quick] [--exposure-epochs N]
+Writes bench/results/sdo/sdo_bench{,_quick}.json and .png, and the exposure histograms (after
+the trained epochs and after N planned epochs, default 20) to sdo_exposure{,_quick}.png.
 """
 
 from __future__ import annotations
@@ -267,7 +268,47 @@ def locality_sweep(measured: list, org, policy, table, samples: dict, args) -> l
     return out
 
 
+def long_exposure(org, args) -> object:
+    """The SDO ledger after `args.exposure_epochs` epochs of visits (plans only, no training)."""
+    from pipeline.organization.epoch_visits import plan_epoch_visits
+    from pipeline.organization.exposure_ledger import ExposureLedger
+
+    ledger = ExposureLedger.initial(org.graph.digest, org.graph.size)
+    for e in range(args.exposure_epochs):
+        _, ledger = plan_epoch_visits(org.graph, ledger, e, seed=args.seed,
+                                      coverage_epochs=args.coverage_epochs,
+                                      repeat_gap=org.repeat_gap)
+    return ledger
+
+
 # -- report ----------------------------------------------------------------------------------------
+
+def plot_exposure(res: dict, path: Path) -> None:
+    """The exposure histograms alone: after the trained epochs and after the long plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    for a, key, epochs in ((ax[0], "exposure", res["epochs"]),
+                           (ax[1], "exposure_long", res["exposure_long"]["epochs"])):
+        exp = np.array(res[key]["sdo_per_sample"])
+        bins = np.arange(exp.min(), exp.max() + 2) - 0.5
+        a.hist(exp, bins=bins, color="tab:red", label="sdo (ledger + coverage floor)")
+        a.axvline(epochs, color="tab:blue", ls="--", label=f"random / odb: {epochs}x each")
+        r = res[key]
+        a.set(title=f"after {epochs} epochs: min {r['min']}, p50 {r['p50']}, max {r['max']}; "
+                    f"longest unseen {r['max_epochs_unseen']}",
+              xlabel="visits per sample", ylabel="samples (log scale)", yscale="log")
+        a.title.set_fontsize(9)
+        a.legend(fontsize=8)
+    fig.suptitle(f"SDO exposure per sample ({res['graph']['nodes']} samples, k="
+                 f"{res['graph']['k']}, coverage_epochs {res['settings']['coverage_epochs']}, "
+                 f"max in-degree {res['graph']['max_in_degree']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
 
 def plot(res: dict, path: Path) -> None:
     import matplotlib
@@ -328,6 +369,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="~700 chats, 2 epochs, smaller model figures (a few minutes)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exposure-epochs", type=int, default=20,
+                    help="epochs of visits planned (no training) for the long exposure histogram")
     ap.add_argument("--locality", type=float, default=1.0,
                     help="the sdo arm's knob (default 1: with the job's 128-budget window a "
                     "small dataset fits one window, and locality <= 0.5 plans exactly like odb)")
@@ -383,6 +426,7 @@ def main() -> int:
         log(f"training {arm}: {sum(len(e) for e in arms[arm])} steps over {args.epochs} epochs")
         training[arm] = train_arm(arm, arms[arm], samples, held, args)
     exposure = ledger.summary()
+    long_ledger = long_exposure(org, args)
     res = {
         "quick": q, "epochs": args.epochs, "token_budget": args.token_budget,
         "settings": {k: getattr(args, k) for k in ("max_seq_len", "knn_k",
@@ -400,6 +444,8 @@ def main() -> int:
         "plans": plans,
         "locality_sweep": sweep,
         "exposure": {**exposure, "sdo_per_sample": ledger.exposure.tolist()},
+        "exposure_long": {**long_ledger.summary(),
+                          "sdo_per_sample": long_ledger.exposure.tolist()},
         "training": training,
         "load_avg": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),
@@ -410,6 +456,7 @@ def main() -> int:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / f"{stem}.json").write_text(json.dumps(res, indent=1))
     plot(res, OUT_DIR / f"{stem}.png")
+    plot_exposure(res, OUT_DIR / f"{stem.replace('bench', 'exposure')}.png")
     print("\n| arm | steps | final held-out loss | grad coherence init / end | emb. cosine "
           "| pad eff |")
     print("|---|---|---|---|---|---|")
@@ -419,7 +466,10 @@ def main() -> int:
               f"{r['grad_coherence_init']:.4f} / {r['grad_coherence_end']:.4f} | "
               f"{p['within_batch_cosine']:.4f} | {p['padding_efficiency']:.4f} |")
     print(f"exposure after {args.epochs} epochs (sdo): {exposure}")
-    print(f"\nwrote {OUT_DIR / (stem + '.json')} and .png ({res['wall_seconds']} s)")
+    print(f"exposure after {args.exposure_epochs} planned epochs (sdo): "
+          f"{long_ledger.summary()}")
+    print(f"\nwrote {OUT_DIR / (stem + '.json')}, .png and "
+          f"{stem.replace('bench', 'exposure')}.png ({res['wall_seconds']} s)")
     return 0
 
 

@@ -9,7 +9,8 @@ job_id, state, mode, world_size, published_through, done, error, samples_in, ran
 delivered_step, acked_step, lag_steps, connected, stalled, lapsed, heartbeat_age_s, client_id,
 *_emitted), totals, throughput, padding_efficiency, budget_utilisation, quarantine (total,
 by_reason, records), planner_buffer_samples, payload_cache_samples, source_backlog_samples,
-epoch_ends and, with --redis-url, redis. With --watch, one such object per line per refresh.
+epoch_ends and, with --redis-url, redis (and for an SDO job `exposure`: the exposure ledger's
+epochs, min, max, p50 and max_epochs_unseen). With --watch, one such object per line per refresh.
 """
 
 from __future__ import annotations

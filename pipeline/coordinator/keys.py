@@ -79,8 +79,21 @@ class JobKeys:
     def quarantine(self) -> str:  # list: the first records quarantined, bounded
         return self.base + "quarantine"
 
+    @property
+    def sdo(self) -> str:  # hash (SDO jobs): organization, ledger, summary, next_epoch
+        return self.base + "sdo"
+
+    @property
+    def sdo_visits(self) -> str:  # hash (SDO jobs): epoch -> that epoch's visits (write-once)
+        return self.base + "sdo_visits"
+
     def fixed(self) -> list[str]:
-        """All keys except the per-step ones (those are found from meta's step range)."""
+        """Every job's keys except the per-step ones (those are found from meta's step range)
+        and the SDO ones (`organization_keys`)."""
         return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
                 self.lease_exp, self.lease, self.lapsed, self.claimed, self.counters,
                 self.quarantine_ids, self.quarantine]
+
+    def organization_keys(self) -> list[str]:
+        """The keys only an SDO job has (its producer writes them: `RedisLedgerStore`)."""
+        return [self.sdo, self.sdo_visits]

@@ -12,6 +12,7 @@ import redis
 from pipeline.coordinator import registry
 from pipeline.coordinator.connection import unavailable_as_error
 from pipeline.coordinator.redis_job_state import RedisJobState
+from pipeline.coordinator.redis_ledger_store import RedisLedgerStore
 from pipeline.jobstate.interface import JobCounters, ProducerLease, RankHealth
 
 
@@ -26,6 +27,8 @@ class JobSummary:
     producer: ProducerLease | None
     error: str | None
     epoch_ends: int  # END records published
+    exposure: dict | None  # SDO jobs: the exposure ledger's summary (epochs, min, max, p50,
+    #                        max_epochs_unseen) after the last planned epoch; None otherwise
 
 
 def list_jobs(client: redis.Redis) -> list[str]:
@@ -42,6 +45,7 @@ def job_summary(client: redis.Redis, job_id: str) -> JobSummary | None:
         st = RedisJobState.attach(client, job_id)  # a view never creates or alters the job
         ranks = st.rank_health()
         n_ends = client.hlen(st.keys.ends)
+    exposure = RedisLedgerStore(client).summary(job_id)
     return JobSummary(
         job=rec,
         retained_steps=rec.published_through - rec.trimmed_through,
@@ -52,4 +56,5 @@ def job_summary(client: redis.Redis, job_id: str) -> JobSummary | None:
         producer=st.producer_lease(),
         error=st.error(),
         epoch_ends=n_ends,
+        exposure=exposure,
     )

@@ -113,7 +113,7 @@ def _job_keys(client: redis.Redis, job_id: str) -> list[str]:
     steps = []
     if rec is not None:
         steps = [k.step(n) for n in range(rec.trimmed_through + 1, rec.published_through + 1)]
-    return k.fixed() + steps
+    return k.fixed() + k.organization_keys() + steps
 
 
 def delete_job(client: redis.Redis, job_id: str) -> None:

@@ -309,6 +309,44 @@ return {now, redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'),
 """
 
 
+# SDO: the job's organization record (graph members, window, repeat gap), written once, fenced.
+# KEYS: meta, sdo. ARGV: generation, record. Returns 1 (written) or 0 (already identical).
+SDO_ORGANIZATION = _NOW + _FENCE + """
+local m = redis.call('HMGET', KEYS[1], 'producer_gen', 'producer_exp')
+if not m[1] then return redis.error_reply('ODB_NOJOB') end
+local f = fenced(m[1], m[2], ARGV[1])
+if f then return redis.error_reply(f) end
+local old = redis.call('HGET', KEYS[2], 'organization')
+if old then
+  if old == ARGV[2] then return 0 end
+  return redis.error_reply('ODB_SDO_CONFLICT organization')
+end
+redis.call('HSET', KEYS[2], 'organization', ARGV[2])
+return 1
+"""
+
+# SDO: one epoch's visits and the exposure ledger after it, together, fenced; write-once per
+# epoch and in epoch order. KEYS: meta, sdo, sdo_visits.
+# ARGV: generation, epoch, visits, ledger_after, summary. Returns 1 (written) or 0 (identical).
+SDO_EPOCH = _NOW + _FENCE + """
+local m = redis.call('HMGET', KEYS[1], 'producer_gen', 'producer_exp')
+if not m[1] then return redis.error_reply('ODB_NOJOB') end
+local f = fenced(m[1], m[2], ARGV[1])
+if f then return redis.error_reply(f) end
+local old = redis.call('HGET', KEYS[3], ARGV[2])
+if old then
+  if old == ARGV[3] then return 0 end
+  return redis.error_reply('ODB_SDO_CONFLICT epoch ' .. ARGV[2])
+end
+local nxt = tonumber(redis.call('HGET', KEYS[2], 'next_epoch') or '0')
+if tonumber(ARGV[2]) ~= nxt then
+  return redis.error_reply('ODB_SDO_ORDER ' .. ARGV[2] .. ' ' .. nxt)
+end
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+redis.call('HSET', KEYS[2], 'ledger', ARGV[4], 'summary', ARGV[5], 'next_epoch', nxt + 1)
+return 1
+"""
+
 class Script:
     """One Lua source with its SHA1; `__call__` is one EVALSHA (plus a reload after NOSCRIPT)."""
 
@@ -335,3 +373,5 @@ ack = Script(ACK)
 release = Script(RELEASE)
 lapsed = Script(LAPSED)
 health = Script(HEALTH)
+sdo_organization = Script(SDO_ORGANIZATION)
+sdo_epoch = Script(SDO_EPOCH)

@@ -65,6 +65,11 @@ def _job(job: dict[str, Any], show_records: bool) -> list[str]:
         for rec in records or []:
             detail = "" if rec["detail"] == rec["reason"] else f"  {rec['detail']}"
             lines.append(f"    {rec['sample_id']}  {rec['reason']}{detail}")
+    ex = job.get("exposure")
+    if ex:
+        lines.append(f"  exposure (sdo ledger) after {ex['epochs']} planned epoch(s): min "
+                     f"{ex['min']}  p50 {ex['p50']}  max {ex['max']} visits per sample; "
+                     f"longest unseen run {ex['max_epochs_unseen']} epoch(s)")
     if "redis" in job:
         rd = job["redis"]
         lines.append(f"  redis: state={rd['state']}  retained_steps={rd['retained_steps']}  "

@@ -145,6 +145,7 @@ def _redis_job(src: Sources, job_id: str) -> dict[str, Any] | None:
             "generation": s.producer.generation, "holder": s.producer.holder,
             "live": s.producer.expires_at > time.time()},
         "lapsed_ranks": s.lapsed_ranks, "created_at": s.job.created_at,
+        "exposure": s.exposure,
         "ranks": [{"rank": h.rank, "acked_step": h.acked, "client_id": h.client_id,
                    "heartbeat_age_s": h.heartbeat_age, "lapsed_for_s": h.lapsed_for}
                   for h in s.ranks],
@@ -179,6 +180,8 @@ def _merge(job_id: str, grpc_job: dict | None, http_job: dict | None,
         out["ranks"], out["quarantine"] = [ranks[k] for k in sorted(ranks)], quarantine
     if redis_job is not None:
         out["redis"] = {k: v for k, v in redis_job.items() if k != "ranks"}
+        if redis_job["exposure"] is not None:  # an SDO job: its ledger, written with the plan
+            out["exposure"] = redis_job["exposure"]
         by_rank = {h["rank"]: h for h in redis_job["ranks"]}
         for r in out.get("ranks", []):
             h = by_rank.get(r["rank"], {})

@@ -1,11 +1,12 @@
 """Where a job's SDO state lives between epochs, and the rule that makes replays exact.
 
-`LedgerStore` is the interface the coordinator implements in Redis: per job, each planned
-epoch's visits together with the ledger after it, written once (with the epoch's plan, in the
-same atomic write). `MemoryLedgerStore` keeps the same records in a dict, as JSON, for the CLI and
-tests. `epoch_visits_for` is what a producer calls at the start of an epoch: an epoch already
-planned is read back (a restart or a replay sees the very same visits); a new one is planned from
-the stored ledger and saved.
+`LedgerStore` is the interface the coordinator implements in Redis (`RedisLedgerStore`, fenced
+by the producer lease): per job, the organization record (which samples the graph holds, the
+planner window, the repeat gap) and each planned epoch's visits together with the ledger after
+it, each written once, before the first step planned from it is published. `MemoryLedgerStore`
+keeps the same records in a dict, as JSON, for the CLI and tests. `epoch_visits_for` is what a
+producer calls at the start of an epoch: an epoch already planned is read back (a restart or a
+replay sees the very same visits); a new one is planned from the stored ledger and saved.
 """
 
 from __future__ import annotations
@@ -38,6 +39,25 @@ class LedgerStore(ABC):
         """Record one epoch. Saving an epoch again with other visits raises ValueError; saving
         it again identically is a no-op; epochs are saved in order (next = latest + 1)."""
 
+    @abstractmethod
+    def organization(self, job_id: str) -> dict | None:
+        """The job's organization record (`Organization.record()` form), or None."""
+
+    @abstractmethod
+    def save_organization(self, job_id: str, record: dict) -> None:
+        """Record the organization once: again identically is a no-op, differently a
+        ValueError (a restarted producer must plan on the very same graph)."""
+
+    def summary(self, job_id: str) -> dict | None:
+        """`ExposureLedger.summary()` of the latest ledger (what `status` shows), or None."""
+        raw = self.latest(job_id)
+        return None if raw is None else ExposureLedger.from_dict(raw).summary()
+
+
+def canonical(record: dict) -> str:
+    """The one JSON text of a record, so that write-once compares texts."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))
+
 
 class MemoryLedgerStore(LedgerStore):
     """`LedgerStore` in memory; records are kept as JSON text, as Redis would hold them."""
@@ -45,6 +65,7 @@ class MemoryLedgerStore(LedgerStore):
     def __init__(self) -> None:
         self._visits: dict[tuple[str, int], str] = {}
         self._latest: dict[str, str] = {}
+        self._organization: dict[str, str] = {}
 
     def latest(self, job_id: str) -> dict | None:
         raw = self._latest.get(job_id)
@@ -56,7 +77,7 @@ class MemoryLedgerStore(LedgerStore):
 
     def save(self, job_id: str, visits: dict, ledger_after: dict) -> None:
         epoch = int(visits["epoch"])
-        text = json.dumps(visits, sort_keys=True)
+        text = canonical(visits)
         old = self._visits.get((job_id, epoch))
         if old is not None:
             if old != text:
@@ -68,7 +89,17 @@ class MemoryLedgerStore(LedgerStore):
             raise ValueError(f"job {job_id}: epoch {epoch} saved out of order (next is "
                              f"{expected})")
         self._visits[(job_id, epoch)] = text
-        self._latest[job_id] = json.dumps(ledger_after, sort_keys=True)
+        self._latest[job_id] = canonical(ledger_after)
+
+    def organization(self, job_id: str) -> dict | None:
+        raw = self._organization.get(job_id)
+        return None if raw is None else json.loads(raw)
+
+    def save_organization(self, job_id: str, record: dict) -> None:
+        text = canonical(record)
+        old = self._organization.setdefault(job_id, text)
+        if old != text:
+            raise ValueError(f"job {job_id}: the organization was already recorded differently")
 
 
 def epoch_visits_for(store: LedgerStore, job_id: str, graph: KnnGraph, epoch: int, *,

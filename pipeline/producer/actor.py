@@ -9,7 +9,8 @@ lease over at once and resumes from the checkpoint. When the job is planned and 
 payload released, the actor ends itself for good.
 
 Replicas ask it for payload references (`batch_refs`): in-band, so Ray counts them as borrowed
-while a replica reads them.
+while a replica reads them. An SDO job's producer reads through `SdoFeed` (its epochs are visits
+in traversal order, its SDO state in Redis) and plans with the window `locality` asks for.
 """
 
 from __future__ import annotations
@@ -47,12 +48,25 @@ class ProducerActor:
         self.job_id = job.job_id
         self.state = RedisJobState.connect(redis_url, job, fsync_publish=fsync_publish)
         self.feed = RayFeed(job)
+        planned_as = job
+        if job.organization.kind == "sdo":
+            self.feed, planned_as = self._sdo(job, self.feed)
         holder = f"actor:{ray.get_runtime_context().get_actor_id()}"
-        self.producer = Producer(job, self.state, self.feed, holder=holder,
+        self.producer = Producer(planned_as, self.state, self.feed, holder=holder,
                                  settings=ProducerSettings(**settings))
         self.thread = threading.Thread(target=self._run, name=f"producer-{job.job_id}",
                                        daemon=True)
         self.thread.start()
+
+    def _sdo(self, job: JobConfig, feed: Any) -> tuple[Any, JobConfig]:
+        """An SDO job: its visits feed (SDO state in the job's Redis, fenced by this producer's
+        lease generation) and the job as planned (the window `locality` asks for)."""
+        from pipeline.coordinator.redis_ledger_store import RedisLedgerStore
+        from pipeline.producer.sdo_feed import SdoFeed, planning_job
+
+        store = RedisLedgerStore(self.state.client)
+        return (SdoFeed(job, feed, store, fence=lambda: self.producer.generation),
+                planning_job(job))
 
     def _run(self) -> None:
         outcome = self.producer.run()

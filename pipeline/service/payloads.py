@@ -10,7 +10,8 @@ whenever and wherever it is called (restarts redeliver identical batches).
   object manager. When the producer does not hold it — published by a previous producer,
   released after the rank acknowledged it (a trainer rewinding to an older checkpoint), or the
   producer is gone — the samples are rebuilt by id with `SampleStore` (the same `Processor`,
-  same seed: byte-identical).
+  same seed: byte-identical). An SDO job plans visits (`<sample_id>#<k>`): each carries the
+  payload of its sample (`payload_id_of`).
 Both count what they fetched per rank (`fetched_by_rank`), so tests and operators can check that
 a replica never reads payloads of ranks it does not serve.
 """
@@ -20,12 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.config import JobConfig
 from pipeline.jobstate.interface import JobState
-from pipeline.planner.types import Batch, MeasuredSample, Step
+from pipeline.planner.types import Batch, MeasuredSample, SampleId, Step
 from pipeline.preprocess.array_source import ArraySource
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.coalescer import Coalescer
@@ -45,9 +46,19 @@ class PayloadSource(Protocol):
     def close(self) -> None: ...
 
 
-def _matches(p: ProcessedSample, s: MeasuredSample, collate: str) -> bool:
-    return p.measured(collate) == MeasuredSample(str(s.sample_id), s.num_tokens,
+def _matches(p: ProcessedSample, s: MeasuredSample, collate: str, payload_id: str) -> bool:
+    return p.measured(collate) == MeasuredSample(payload_id, s.num_tokens,
                                                  s.num_visual_tokens, s.loss_tokens)
+
+
+def payload_id_of(job: JobConfig) -> Callable[[SampleId], str]:
+    """The sample whose payload a planned id names: the id itself, or for an SDO job the
+    sample of a visit (`<sample_id>#<k>`)."""
+    if job.organization.kind == "sdo":
+        from pipeline.organization.epoch_visits import split_visit_id
+
+        return lambda planned: split_visit_id(str(planned))[0]
+    return str
 
 
 class _Counting:
@@ -86,6 +97,7 @@ class RayPayloads(_Counting):
         self.local = local
         self.state = state  # END records tell which samples quota mode carried over
         self.collate = job.batching.collate
+        self.payload_id = payload_id_of(job)
         self._actor_lock = threading.Lock()
         self._actor: Any = None
         self._refs = Coalescer(self._refs_many)
@@ -132,7 +144,8 @@ class RayPayloads(_Counting):
             try:
                 items = from_table(ray.get(ref))
                 if len(items) == len(batch.samples) and all(
-                        isinstance(p, ProcessedSample) and _matches(p, s, self.collate)
+                        isinstance(p, ProcessedSample)
+                        and _matches(p, s, self.collate, self.payload_id(s.sample_id))
                         for p, s in zip(items, batch.samples, strict=True)):
                     self._count(rank, len(items))
                     return items  # type: ignore[return-value]
@@ -152,15 +165,16 @@ class RayPayloads(_Counting):
             if self._store is None:
                 self._store = SampleStore(self.job)
             store = self._store
-        sid = str(s.sample_id)
+        sid = self.payload_id(s.sample_id)
         # A sample of epoch e's plan came from epoch e, or (quota carry-over) from epoch e-1.
         candidates = [epoch]
         prev = next((e for e in self.state.epoch_ends() if e.epoch == epoch - 1), None)
-        if prev is not None and any(str(c.sample_id) == sid for c in prev.carried_over):
+        if prev is not None and any(str(c.sample_id) == str(s.sample_id)
+                                    for c in prev.carried_over):
             candidates.append(epoch - 1)
         for e in candidates:
             p = store.get(sid, e)
-            if _matches(p, s, self.collate):
+            if _matches(p, s, self.collate, sid):
                 self.rebuilt += 1
                 return p
         raise LookupError(f"job {self.job.job_id}: no payload of {sid} measuring "

@@ -93,13 +93,18 @@ def _job_parts(config: ServiceConfig, job: JobConfig, state: JobState,
                array: ArraySource | None, replica_id: str, settings: ProducerSettings,
                ray_ready: threading.Event | None) -> tuple[PayloadSource, ProducerHost]:
     if array is not None:
+        if job.organization.kind == "sdo":
+            raise UserError(f"job {job.job_id!r}: organization.kind sdo needs a job preprocessed "
+                            "by Ray Data (a `source` of files: its records are embedded), not "
+                            "an in-memory sample source")
         host = ThreadHost(job, state, ArrayFeed(array, job.batching.collate),
                           holder=f"replica:{replica_id}", settings=settings)
         return ArrayPayloads(array), host
     if not config.redis_url:
         raise UserError(f"job {job.job_id!r}: jobs preprocessed by Ray need a Redis "
                         "(redis_url): their producer is a Ray actor in another process")
-    if ray_ready is not None and not ray_ready.is_set():
+    # SDO jobs plan visits from the whole epoch's embeddings: only their actor can (no bootstrap).
+    if ray_ready is not None and not ray_ready.is_set() and job.organization.kind == "none":
         host = BootstrapHost(job, state, config.redis_url, holder=f"replica:{replica_id}",
                              settings=settings, ray_ready=ray_ready,
                              fsync_publish=config.fsync_publish)

@@ -1,5 +1,6 @@
-"""Image bytes: raw uint8 patches, equal to the real Qwen2-VL processor's resized pixels, travel a quarter of float32's
-bytes and the client's normalization on the trainer side equals the processor's float32 output.
+"""Image bytes: raw uint8 patches, equal to the real Qwen2-VL processor's resized pixels,
+travel a quarter of float32's bytes, and the client's normalization on the trainer side equals
+the processor's float32 output.
 
 Real pictures (scikit-image's bundled data, a grayscale one among them) go through the real
 path: VisionProcessor -> Arrow row (rows.py) -> collate -> wire framing -> client decode ->
@@ -118,7 +119,7 @@ def test_raw_patches_are_the_library_s_resized_pixels_byte_for_byte(lo, hi):
 
     ref = Qwen2VLImageProcessorPil(min_pixels=lo, max_pixels=hi)
     ours = VisionProcessor(PreprocessConfig(image_min_pixels=lo, image_max_pixels=hi))
-    pics = images(PICTURES + ["page", "text", "horse", "coins"])
+    pics = images([*PICTURES, "page", "text", "horse", "coins"])
     pics += [p.crop((0, 0, max(29, p.width // 3), p.height)) for p in pics[:3]]  # tall, odd
     for pic in pics:
         want = ref(images=[pic], return_tensors="np", do_rescale=False, do_normalize=False)

@@ -105,8 +105,8 @@ def read_log(path: Path) -> list[dict]:
 
 # ------------------------------------------------------------------ rank threads
 class RankThread:
-    """One rank consuming every epoch in a thread; records (epoch, step, ids, digest) per
-    delivered batch, the END infos, and the StreamError that stopped it, if any."""
+    """One rank consuming every epoch in a thread; records (epoch, step, ids, digest, loss-scale
+    counts) per delivered batch, the END infos, and the StreamError that stopped it, if any."""
 
     def __init__(self, address: str, job: str, rank: int, world: int, *, epochs: int = 1,
                  sleep: float = 0.0) -> None:
@@ -129,10 +129,14 @@ class RankThread:
         try:
             for _ in range(self.epochs):
                 for batch in self.stream:
-                    self.records.append({"epoch": batch.info.epoch, "step": batch.info.step,
-                                         "ids": list(batch.info.sample_ids),
+                    i = batch.info
+                    self.records.append({"epoch": i.epoch, "step": i.step,
+                                         "ids": list(i.sample_ids),
                                          "digest": batch.digest(),
-                                         "filler": batch.info.filler})
+                                         "filler": i.filler,
+                                         "scale": (i.step_samples, i.step_tokens,
+                                                   i.step_loss_tokens, i.rank_samples,
+                                                   i.rank_tokens, i.rank_loss_tokens)})
                     if self.sleep:
                         time.sleep(self.sleep)
                 self.ends.append(self.stream.last_end)

@@ -159,10 +159,10 @@ def test_cost_uses_attention_model_only_when_b_positive():
 def test_the_fast_tokenizer_we_load_equals_autotokenizer_without_torch():
     """load_tokenizer uses the generic fast tokenizer (AutoTokenizer would import torch in every
     process): the same ids, offsets, special tokens and chat template on real text."""
+    import pydoc_data.topics
     import subprocess
     import sys
 
-    import pydoc_data.topics
     from transformers import AutoTokenizer
 
     from pipeline.config import PreprocessConfig
