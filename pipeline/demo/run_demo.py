@@ -179,7 +179,7 @@ def run_demo(opts: DemoOptions, ctrl_c: CtrlC) -> dict:
         redis_url = opts.redis_url
         if redis_url is None:
             with progress.phase("starting Redis (embedded)"):
-                redis = LocalRedis()
+                redis = LocalRedis(die_with_parent=True)
                 stack.callback(redis.cleanup)
                 with ctrl_c.held():
                     redis.start()
