@@ -104,7 +104,9 @@ def test_status_without_flags_finds_the_tls_service_and_its_ranks(local_env, cap
     assert len(lines) == 2 and json.loads(lines[1])["jobs"][0]["throughput"]["basis"] == \
         "interval"
     assert main(["status"]) == 0
-    assert f"job {JOB}" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"job {JOB}" in text
+    assert text.startswith(f"service: serve (pid {proc.proc.pid},") and "(tls)" in text
 
 
 def test_a_job_whose_token_is_not_set_here_is_answered_without_grpc(local_env, capsys,
@@ -115,6 +117,10 @@ def test_a_job_whose_token_is_not_set_here_is_answered_without_grpc(local_env, c
     (job,) = out["jobs"]
     assert job["job_id"] == JOB
     assert job["redis"]["state"] and job["totals"]  # Redis and the metrics port answer
+    capsys.readouterr()
+    assert main(["status"]) == 0
+    assert f"GetJob not asked for job {JOB}: its token variable {TOKEN_ENV}" in \
+        capsys.readouterr().out
 
 
 def test_a_wrong_tls_root_is_a_one_line_error(local_env, capsys, tmp_path):
