@@ -105,8 +105,6 @@ def _local(args: argparse.Namespace, token: str | None) -> Sources:
             else:
                 src.grpc_skipped[job_id] = (f"its token variable {var} is not set here "
                                             "(set it, or give --token-env)")
-    if not src.jobs and not (src.metrics or src.redis_url):
-        src.jobs = sorted(token_envs)
     return src
 
 
