@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.errors import UserError
@@ -34,6 +37,23 @@ def find_redis_binary() -> str:
     )
 
 
+def _death_signal_setter() -> Callable[[], None] | None:
+    """A pre-exec hook making the child get SIGKILL when its parent dies (Linux prctl), so an
+    embedded Redis never outlives a `kill -9`-ed serve/demo. Resolved in the parent: the hook
+    itself only makes one libc call between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+    return hook
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,6 +70,7 @@ class LocalRedis:
         appendonly: bool = False,
         password: str | None = None,
         appendfsync: str = "everysec",
+        die_with_parent: bool = False,
     ) -> None:
         self.port = port or free_port()
         self._own_dir = data_dir is None
@@ -57,6 +78,9 @@ class LocalRedis:
         self.appendonly = appendonly
         self.appendfsync = appendfsync  # "always": nothing acknowledged is lost to a kill -9
         self.password = password
+        # Only for a server started before the process has threads (serve, demo): a pre-exec
+        # hook in a threaded process can deadlock the child.
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
         self._lock = None  # the state-dir lock of a durable embedded server
 
@@ -79,7 +103,11 @@ class LocalRedis:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # The state-dir lock goes to the server too: held while any process holds the AOF open.
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            pass_fds=(self._lock.fileno(),) if self._lock is not None else (),
+            preexec_fn=_death_signal_setter() if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -127,8 +155,9 @@ class LocalRedis:
     @classmethod
     def durable(cls, state_dir: str | Path) -> LocalRedis:
         """The embedded default of `serve`: AOF in `<state_dir>/redis`, so a restarted process
-        finds every job where it was. One process per state dir (an exclusive lock): two Redis
-        servers appending to one AOF would corrupt it."""
+        finds every job where it was. One process per state dir (an exclusive lock, held by the
+        server process too): two Redis servers appending to one AOF would corrupt it. The server
+        dies with its parent, so a `kill -9`-ed serve can be restarted on the same dir at once."""
         import fcntl
 
         data = Path(state_dir) / "redis"
@@ -141,7 +170,7 @@ class LocalRedis:
             raise UserError(f"state_dir {state_dir} is in use by another odb-pipeline process "
                             "(its embedded Redis); give each process its own state_dir, or "
                             "share one Redis with redis_url") from None
-        server = cls(data_dir=data, appendonly=True)
+        server = cls(data_dir=data, appendonly=True, die_with_parent=True)
         server._lock = lock
         return server
 

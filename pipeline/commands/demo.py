@@ -1,9 +1,14 @@
-"""`odb-pipeline demo`: embedded Redis, local Ray, the service and N real trainer ranks."""
+"""`odb-pipeline demo`: embedded Redis, local Ray, the service and N real trainer ranks.
+
+Ctrl-C at any moment ends it non-zero with nothing it started left running
+(`pipeline.demo.ctrl_c`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.demo.ctrl_c import CtrlC
     from pipeline.demo.report import format_table
     from pipeline.demo.run_demo import DemoOptions, run_demo
     from pipeline.sample_data import sample_chats_path
@@ -41,16 +47,22 @@ def run(args: argparse.Namespace) -> int:
         if not Path(path).exists():
             raise UserError(f"data file not found: {path}")
     out_dir = Path(args.out).resolve()
-    report = run_demo(DemoOptions(
-        data=data, out_dir=out_dir, ranks=args.ranks, token_budget=args.token_budget,
-        max_window_samples=args.max_window_samples, collate=args.collate, epochs=args.epochs,
-        seed=args.seed, standard=args.standard, redis_url=args.redis_url,
-    ))
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print(format_table(report))
-        print(f"\nsummary: {out_dir / 'summary.txt'}\nplot:    {out_dir / 'demo.png'}")
+    with CtrlC() as ctrl_c:
+        report = run_demo(DemoOptions(
+            data=data, out_dir=out_dir, ranks=args.ranks, token_budget=args.token_budget,
+            max_window_samples=args.max_window_samples, collate=args.collate,
+            epochs=args.epochs, seed=args.seed, standard=args.standard,
+            redis_url=args.redis_url,
+        ), ctrl_c)
+        if args.json:
+            print(json.dumps(report, indent=2, default=str))
+        else:
+            print(format_table(report))
+            print(f"\nsummary: {out_dir / 'summary.txt'}\nplot:    {out_dir / 'demo.png'}")
+        sys.stdout.flush()
+    # Everything the demo started is stopped: from here a Ctrl-C ends the process by the
+    # signal itself (exit status 130 from the shell), never as a run that succeeded.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if not report["coverage_ok"]:
         print("demo: identity coverage check FAILED", file=sys.stderr)
         return 1

@@ -4,20 +4,27 @@ Without `redis_url` it starts the embedded default: a private Redis whose AOF li
 `state_dir` (printed at start), so restarting `serve` resumes every job where it was. With
 `redis_url` (and `ray.address`) the same command started N times is one service of N replicas.
 SIGINT/SIGTERM drain: health goes NOT_SERVING, open streams get UNAVAILABLE (clients reconnect to
-another replica or later), then Ray is left (a private Ray is shut down).
+another replica or later), then Ray is left (a private Ray is shut down). While it listens, the
+replica's addresses are recorded under `state_dir` (`pipeline.local_services`), where
+`odb-pipeline status` without flags finds them.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pipeline.config import ServiceConfig, load_config
 from pipeline.errors import UserError
+
+if TYPE_CHECKING:
+    from pipeline.local_services import LocalService
 
 log = logging.getLogger("pipeline.serve")
 RAY_START_DELAY_S = 10.0  # Ray's start waits this long at most for the first steps
@@ -36,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.config}: no jobs configured (add a `jobs:` list)")
     for job in config.jobs:
         job.token()  # fail now, with the variable's name, if a token is missing
+    from pipeline import local_services
     from pipeline.observability import configure_logging, start_metrics_server
     from pipeline.redis_server import LocalRedis
     from pipeline.service.server import start_service
@@ -66,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
+        record = local_services.register(config.state_dir, _record(args, config, svc.port,
+                                                                   metrics_port))
         print(f"odb-pipeline serve: replica {svc.replica_id} listening on "
               f"{config.grpc.host}:{svc.port} for job(s) "
               f"{', '.join(j.job_id for j in config.jobs)}"
@@ -75,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
                 if ray_up.error is not None:
                     raise UserError(f"Ray did not start: {ray_up.error}")
         finally:
+            local_services.unregister(record)
             print("odb-pipeline serve: draining", flush=True)
             svc.stop(grace=2.0)
     finally:
@@ -133,3 +144,16 @@ class RayStarter:
             self._thread.join(60)
         if self._private is not None:
             self._private.close()
+
+
+def _record(args: argparse.Namespace, config: ServiceConfig, port: int,
+            metrics_port: int | None) -> LocalService:
+    from pipeline.local_services import LocalService, dial_host
+
+    host = dial_host(config.grpc.host)
+    return LocalService(
+        kind="serve", pid=os.getpid(), redis_url=config.redis_url or "",
+        grpc=f"{host}:{port}", metrics=f"{host}:{metrics_port}" if metrics_port else None,
+        tls_cert=os.path.abspath(config.grpc.tls_cert) if config.grpc.tls_cert else None,
+        config=os.path.abspath(args.config),
+        token_envs={j.job_id: j.token_env for j in config.jobs})

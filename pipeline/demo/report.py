@@ -133,39 +133,88 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def plot(runs: dict[str, dict], path: Path) -> None:
+def _steps_axis(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+
+
+def _efficiency_per_step(logs: list[list[dict]]) -> tuple[list[int], list[float]]:
+    steps: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for rows in logs:
+        for r in rows:
+            steps[r["step"]][0] += r["real_tokens"]
+            steps[r["step"]][1] += r["padded_tokens"]
+    xs = sorted(steps)
+    return xs, [steps[x][0] / max(1, steps[x][1]) for x in xs]
+
+
+def _samples_over_time(logs: list[list[dict]]) -> tuple[list[float], list[int]]:
+    rows = sorted((r for rank in logs for r in rank), key=lambda r: r["t"])
+    if not rows:
+        return [], []
+    start = min(r["t"] - r["wait_s"] - r["compute_s"] for r in rows)
+    return [r["t"] - start for r in rows], list(np.cumsum([len(r["sample_ids"]) for r in rows]))
+
+
+def _label(name: str, run: dict[str, Any]) -> str:
+    return "odb-pipeline" if name == "odb" else f"standard (B={run.get('batch_size')})"
+
+
+def figure(runs: dict[str, dict]) -> Any:
+    """The demo's plot. One row per run: tokens per step per rank, padding efficiency per step.
+    With the Standard run, a last row compares the two on shared axes: samples trained over
+    time and padding efficiency per step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 7), squeeze=False,
-                             sharey="row")
-    for col, (name, run) in enumerate(runs.items()):
-        logs = read_rank_logs(run["logs"])
-        ax = axes[0][col]
-        for rank, rows in enumerate(logs):
+    logs = {name: read_rank_logs(run["logs"]) for name, run in runs.items()}
+    compare = "standard" in runs
+    fig, axes = plt.subplots(len(runs) + compare, 2, figsize=(12, 3.6 * (len(runs) + compare)),
+                             squeeze=False)
+    for row, (name, run) in enumerate(runs.items()):
+        label = _label(name, run)
+        ax = axes[row][0]
+        for rank, rows in enumerate(logs[name]):
             ax.plot([r["step"] for r in rows], [r["padded_tokens"] for r in rows], lw=1,
                     label=f"rank {rank} padded")
             ax.plot([r["step"] for r in rows], [r["real_tokens"] for r in rows], lw=1, ls="--",
                     label=f"rank {rank} real")
-        ax.set_title(f"{name}: tokens per step per rank")
-        ax.set_xlabel("step")
+        ax.set_title(f"{label}: tokens per step per rank")
         ax.set_ylabel("tokens")
+        _steps_axis(ax)
         ax.legend(fontsize=7)
-        ax = axes[1][col]
-        steps: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-        for rows in logs:
-            for r in rows:
-                steps[r["step"]][0] += r["real_tokens"]
-                steps[r["step"]][1] += r["padded_tokens"]
-        xs = sorted(steps)
-        ax.plot(xs, [steps[x][0] / max(1, steps[x][1]) for x in xs], color="tab:green")
+        ax = axes[row][1]
+        ax.plot(*_efficiency_per_step(logs[name]), color="tab:green")
         ax.set_ylim(0, 1.05)
-        ax.set_title(f"{name}: padding efficiency per step")
-        ax.set_xlabel("step")
+        ax.set_title(f"{label}: padding efficiency per step")
         ax.set_ylabel("real / padded tokens")
+        _steps_axis(ax)
+    if compare:
+        over_time, per_step = axes[-1]
+        for name, run in runs.items():
+            over_time.plot(*_samples_over_time(logs[name]), label=_label(name, run))
+            per_step.plot(*_efficiency_per_step(logs[name]), label=_label(name, run))
+        over_time.set_title("odb-pipeline vs standard: samples trained")
+        over_time.set_xlabel("seconds since the first batch request")
+        over_time.set_ylabel("samples")
+        over_time.legend(fontsize=8)
+        per_step.set_title("odb-pipeline vs standard: padding efficiency per step")
+        per_step.set_ylim(0, 1.05)
+        per_step.set_ylabel("real / padded tokens")
+        _steps_axis(per_step)
+        per_step.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(runs: dict[str, dict], path: Path) -> None:
+    fig = figure(runs)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -2,7 +2,9 @@
 
 The ranks are separate processes running gloo DDP (`pipeline.demo.train_rank`); they talk to the
 service only over gRPC, as they would on a cluster. Every rank writes a per-step log; the report
-(`pipeline.demo.report`) is computed from those logs alone.
+(`pipeline.demo.report`) is computed from those logs alone. Progress names each phase
+(`pipeline.demo.progress`); while it runs the service is recorded for `odb-pipeline status`
+(`pipeline.local_services`, under the state dir `ODB_STATE_DIR` names, else the default).
 """
 
 from __future__ import annotations
@@ -13,10 +15,15 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import ServiceConfig, load_config
+from pipeline.config import ENV_PREFIX, ServiceConfig, load_config
+from pipeline.demo.ctrl_c import CtrlC
+from pipeline.demo.progress import Measure, Progress, preprocessing_measure, training_measure
+from pipeline.local_services import LocalService
 from pipeline.redis_server import LocalRedis, free_port
 
 DEMO_JOB = "demo"
@@ -41,7 +48,9 @@ class DemoOptions:
 
 
 def demo_config(opts: DemoOptions, redis_url: str) -> ServiceConfig:
-    return load_config(environ={}, overrides={
+    # The demo's own settings, whatever ODB_* says, but the state dir where `status` looks.
+    state_env = {k: v for k, v in os.environ.items() if k == f"{ENV_PREFIX}STATE_DIR"}
+    return load_config(environ=state_env, overrides={
         "redis_url": redis_url,
         "metrics_port": 0,
         "grpc": {"host": "127.0.0.1", "port": 0},
@@ -62,37 +71,40 @@ def demo_config(opts: DemoOptions, redis_url: str) -> ServiceConfig:
     })
 
 
-def _spawn_ranks(opts: DemoOptions, log_dir: Path, extra: list[str]) -> list[subprocess.Popen]:
+def _spawn_ranks(opts: DemoOptions, log_dir: Path, extra: list[str],
+                 procs: list[subprocess.Popen], ctrl_c: CtrlC) -> None:
+    """Start the trainer ranks into `procs` (each held there before Ctrl-C can cut in)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, **opts.extra_env, "OMP_NUM_THREADS": "1"}
-    procs = []
+    procs.clear()
     for rank in range(opts.ranks):
         cmd = [sys.executable, "-m", "pipeline.demo.train_rank", "--rank", str(rank),
                "--world-size", str(opts.ranks), "--master-port", str(port),
                "--log", str(log_dir / f"rank{rank}.jsonl"), *extra]
-        err = open(log_dir / f"rank{rank}.stderr", "w")  # noqa: SIM115 - closed with the proc
-        procs.append(subprocess.Popen(cmd, env=env, stdout=err, stderr=subprocess.STDOUT))
-    return procs
+        with ctrl_c.held(), open(log_dir / f"rank{rank}.stderr", "w") as err:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=err, stderr=subprocess.STDOUT))
 
 
-def _watch(procs: list[subprocess.Popen], log_dir: Path, total: int, label: str,
-           timeout_s: float) -> None:
-    """Progress bar over samples consumed (read from the rank logs) until every rank exits."""
-    from tqdm import tqdm
+def _stop_ranks(procs: list[subprocess.Popen]) -> None:
+    for p in procs:  # Ctrl-C or a failure: no trainer rank outlives the demo
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
 
+
+def _watch(procs: list[subprocess.Popen], log_dir: Path, label: str, timeout_s: float,
+           progress: Progress, measures: Callable[[int], list[Measure]]) -> None:
+    """Show the measured phases (`measures(samples trained)`) until every rank exits."""
     deadline = time.monotonic() + timeout_s
-    with tqdm(total=total, desc=label, unit="sample", file=sys.stderr, leave=True,
-              dynamic_ncols=True) as bar:
+    with progress.bars(label) as bars:
         while True:
-            done = sum(_count_samples(p) for p in log_dir.glob("rank*.jsonl"))
-            bar.update(done - bar.n)
+            bars.show(measures(sum(_count_samples(p) for p in log_dir.glob("rank*.jsonl"))))
             codes = [p.poll() for p in procs]
             if all(c is not None for c in codes):
                 break
             if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
+                _stop_ranks(procs)
                 bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
                 tail = ""
                 if bad:
@@ -144,35 +156,67 @@ def _standard_batches(samples: list, opts: DemoOptions, path: Path) -> int:
     return batch_size
 
 
-def run_demo(opts: DemoOptions) -> dict:
-    """Run ODB (and, with `standard`, the fixed-size baseline); return the report dict."""
+def run_demo(opts: DemoOptions, ctrl_c: CtrlC) -> dict:
+    """Run ODB (and, with `standard`, the fixed-size baseline); return the report dict.
+
+    Everything started is stopped on the way out, Ctrl-C included (`ctrl_c` holds it off
+    while a child is being started and during the cleanup)."""
+    from pipeline import local_services
     from pipeline.demo.report import build_report, write_outputs
+    from pipeline.observability import start_metrics_server
     from pipeline.ray_runtime import PrivateRay
     from pipeline.service.server import start_service
 
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     token = os.urandom(16).hex()
     opts.extra_env[TOKEN_ENV] = token
-    redis = None if opts.redis_url else LocalRedis().start()
-    ray = PrivateRay(num_cpus=2, prefix="odb-demo-ray-")
-    svc = None
+    progress = Progress()
     procs: list[subprocess.Popen] = []
     runs: dict[str, dict] = {}
+    # Stopped in reverse order: ranks, the status record, the service, Ray, Redis.
+    stack = ExitStack()
     try:
-        config = demo_config(opts, opts.redis_url or redis.url)
-        print(f"demo: redis {'(embedded) ' if redis else ''}ready; starting local Ray...",
-              file=sys.stderr)
-        ray.__enter__()
-        svc = start_service(config, tokens={DEMO_JOB: token})
-        print(f"demo: service on {svc.address}; {opts.ranks} trainer ranks (gloo DDP, Join)",
-              file=sys.stderr)
-        total = _source_rows(opts.data) * opts.epochs
+        redis_url = opts.redis_url
+        if redis_url is None:
+            with progress.phase("starting Redis (embedded)"):
+                redis = LocalRedis(die_with_parent=True)
+                stack.callback(redis.cleanup)
+                with ctrl_c.held():
+                    redis.start()
+            redis_url = redis.url
+        config = demo_config(opts, redis_url)
+        with progress.phase("starting Ray (local, 2 CPUs)"):
+            ray = PrivateRay(num_cpus=2, prefix="odb-demo-ray-")
+            stack.callback(ray.close)
+            ray.__enter__()
+        with progress.phase("starting the service"):
+            svc = start_service(config, tokens={DEMO_JOB: token})
+            stack.callback(svc.stop)
+            _, metrics_port = start_metrics_server(0, svc, host="127.0.0.1")
+            record = local_services.register(config.state_dir, LocalService(
+                kind="demo", pid=os.getpid(), redis_url=redis_url, grpc=svc.address,
+                metrics=f"127.0.0.1:{metrics_port}", token_envs={DEMO_JOB: TOKEN_ENV}))
+            stack.callback(local_services.unregister, record)
+        progress.say(f"service on {svc.address}, metrics on 127.0.0.1:{metrics_port} "
+                     f"(`odb-pipeline status` shows it); {opts.ranks} trainer ranks "
+                     "(gloo DDP, Join)")
+        stack.callback(_stop_ranks, procs)
+        rows = _source_rows(opts.data) * opts.epochs
+        state = svc.runtimes[DEMO_JOB].state
         odb_logs = opts.out_dir / "odb"
         shutil.rmtree(odb_logs, ignore_errors=True)
-        procs = _spawn_ranks(opts, odb_logs, ["--endpoint", svc.address, "--job", DEMO_JOB,
-                                              "--token-env", TOKEN_ENV])
-        _watch(procs, odb_logs, total, "odb", opts.rank_timeout_s)
-        state = svc.runtimes[DEMO_JOB].state
+        _spawn_ranks(opts, odb_logs, ["--endpoint", svc.address, "--job", DEMO_JOB,
+                                      "--token-env", TOKEN_ENV], procs, ctrl_c)
+
+        def odb_measures(trained: int) -> list[Measure]:
+            c = state.counters()
+            planned = state.is_done()
+            # Fully planned: samples_in is exact (truncate quarantines nothing in the planner).
+            expected = c.samples_in if planned else rows - c.quarantined
+            return [preprocessing_measure(rows, c.samples_in, c.quarantined, planned),
+                    training_measure(trained, expected)]
+
+        _watch(procs, odb_logs, "odb", opts.rank_timeout_s, progress, odb_measures)
         runs["odb"] = {
             "logs": odb_logs,
             "quarantined": [f"{q.sample_id}: {q.reason}: {q.detail}"
@@ -182,34 +226,33 @@ def run_demo(opts: DemoOptions) -> dict:
             "epochs": opts.epochs,
         }
         if opts.standard:
-            from pipeline.preprocess.pipeline import iter_samples
-            from pipeline.preprocess.sample import ProcessedSample
-
-            job = config.job(DEMO_JOB)
-            samples = [s for s in iter_samples(job, 0) if isinstance(s, ProcessedSample)]
-            std_logs = opts.out_dir / "standard"
-            shutil.rmtree(std_logs, ignore_errors=True)
-            std_logs.mkdir(parents=True)
-            plan_file = std_logs / "batches.pt"
-            batch_size = _standard_batches(samples, opts, plan_file)
-            procs = _spawn_ranks(opts, std_logs, ["--fixed-batches", str(plan_file)])
-            _watch(procs, std_logs, len(samples), f"standard (B={batch_size})",
-                   opts.rank_timeout_s)
-            runs["standard"] = {"logs": std_logs,
-                                "quarantined": runs["odb"]["quarantined"],
-                                "expected_samples": len(samples), "epochs": 1,
-                                "batch_size": batch_size}
+            runs["standard"] = _run_standard(opts, config, progress, procs, ctrl_c,
+                                             runs["odb"]["quarantined"])
     finally:
-        for p in procs:  # Ctrl-C or a failure: no trainer rank outlives the demo
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        if svc is not None:
-            svc.stop()
-        ray.close()
-        if redis is not None:
-            redis.cleanup()
-    report = build_report(runs, opts)
-    write_outputs(report, runs, opts.out_dir)
+        with ctrl_c.held():
+            stack.close()
+    with progress.phase("writing the report and the plot"):
+        report = build_report(runs, opts)
+        write_outputs(report, runs, opts.out_dir)
     return report
 
+
+def _run_standard(opts: DemoOptions, config: ServiceConfig, progress: Progress,
+                  procs: list[subprocess.Popen], ctrl_c: CtrlC, quarantined: list[str]) -> dict:
+    """The fixed-size baseline: the same samples, batched by count, through the same ranks."""
+    from pipeline.preprocess.pipeline import iter_samples
+    from pipeline.preprocess.sample import ProcessedSample
+
+    std_logs = opts.out_dir / "standard"
+    shutil.rmtree(std_logs, ignore_errors=True)
+    std_logs.mkdir(parents=True)
+    plan_file = std_logs / "batches.pt"
+    with progress.phase("preprocessing for fixed-size batches (standard)"):
+        samples = [s for s in iter_samples(config.job(DEMO_JOB), 0)
+                   if isinstance(s, ProcessedSample)]
+        batch_size = _standard_batches(samples, opts, plan_file)
+    _spawn_ranks(opts, std_logs, ["--fixed-batches", str(plan_file)], procs, ctrl_c)
+    _watch(procs, std_logs, f"standard, B={batch_size}", opts.rank_timeout_s, progress,
+           lambda trained: [training_measure(trained, len(samples))])
+    return {"logs": std_logs, "quarantined": quarantined, "expected_samples": len(samples),
+            "epochs": 1, "batch_size": batch_size}

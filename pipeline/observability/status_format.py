@@ -77,7 +77,18 @@ def _job(job: dict[str, Any], show_records: bool) -> list[str]:
     return lines
 
 
+def _sources(src: dict[str, Any]) -> list[str]:
+    """Where the answers came from, when `status` found the service itself."""
+    if not src.get("local_service"):
+        return []
+    lines = [f"service: {src['local_service']}  grpc={_v(src.get('endpoint'))}"
+             f"{' (tls)' if src.get('tls') else ''}  metrics={_v(src.get('metrics'))}"]
+    lines += [f"  GetJob not asked for job {job}: {why}"
+              for job, why in (src.get("grpc_skipped") or {}).items()]
+    return [*lines, ""]
+
+
 def render(status: dict[str, Any], show_records: bool = False) -> str:
-    if not status["jobs"]:
-        return "no jobs"
-    return "\n\n".join("\n".join(_job(j, show_records)) for j in status["jobs"])
+    body = ("\n\n".join("\n".join(_job(j, show_records)) for j in status["jobs"])
+            if status["jobs"] else "no jobs")
+    return "\n".join([*_sources(status.get("sources") or {}), body])

@@ -26,19 +26,29 @@ RPC_TIMEOUT_S = 5.0
 
 @dataclass
 class Sources:
-    endpoint: str | None = None  # gRPC HOST:PORT
+    endpoint: str | None = None  # gRPC target
     metrics: str | None = None  # HTTP HOST:PORT (or base URL) of the metrics/status port
     redis_url: str | None = None
-    token: str | None = None
+    token: str | None = None  # bearer token for every job's GetJob
+    job_tokens: dict[str, str] = field(default_factory=dict)  # per job, over `token`
+    grpc_skipped: dict[str, str] = field(default_factory=dict)  # job -> why GetJob is not asked
+    tls: grpc.ChannelCredentials | None = None  # None: plaintext gRPC
+    local: str | None = None  # the local service these addresses were found from
     jobs: list[str] = field(default_factory=list)  # empty: every job the sources list
     _channel: grpc.Channel | None = field(default=None, repr=False)  # opened on first use
     _redis: Any = field(default=None, repr=False)
 
-    def describe(self) -> dict[str, str | None]:
+    def describe(self) -> dict[str, Any]:
         from pipeline.redis_client import redact
 
-        return {"endpoint": self.endpoint, "metrics": self.metrics,
-                "redis": redact(self.redis_url) if self.redis_url else None}
+        out: dict[str, Any] = {"endpoint": self.endpoint, "metrics": self.metrics,
+                               "redis": redact(self.redis_url) if self.redis_url else None,
+                               "tls": self.tls is not None}
+        if self.local:
+            out["local_service"] = self.local
+        if self.grpc_skipped:
+            out["grpc_skipped"] = dict(self.grpc_skipped)
+        return out
 
     def close(self) -> None:
         if self._channel is not None:
@@ -53,16 +63,20 @@ def _grpc_job(src: Sources, job_id: str) -> dict[str, Any]:
     from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
     if src._channel is None:
-        src._channel = grpc.insecure_channel(src.endpoint)
-    md = (("authorization", f"Bearer {src.token}"),) if src.token else ()
+        src._channel = (grpc.secure_channel(src.endpoint, src.tls) if src.tls is not None
+                        else grpc.insecure_channel(src.endpoint))
+    token = src.job_tokens.get(job_id, src.token)
+    md = (("authorization", f"Bearer {token}"),) if token else ()
     try:
         st = pb_grpc.DataServiceStub(src._channel).GetJob(
             pb.GetJobRequest(job_id=job_id), metadata=md, timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as exc:
         code = exc.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            hint = ("; is the TLS root (--tls-ca) the one that signed the server's "
+                    "certificate?" if src.tls is not None else "")
             raise UserError(f"cannot reach the service at {src.endpoint} "
-                            f"({code.name}: {exc.details()})") from None
+                            f"({code.name}: {exc.details()}){hint}") from None
         raise UserError(f"service at {src.endpoint}: {code.name}: {exc.details()}") from None
     return {
         "job_id": st.job_id, "world_size": st.world_size, "mode": pb.Mode.Name(st.mode).lower(),
@@ -235,7 +249,7 @@ def collect(src: Sources) -> dict[str, Any]:
         snap = _http_snapshot(src, src.jobs[0] if len(src.jobs) == 1 else None)
         http_jobs = {j["job_id"]: j for j in snap["jobs"]}
     for jid in job_ids(src):
-        g = _grpc_job(src, jid) if src.endpoint else None
+        g = _grpc_job(src, jid) if src.endpoint and jid not in src.grpc_skipped else None
         h = http_jobs.get(jid)
         r = _redis_job(src, jid) if src.redis_url else None
         if g is None and h is None and r is None:

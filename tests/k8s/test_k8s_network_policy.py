@@ -1,5 +1,6 @@
 """NetworkPolicies, evaluated on the rendered pods: only trainer and operator pods reach the
-service's gRPC port, only Prometheus its metrics port, only the service reaches Redis."""
+service's gRPC port, only Prometheus its metrics port, only Ray pods and other replicas the Ray
+node in a service pod, only the service and Ray (the producer actors) reach Redis."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def allowed(objs, source_labels: dict[str, str], source_ns: str, target: Pod, po
         return True
     for pol in policies:
         for rule in pol["spec"].get("ingress", []):
-            ports = [target.port(p["port"]) for p in rule.get("ports", [])]
-            if ports and port not in ports:
+            ranges = [_port_range(target, p) for p in rule.get("ports", [])]
+            if ranges and not any(lo <= port <= hi for lo, hi in ranges):
                 continue
             peers = rule.get("from")
             if not peers:
@@ -37,6 +38,14 @@ def allowed(objs, source_labels: dict[str, str], source_ns: str, target: Pod, po
                 if ns_ok and pod_ok:
                     return True
     return False
+
+
+def _port_range(target: Pod, rule_port: dict) -> tuple[int, int]:
+    """A NetworkPolicy port entry as [lo, hi]: a named port resolves on the target pod."""
+    p = rule_port["port"]
+    lo = p if isinstance(p, int) else target.port(p)
+    assert lo is not None, f"{target.owner} has no port {p!r}"
+    return lo, rule_port.get("endPort", lo)
 
 
 def _pod(objs, owner_suffix: str) -> Pod:
@@ -75,14 +84,45 @@ def test_only_prometheus_reaches_metrics(name):
     assert not allowed(objs, {"app.kubernetes.io/name": "prometheus"}, "default", svc, metrics)
 
 
+def _is_service(p: Pod) -> bool:
+    return p.owner.startswith("Deployment/") and p.owner.endswith("/odb-pipeline")
+
+
 @pytest.mark.parametrize("name", OVERLAYS)
-def test_only_the_service_reaches_redis(name):
+def test_only_the_service_and_ray_reach_redis(name):
     objs = overlay(name)
     redis = _pod(objs, "/odb-redis")
     port = redis.port("redis")
     for p in pods(objs):
         if p is redis:
             continue
-        expect = p.owner.endswith("/odb-pipeline") and p.owner.startswith("Deployment/")
+        # Producers are Ray actors: they publish from whichever Ray node hosts them.
+        expect = _is_service(p) or p.owner.startswith("RayCluster/")
         assert allowed(objs, p.labels, p.namespace, redis, port) == expect, p.owner
     assert not allowed(objs, OPERATOR, redis.namespace, redis, port)
+
+
+def ray_node_ports(svc: Pod) -> dict[str, int]:
+    """The ports `ray start` binds in a service pod (RAY_START_ARGS), by flag."""
+    c = next(c for c in svc.spec["containers"] if c["name"] == "odb-pipeline")
+    args = next(e["value"] for e in c["env"] if e["name"] == "RAY_START_ARGS").split()
+    flags = dict(a.removeprefix("--").split("=", 1) for a in args if "=" in a)
+    return {k: int(v) for k, v in flags.items() if k.endswith("-port")}
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_only_ray_pods_and_replicas_reach_the_ray_node_of_a_service_pod(name):
+    objs = overlay(name)
+    svc = _pod(objs, "/odb-pipeline")
+    ports = ray_node_ports(svc)
+    assert {"node-manager-port", "object-manager-port", "min-worker-port",
+            "max-worker-port"} <= ports.keys(), ports
+    every = list(ports.values()) + list(range(ports["min-worker-port"],
+                                              ports["max-worker-port"] + 1))
+    for p in pods(objs):
+        expect = _is_service(p) or p.owner.startswith("RayCluster/")
+        for port in every:
+            assert allowed(objs, p.labels, p.namespace, svc, port) == expect, (p.owner, port)
+        if expect:  # Ray's traffic is admitted to Ray's ports, not to gRPC
+            assert not allowed(objs, p.labels, p.namespace, svc, svc.port("grpc")), p.owner
+    assert not allowed(objs, OPERATOR, svc.namespace, svc, ports["node-manager-port"])

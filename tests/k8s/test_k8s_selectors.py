@@ -9,6 +9,7 @@ from k8s_support import OVERLAYS, of_kind, overlay, pods, selects
 
 SERVICE_TARGETS = {  # Service -> what its pods are
     "odb-pipeline": "Deployment/odb-pipeline",
+    "odb-pipeline-headless": "Deployment/odb-pipeline",
     "odb-redis": "StatefulSet/odb-redis",
     "odb-trainer-example": "Job/odb-trainer-example",
 }

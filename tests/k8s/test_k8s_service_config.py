@@ -17,6 +17,7 @@ from k8s_support import (
     of_kind,
     one,
     overlay,
+    parse_mem,
     pods,
     secret_data,
     selects,
@@ -110,15 +111,29 @@ def test_redis_url_points_at_the_redis_service_with_its_password(name, tmp_path)
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
-def test_ray_address_is_the_kuberay_head_client_port(name, tmp_path):
-    cfg, _ = service_config(name, tmp_path)
+def test_service_pods_join_ray_as_nodes_through_the_head_gcs(name, tmp_path):
+    """A replica reads payloads through its own Ray node's object manager: the pod joins the
+    cluster (the entrypoint's `ray start` at RAY_JOIN_ADDRESS) and the service connects to that
+    node with the GCS address; a Ray Client address (ray://) would funnel every payload byte
+    through the head."""
+    cfg, env = service_config(name, tmp_path)
     objs = overlay(name)
     (ray,) = of_kind(objs, "RayCluster")
-    url = urlsplit(cfg.ray.address)
-    assert url.scheme == "ray"  # Ray Client: the service runs in its own pod, not on a Ray node
-    assert url.hostname == f"{ray['metadata']['name']}-head-svc"  # the Service KubeRay creates
+    assert not cfg.ray.address.startswith("ray://")
+    assert env["RAY_JOIN_ADDRESS"] == cfg.ray.address
+    host, port = cfg.ray.address.rsplit(":", 1)
+    assert host == f"{ray['metadata']['name']}-head-svc"  # the Service KubeRay creates
     head = next(p for p in pods(objs) if p.labels.get("ray.io/node-type") == "head")
-    assert head.port("client") == url.port
+    assert head.port("gcs-server") == int(port)
+    start = env["RAY_START_ARGS"].split()
+    assert "--num-cpus=0" in start and "--num-gpus=0" in start  # no tasks land on a replica
+    store = int(next(a for a in start if a.startswith("--object-store-memory=")).split("=")[1])
+    pod = service_pod(objs)
+    shm = next(m for m in container(pod, "odb-pipeline")["volumeMounts"]
+               if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in pod.spec["volumes"] if v["name"] == shm["name"])
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert parse_mem(volume["emptyDir"]["sizeLimit"]) >= store
 
 
 def test_config_path_is_the_entrypoint_default():

@@ -59,11 +59,14 @@ def test_node_rank_and_rendezvous(trainer):
     assert int(flags["master-port"]) in {p["containerPort"] for p in c["ports"]}
 
 
-def test_endpoint_is_the_service_grpc_port(objs, trainer):
+def test_endpoint_resolves_to_every_replica_s_grpc_port(objs, trainer):
     _, c = trainer
     env = {e["name"]: e for e in c["env"]}
-    host, port = env["PIPELINE_ENDPOINT"]["value"].rsplit(":", 1)
+    target = env["PIPELINE_ENDPOINT"]["value"]
+    assert target.startswith("dns:///"), "client-side failover needs every replica's address"
+    host, port = target.removeprefix("dns:///").rsplit(":", 1)
     svc = one(objs, "Service", host)
+    assert svc["spec"]["clusterIP"] == "None"  # headless: DNS lists the pods, not one VIP
     assert int(port) in {p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc"}
 
 

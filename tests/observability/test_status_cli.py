@@ -126,7 +126,7 @@ def _one_line_error(capsys, argv: list[str]) -> str:
     return err
 
 
-def test_unreachable_endpoint_exits_2_with_one_line(capsys) -> None:
+def test_unreachable_endpoint_exits_2_with_one_line(capsys, monkeypatch, tmp_path) -> None:
     port = _free_port()
     err = _one_line_error(capsys, ["status", "--endpoint", f"127.0.0.1:{port}", "--job", "x"])
     assert f"cannot reach the service at 127.0.0.1:{port}" in err and "UNAVAILABLE" in err
@@ -134,8 +134,11 @@ def test_unreachable_endpoint_exits_2_with_one_line(capsys) -> None:
     assert f"cannot reach the metrics endpoint at http://127.0.0.1:{port}" in err
     err = _one_line_error(capsys, ["status", "--redis-url", f"redis://127.0.0.1:{port}/0"])
     assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in err
+    # No flags and no local service running (an empty state dir, no redis_url): say so.
+    monkeypatch.setenv("ODB_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("ODB_REDIS_URL", raising=False)
     err = _one_line_error(capsys, ["status"])
-    assert "give --endpoint" in err
+    assert "no local service is running" in err and "give --endpoint" in err
 
 
 def test_unknown_job_and_bad_token_exit_2(capsys, monkeypatch) -> None:

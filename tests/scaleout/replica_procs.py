@@ -24,6 +24,7 @@ CHATS = ROOT / "pipeline" / "sample_data" / "chats.jsonl"
 def service_config(tmp: Path, redis_url: str, ray_address: str, job: dict,
                    **kw: Any) -> Path:
     cfg = {"redis_url": redis_url, "ray": {"address": ray_address}, "lease_seconds": 3.0,
+           "state_dir": str(tmp / "state"),  # where serve records itself for `status`
            "grpc": {"host": "127.0.0.1", "port": 0}, "metrics_port": 0,
            "jobs": [job], **kw}
     path = tmp / f"odb-{job['job_id']}.json"
