@@ -55,18 +55,22 @@ def run(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"redis_url": embedded.url})
         print(f"odb-pipeline serve: embedded Redis with its state in {embedded.data_dir}",
               flush=True)
-    # Ray starts after the gRPC server (it takes 5-10 s on a small machine): ranks connect at
-    # once and the first steps are planned in this process meanwhile
-    # (producer.hosting.BootstrapHost); Ray's start waits for them, up to RAY_START_DELAY_S,
-    # so that its processes do not take the CPUs the first batch needs.
+    # A cluster is joined at once (a replica's producer is the job's Ray actor). A private Ray
+    # starts after the gRPC server (it takes 5-10 s on a small machine): ranks connect at once
+    # and the first steps are planned in this process meanwhile (producer.hosting.
+    # BootstrapHost); Ray's start waits for them, up to RAY_START_DELAY_S, so that its
+    # processes do not take the CPUs the first batch needs.
     ray_up = RayStarter(config)
     try:
+        if config.ray.address:
+            ray_up.join()
         try:
             svc = start_service(config, ray_ready=ray_up.ready)
         except OSError as exc:
             raise UserError(str(exc)) from None
-        ray_up.start(lambda: all(rt.state.published_through() >= 0 or rt.state.is_done()
-                                 for rt in svc.runtimes.values()))
+        if not config.ray.address:
+            ray_up.start(lambda: all(rt.state.published_through() >= 0 or rt.state.is_done()
+                                     for rt in svc.runtimes.values()))
         metrics_port = None
         if config.metrics_port is not None:
             _, metrics_port = start_metrics_server(config.metrics_port, svc,
@@ -97,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 class RayStarter:
-    """Joins the configured cluster or starts a private Ray, in a thread (ray.init off the main
-    thread leaves our signal handlers alone); `ready` is set once it is up."""
+    """Joins the configured cluster, or starts a private Ray in a thread (ray.init off the main
+    thread leaves our signal handlers alone); `ready` is set once Ray is up."""
 
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
@@ -106,17 +110,26 @@ class RayStarter:
         self.error: str | None = None
         self._private = None
         self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def join(self) -> None:
+        """Join the configured cluster now (in this thread)."""
+        from pipeline.ray_runtime import join_cluster
+
+        join_cluster(self.config.ray.address)
+        self.ready.set()
 
     def start(self, first_steps_out: Callable[[], bool]) -> None:
+        """Start a private Ray in a thread once `first_steps_out()` (or after a delay)."""
         self._thread = threading.Thread(target=self._run, args=(first_steps_out,),
                                         name="ray-start", daemon=True)
         self._thread.start()
 
     def _run(self, first_steps_out: Callable[[], bool]) -> None:
-        from pipeline.ray_runtime import PrivateRay, join_cluster
+        from pipeline.ray_runtime import PrivateRay
 
         deadline = time.monotonic() + RAY_START_DELAY_S
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._closing.is_set():
             try:
                 if first_steps_out():
                     break
@@ -126,24 +139,24 @@ class RayStarter:
 
         ray_cfg = self.config.ray
         try:
-            if ray_cfg.address:
-                join_cluster(ray_cfg.address)
-            else:
-                self._private = PrivateRay(num_cpus=ray_cfg.num_cpus,
-                                           object_store_mb=ray_cfg.object_store_mb,
-                                           prefix="odb-serve-ray-").__enter__()
+            self._private = PrivateRay(num_cpus=ray_cfg.num_cpus,
+                                       object_store_mb=ray_cfg.object_store_mb,
+                                       prefix="odb-serve-ray-").__enter__()
         except Exception as exc:  # reported by the serve loop as a one-line error
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("Ray did not start: %s", self.error)
             return
         self.ready.set()
         log.info("Ray is up")
+        # Ray's node processes die with the *thread* that started them (PR_SET_PDEATHSIG):
+        # this thread lives until close() and shuts Ray down itself.
+        self._closing.wait()
+        self._private.close()
 
     def close(self) -> None:
+        self._closing.set()
         if self._thread is not None:
             self._thread.join(60)
-        if self._private is not None:
-            self._private.close()
 
 
 def _record(args: argparse.Namespace, config: ServiceConfig, port: int,

@@ -60,11 +60,13 @@ def reference_plan(items: Sequence[FeedItem], job: JobConfig) -> ReferencePlan:
             elif isinstance(ev, Quarantined):
                 quarantined.add(str(ev.sample.sample_id))
 
-    for _ in range(job.epochs):
+    for epoch in range(job.epochs):
         for item in items:
             if isinstance(item, MeasuredSample):
                 take(planner.feed(item))
-        take(planner.end_epoch())
+        # As the producer does: the last epoch closes the job (quota's remainder is one
+        # aligned step with fillers, not carried).
+        take(planner.end_epoch(last_epoch=epoch == job.epochs - 1))
     assert [s.step for s in steps] == list(range(len(steps)))
     return ReferencePlan(steps, ends, quarantined)
 

@@ -50,11 +50,13 @@ def get_job(address: str) -> pb.JobStatus:
 def start_and_kill_rank0(svc, tmp_path):
     log, state = tmp_path / "rank0.jsonl", tmp_path / "rank0.state.json"
     proc = rank_proc(svc.address, "dead", 0, W, log, state, sleep=0.1)
-    # The others start once rank 0 is connected: a rank that has not connected yet counts as
-    # gone from the first claim on, and a slow process start must not look like that.
+    # The others start as soon as rank 0 holds its lease: a rank that has not connected yet
+    # counts as gone from the job's first claim on, and rank 0's slow process start must not be
+    # mistaken for that (the threads connect within milliseconds).
     steps0 = lambda: len([x for x in read_log(log) if "step" in x])  # noqa: E731
+    state = svc.runtimes["dead"].state
     try:
-        wait_for(lambda: steps0() >= 1, 60, "rank 0's first step")
+        wait_for(lambda: state.lease(0) is not None, 60, "rank 0's lease")
     except AssertionError:
         proc.kill()
         raise AssertionError(f"rank 0: {read_log(log)[-1:]}") from None
