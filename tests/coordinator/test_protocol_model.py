@@ -435,8 +435,9 @@ class ProtocolModel(RuleBasedStateMachine):
                  and i.sample_id not in self.ref.planner_quarantined]
         carried_in: list = []
         for end in self.state.epoch_ends():
+            # Fillers (quota's closing step) copy a real sample: not a planning of it.
             ids = [s.sample_id for n in self.ref.epoch_steps(end.epoch)
-                   for b in self.seen[n].batches for s in b.samples]
+                   for b in self.seen[n].batches if not b.filler for s in b.samples]
             out = [s.sample_id for s in end.carried_over]
             if self.job.mode == "join":
                 assert not out

@@ -70,7 +70,11 @@ def test_serve_streams_a_job_then_drains_on_sigterm(tmp_path):
     try:
         assert ready.wait(180), "".join(lines)
         port = re.search(r"listening on \S+:(\d+)", "".join(lines)).group(1)
-        got = consume_all(f"127.0.0.1:{port}", "sft", 2)
+        try:
+            got = consume_all(f"127.0.0.1:{port}", "sft", 2)
+        except Exception:
+            print("SERVE LOG", "".join(lines)[-6000:], proc.poll())
+            raise
         n = sum(len(b.info.sample_ids) for r in got for b in got[r]
                 if not isinstance(b, EpochEndInfo))
         assert n > 0
@@ -93,22 +97,32 @@ def test_serve_plans_the_first_steps_while_ray_starts_then_the_actor_takes_over(
 
     from pipeline.coordinator import RedisJobState
     from pipeline.preprocess.pipeline import SampleStore
+    from pipeline.sample_data.generate import generate
     from trainer_client import BatchStream
 
+    # Far more rows than the few steps back-pressure lets the bootstrap plan ahead of ranks
+    # that hold on after their first batches until the actor took over.
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(3000, 2, mean_tokens=120,
+                                                                    image_frac=0.0)))
     path = _config(tmp_path, batching={"token_budget": 4096})
-    path.write_text(json.dumps({**json.loads(path.read_text()), "redis_url": redis_url}))
+    cfg = json.loads(path.read_text())
+    cfg["jobs"][0]["source"]["paths"] = [str(data)]
+    path.write_text(json.dumps({**cfg, "redis_url": redis_url}))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--config", str(path)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines: list[tuple[float, str]] = []
-    ready = threading.Event()
+    ready, handed_over = threading.Event(), threading.Event()
 
     def read() -> None:
         for line in proc.stdout:
             lines.append((time.monotonic(), line))
             if "listening on" in line:
                 ready.set()
+            if "producer actor takes over" in line:
+                handed_over.set()
 
     threading.Thread(target=read, daemon=True).start()
     got: dict[int, list] = {0: [], 1: []}
@@ -117,6 +131,8 @@ def test_serve_plans_the_first_steps_while_ray_starts_then_the_actor_takes_over(
         with BatchStream(address, "sft", r, 2) as s:
             for b in s:
                 got[r].append((time.monotonic(), b))
+                if len(got[r]) == 2:
+                    handed_over.wait(120)
 
     try:
         assert ready.wait(180), "".join(ln for _, ln in lines)
@@ -136,10 +152,11 @@ def test_serve_plans_the_first_steps_while_ray_starts_then_the_actor_takes_over(
         assert "planning in this process while Ray starts" in log, log[-3000:]
         took_over = next(t for t, ln in lines if "producer actor takes over" in ln)
         first = min(t for r in got for t, _ in got[r][:1])
-        assert first < took_over  # the first batch came before Ray's producer existed
+        last = max(t for r in got for t, _ in got[r][-1:])
+        assert first < took_over < last  # batches from both producers
         state = RedisJobState.attach(redis_url, "sft")
-        lease = state.producer_lease()  # released once the actor finished, or still its own
-        assert state.is_done() and (lease is None or lease.holder.startswith("actor:"))
+        lease = state.producer_lease()  # the actor's (released once it finished)
+        assert state.is_done() and lease.holder.startswith("actor:") and lease.generation == 2
         assert state.error() is None
         ids = [i for r in got for _, b in got[r] for i in b.info.sample_ids]
         assert len(ids) == len(set(ids)) == state.counters().samples_in > 0
