@@ -60,7 +60,7 @@ from pipeline.planner.types import (
 )
 from pipeline.quarantine import QuarantineReason
 
-RAMP_FIRST_BUDGETS = 4  # the window of an epoch's first step, in token budgets (see above)
+RAMP_FIRST_BUDGETS = 16  # the window of an epoch's first step, in token budgets (see above)
 
 
 @dataclass(frozen=True, slots=True)
