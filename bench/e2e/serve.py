@@ -136,11 +136,15 @@ def _worker(conn) -> None:  # runs in the spawned process
 
     logging.basicConfig(level=logging.WARNING)
     from pipeline.config import load_config
-    from pipeline.preprocess.array_source import ArraySource, RaySource
+    from pipeline.preprocess.array_source import ArraySource
+    from pipeline.producer.actor import stop_producer
+    from pipeline.redis_client import connect
+    from pipeline.redis_server import LocalRedis
     from pipeline.service.server import start_service
 
     _install_timers()
     svc = None
+    redis_server = None  # Ray jobs keep their state in Redis: their producer is an actor
     ray_started = False
     cpu0 = wall0 = 0.0
     tbase: dict[int, float] = {}
@@ -164,11 +168,13 @@ def _worker(conn) -> None:  # runs in the spawned process
                 conn.send(("ok", n))
             elif cmd == "start":
                 cfg = load_config(environ={}, overrides=arg["overrides"])
-                sources = {}
-                for job in cfg.jobs:
-                    samples = arg.get("samples", {}).get(job.job_id)
-                    src = ArraySource(samples) if samples is not None else RaySource(job)
-                    sources[job.job_id] = _TimedSource(src)
+                sources = {job_id: _TimedSource(ArraySource(samples))
+                           for job_id, samples in arg.get("samples", {}).items()}
+                if not cfg.redis_url and any(j.job_id not in sources for j in cfg.jobs):
+                    if redis_server is None:
+                        redis_server = LocalRedis().start()
+                    connect(redis_server.url).flushall()
+                    cfg = cfg.model_copy(update={"redis_url": redis_server.url})
                 with _LOCK:
                     _PROF.clear()
                 states = {}
@@ -193,6 +199,9 @@ def _worker(conn) -> None:  # runs in the spawned process
                 prof["threads"] = _thread_groups(tbase)
                 if svc is not None:
                     svc.stop(grace=0.5)
+                    if ray_started:
+                        for job_id in svc.runtimes:
+                            stop_producer(job_id)
                     svc = None
                 conn.send(("ok", prof))
             elif cmd == "exit":
@@ -202,6 +211,8 @@ def _worker(conn) -> None:  # runs in the spawned process
                     import ray
 
                     ray.shutdown()
+                if redis_server is not None:
+                    redis_server.cleanup()
                 conn.send(("ok", None))
                 return
             else:

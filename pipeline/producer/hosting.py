@@ -7,10 +7,11 @@ producer actually publishes, so starting many hosts is safe.
   (`actor.ensure_producer`). The actor outlives this replica.
 - `ThreadHost` (in-memory sources): a producer thread in this process; replicas that lose the
   race for the lease wait in `Producer._claim` and take over when the holder goes away.
-- `BootstrapHost` (a Ray job on a replica whose Ray is still starting): a `ThreadHost` over a
-  `LocalFeed` plans the first steps in this process; once Ray is up it stops (its lease is
-  released at a publication boundary: rows it read but did not publish are read again) and an
-  `ActorHost` takes over, its actor resuming from the checkpoint. It plans only a job that is
+- `BootstrapHost` (a Ray job on a replica whose private Ray is still starting): a `ThreadHost`
+  over a `LocalFeed` plans the first steps in this process; once Ray is up the job's actor is
+  created, and when it answers the thread producer stops (its lease is released at a
+  publication boundary: rows it read but did not publish are read again) and an `ActorHost`
+  takes over, its actor resuming from the checkpoint. It plans only a job that is
   unplanned with no live producer lease; otherwise it is just the actor host, started late.
 """
 
@@ -26,7 +27,7 @@ from pipeline.errors import StateError
 from pipeline.jobstate.interface import JobState
 from pipeline.producer.feed import MeasuredFeed
 from pipeline.producer.local_feed import LocalFeed
-from pipeline.producer.producer import Producer, ProducerSettings
+from pipeline.producer.producer import Outcome, Producer, ProducerSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ class ThreadHost:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        """Every epoch planned and published."""
+        return self.producer.outcome is Outcome.DONE
 
     def stop(self, timeout: float = 5.0) -> None:
         self.producer.stop()
@@ -101,6 +107,19 @@ class ActorHost:
             self._thread.join(timeout)
 
 
+def _wait_until_ready(actor, stop: threading.Event, timeout: float = 120.0) -> None:
+    """Until the actor answers a call (constructed: its producer waits for the lease)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            ray.get(actor.info.remote(), timeout=2.0)
+            return
+        except Exception:  # still starting (or restarting): ask again
+            log.debug("producer actor not ready yet", exc_info=True)
+
+
 class BootstrapHost:
     def __init__(self, job: JobConfig, state: JobState, redis_url: str, *, holder: str,
                  settings: ProducerSettings, ray_ready: threading.Event,
@@ -137,7 +156,14 @@ class BootstrapHost:
         while not self.ray_ready.wait(0.2):
             if self._stop.is_set():
                 return
-        if self._local is not None:
+        if self._local is not None and not self._local.done:
+            # The actor starts (its imports and Ray Data take seconds) while this process
+            # still plans; once it answers, its producer waits for the lease we release.
+            from pipeline.producer.actor import ensure_producer
+
+            actor = ensure_producer(self.job, self.actor_host.redis_url, self.settings,
+                                    self.actor_host.fsync_publish)
+            _wait_until_ready(actor, self._stop)
             self._local.stop()  # releases the lease: the actor resumes from the checkpoint
             log.info("job %s: Ray is up; the producer actor takes over", self.job.job_id,
                      extra={"job": self.job.job_id})
