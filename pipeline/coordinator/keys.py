@@ -75,8 +75,25 @@ class JobKeys:
     def quarantine(self) -> str:  # list: the first records quarantined, bounded
         return self.base + "quarantine"
 
+    # --- worlds (reconfiguration, docs/elastic.md): written by SCALE, GRANT, LEFT, PUBLISH ---
+    @property
+    def worlds(self) -> str:  # hash: generation -> world record (JSON, with its boundary)
+        return self.base + "worlds"
+
+    @property
+    def grants(self) -> str:  # zset: rank of the current world -> highest step it may be sent
+        return self.base + "grants"
+
+    @property
+    def draining(self) -> str:  # hash: rank of the ended world still draining -> its client
+        return self.base + "draining"
+
+    @property
+    def world_times(self) -> str:  # hash: "<g>:requested|adopted", "<g>:first|left:<r>" -> ms
+        return self.base + "world_times"
+
     def fixed(self) -> list[str]:
         """All keys except the per-step ones (those are found from meta's step range)."""
         return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
                 self.lease_exp, self.lease, self.lapsed, self.counters, self.quarantine_ids,
-                self.quarantine]
+                self.quarantine, self.worlds, self.grants, self.draining, self.world_times]
