@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --watch: stop after N refreshes (default: until Ctrl-C)")
 
 
-def _token(args: argparse.Namespace) -> str | None:
+def token_from_args(args: argparse.Namespace) -> str | None:
+    """The bearer token of `--token` / `--token-env` (also used by `scale`)."""
     if args.token_env:
         value = os.environ.get(args.token_env)
         if not value:
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.count is not None and args.count < 1:
         raise UserError(f"--count must be >= 1, got {args.count}")
     src = Sources(endpoint=args.endpoint, metrics=args.metrics_endpoint,
-                  redis_url=args.redis_url, token=_token(args), jobs=args.job or [])
+                  redis_url=args.redis_url, token=token_from_args(args), jobs=args.job or [])
     try:
         before = None
         n = 0

@@ -538,7 +538,7 @@ class RedisJobState(JobState):
         k = self.keys
         res = self._run(scripts.scale,
                         [k.meta, k.acked, k.lease_exp, k.lease, k.grants, k.draining, k.worlds,
-                         k.world_times, k.ends, k.counters],
+                         k.world_times, k.ends, k.counters, k.lapsed],
                         [k.base, n, ScaleReason(request.reason).value,
                          -1 if request.position is None else request.position,
                          "1" if request.require_gone else "0",

@@ -329,7 +329,8 @@ return {now, redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'),
 """
 
 # A reconfiguration (docs/elastic.md): end the current world at a boundary and start the next.
-# KEYS: meta, acked, lease_exp, lease, grants, draining, worlds, world_times, ends, counters
+# KEYS: meta, acked, lease_exp, lease, grants, draining, worlds, world_times, ends, counters,
+#       lapsed
 # ARGV: base, world_size, reason, position (-1: none), require_gone ('1'|'0'),
 #       expect_generation (-1: any)
 # Each rank's last step is `choose_boundary` (pipeline/jobstate/worlds.py), mirrored here: with a
@@ -338,8 +339,9 @@ return {now, redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'),
 # the others at what they acknowledged. Returned batches (after a rank's last step, up to the
 # published plan) leave the planned counters; cursors move to the new world's first step - 1,
 # grants are cleared, live ranks are recorded as draining (their client) and protect their
-# steps from trimming (`trim_floor`). Returns {0, gen} for no change, else {1, ended world
-# record, new world record}.
+# steps from trimming (`trim_floor`); the leases of the gone ranks and the lapse history are
+# dropped (they are not the new world's ranks, which reuse the ids). Returns {0, gen} for no
+# change, else {1, ended world record, new world record}.
 SCALE = _NOW + """
 local m = redis.call('HMGET', KEYS[1], 'published_through', 'state', 'world_gen', 'world_size',
   'world_first', 'adopting', 'created_ms')
@@ -443,6 +445,13 @@ while r < n do
   r = stop + 1
 end
 for _, lr in ipairs(live_list) do redis.call('HSET', KEYS[6], lr, clients[lr]) end
+for g = 0, w - 1 do
+  if not live[g] then
+    redis.call('HDEL', KEYS[4], g)
+    redis.call('ZREM', KEYS[3], g)
+  end
+end
+redis.call('DEL', KEYS[11])
 redis.call('HINCRBY', KEYS[10], 'samples_planned', 0 - rs)  -- (-0 would print as "-0")
 redis.call('HINCRBY', KEYS[10], 'tokens_planned', 0 - rt)
 redis.call('HSET', KEYS[8], ng .. ':requested', now)

@@ -264,7 +264,9 @@ class JobState(ABC):
         atomically: each rank's last step is `worlds.choose_boundary` over the grants, cursors
         and live leases at this instant; batches after a rank's last step up to the published
         plan are returned (the counters no longer count them as planned); the new world starts
-        at `published_through + 1` with every cursor there and no grants. No change for the
+        at `published_through + 1` with every cursor there and no grants; the leases of the
+        ranks that were not live and the lapse history are dropped (the new world's ranks reuse
+        the ids). No change for the
         current size, or when `expect_generation` is no longer current. Refused, changing
         nothing: `PlanningComplete` when the job is done, `ScaleInProgress` while the producer
         has not adopted the previous switch or a rank of the world it ended still drains (holds

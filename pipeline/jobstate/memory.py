@@ -427,6 +427,11 @@ class MemoryJobState(JobState):
             self._worlds[-1:] = [ended, new]
             self._adopting = True
             self._draining = {r: self._leases[r].client_id for r in ended.live_ranks}
+            for r in range(w):  # the gone ranks' leases are not the new world's (same ids)
+                if not live[r]:
+                    self._leases.pop(r, None)
+                    self._heartbeats.pop(r, None)
+            self._lapsed.clear()
             self._acked = [self._through] * n
             self._grants = {}
             self._lease_ranks = max(n, w)

@@ -229,3 +229,19 @@ def test_first_batches_of_the_new_world_are_timed(env: Env):
     assert set(t.first_batch_at) == {0, 1}
     assert t.first_batch_at[1] >= t.first_batch_at[0] >= t.requested_at
     assert t.first_batch_seconds(2) == pytest.approx(t.first_batch_at[1] - t.requested_at)
+
+
+def test_the_new_world_does_not_inherit_the_old_worlds_lapses(env: Env):
+    """A rank that lapsed in the old world (the reason for a shrink) is not a dead rank of the
+    new world, whose rank with the same id has not connected yet."""
+    st, gen = env.state, env.producer()
+    st.publish(publication(steps(0, 3)), fence=gen)
+    st.claim_rank(0, "dead", 0.01)
+    for r in (1, 2, 3):
+        st.claim_rank(r, f"c{r}", LONG)
+    env.sleep(0.05)
+    assert 0 in st.timed_out_ranks(0.01) and 0 in st.lapsed_ranks()
+    res = st.scale(ScaleRequest(3, ScaleReason.SHRINK, expect_generation=0))
+    assert res.previous.live_ranks == (1, 2, 3) and res.previous.last_steps[0] == -1
+    assert st.timed_out_ranks(0.0) == {} and st.lapsed_ranks() == []
+    assert st.claim_rank(0, "new0", LONG).client_id == "new0"  # free at once
