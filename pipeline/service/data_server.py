@@ -462,8 +462,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
         """Raise the rank's delivery grant towards `through`; True if step `need` may be sent.
         An ended world answers with the rank's last step instead (the cursor's limit)."""
         g = rt.grant(s.cursor.world, s.rank, through)
-        if g.ended:
+        if g.ended:  # it may be sent everything through its last step, no more
             s.cursor.limit, s.cursor.next_world_size = g.through, g.next_world_size
+            s.granted = max(s.granted, g.through)
             return False
         s.granted = max(s.granted, g.through)
         if need is None or s.granted >= need:
