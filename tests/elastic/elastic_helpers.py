@@ -40,8 +40,10 @@ def samples(n: int, seed: int = 1) -> list:
 
 
 @contextmanager
-def served(redis_url: str, job_id: str, world_size: int, items: list, **service: Any):
-    """The job on a real gRPC server over RedisJobState (the session's redis-server)."""
+def served(redis_url: str, job_id: str, world_size: int, items: list, *,
+           token: str | None = None, **service: Any):
+    """The job on a real gRPC server over RedisJobState (the session's redis-server); `service`
+    holds ServiceConfig fields, `job` JobConfig fields."""
     job = {"job_id": job_id, "world_size": world_size, "seed": 3,
            "source": {"paths": ["arrays"]},
            "batching": {"token_budget": 1024, "max_window_samples": 64, "pool_steps": 2},
@@ -49,7 +51,8 @@ def served(redis_url: str, job_id: str, world_size: int, items: list, **service:
     cfg = ServiceConfig.model_validate({
         "redis_url": redis_url, "metrics_port": None, "grpc": {"port": 0},
         "lease_seconds": service.pop("lease_seconds", 5.0), "jobs": [job], **service})
-    svc: RunningService = start_service(cfg, sample_sources={job_id: ArraySource(items)})
+    svc: RunningService = start_service(cfg, sample_sources={job_id: ArraySource(items)},
+                                        tokens={job_id: token})
     try:
         yield svc
     finally:
