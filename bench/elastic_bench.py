@@ -4,14 +4,17 @@ new world at every new rank (docs/elastic.md). Target: < 1 s.
 Cases: 8 -> 4 and 64 -> 128 simulated ranks. One `serve`-equivalent process (start_service over a
 private redis-server, an in-memory source of synthetic samples) and a few client processes, each
 running many rank streams as threads (`BatchStream`, real gRPC over loopback). The old world's
-ranks consume without a training delay; once every rank took `--warm` batches the bench calls
+ranks consume without a training delay, in lockstep as DDP ranks are (a barrier per step,
+`--no-lockstep` to let them race); once every rank took `--warm` batches the bench calls
 Scale (gRPC) and tells the clients. Each old rank drains to the boundary, gets END(reconfigure)
 and, if its rank id exists in the new world, opens that rank of the new world at once (the same
 worker re-joining, as torchrun elastic does); ranks that only exist in the new world (scale-out)
 open as soon as the Scale call returned. Measured per repeat:
 - client: max over the new ranks of (first batch received - request sent), and the median;
 - service: the same from the job state's own records (first grant of each new rank), the time
-  to the new plan (adopted) and to the last old rank's END(reconfigure) (drained).
+  to the new plan (adopted) and to the last old rank's END(reconfigure) (drained);
+- baseline: as many fresh streams of a job that is not reconfigured, opened at once, to their
+  first batch: what that many streams cost this machine whatever the reconfiguration.
 
 Run:  .venv/bin/python bench/elastic_bench.py [--quick] [--repeats N]
 Writes bench/results/elastic/elastic_bench{,_quick}.json and .png, prints Markdown. Other work
@@ -62,12 +65,21 @@ def serve(redis_url: str, old: int, new: int, samples: int, ready: mp.Queue, sto
 
 # ----------------------------------------------------------------------------- client process
 def client(address: str, old_ranks: list[int], new_ranks: list[int], old: int, new: int,
-           warm: int, progress: mp.Queue, go: mp.Event, out: mp.Queue) -> None:
+           warm: int, progress: mp.Queue, go: mp.Event, out: mp.Queue, step: object) -> None:
     """Old ranks consume, drain, re-open as their new rank (if any); new-only ranks open once
-    `go` is set. Reports (rank, first batch wall time) of the new world."""
+    `go` is set. With `step` (a barrier of the client processes) the old world runs in lockstep,
+    as DDP ranks do (each step's all-reduce). Reports the new world's first batch time per rank
+    and, per old rank, when it saw its END(reconfigure) and closed its stream."""
     from trainer_client import BatchStream
 
+    # Lockstep: the process's old ranks meet at a thread barrier whose action meets the other
+    # processes (a barrier of the client processes): every step waits for every old rank.
+    local = (threading.Barrier(len(old_ranks), action=lambda: step.wait(60))
+             if step is not None and old_ranks else None)
     firsts: dict[int, float] = {}
+    drained: dict[int, int] = {}  # old rank -> batches it still received after the request
+    ended: dict[int, float] = {}
+    closed: dict[int, float] = {}
     errors: list[str] = []
     lock = threading.Lock()
 
@@ -84,10 +96,17 @@ def client(address: str, old_ranks: list[int], new_ranks: list[int], old: int, n
     def run_old(rank: int) -> None:
         try:
             with BatchStream(address, JOB, rank, old, prefetch=2, tensors="numpy") as s:
+                after = 0
                 for i, _ in enumerate(s):
                     if i + 1 == warm:
                         progress.put(rank)
+                    after += go.is_set()
+                    if local is not None:
+                        local.wait(60)
                 assert s.last_end.reason == "reconfigure", s.last_end
+                drained[rank] = after
+                ended[rank] = time.time()
+            closed[rank] = time.time()
             if rank < new:
                 run_new(rank)
         except Exception as exc:  # reported, the bench fails loudly
@@ -107,11 +126,68 @@ def client(address: str, old_ranks: list[int], new_ranks: list[int], old: int, n
         t.start()
     for t in threads:
         t.join(120)
-    out.put({"firsts": firsts, "errors": errors})
+    out.put({"firsts": firsts, "drained": drained, "errors": errors, "ended": ended,
+             "closed": closed})
+
+
+def cold_client(address: str, ranks: list[int], world: int, go: mp.Event, out: mp.Queue
+                ) -> None:
+    """The baseline: fresh streams of a job that is not reconfigured, opened at `go`."""
+    from trainer_client import BatchStream
+
+    firsts: dict[int, float] = {}
+
+    def run(rank: int) -> None:
+        go.wait()
+        with BatchStream(address, JOB, rank, world, prefetch=2, tensors="numpy") as s:
+            for _ in s:
+                firsts[rank] = time.time()
+                break
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    out.put(firsts)
+
+
+def cold(redis_url: str, world: int, procs: int) -> float:
+    """Go to the first batch at every rank for `world` fresh streams of a job planned ahead:
+    what opening that many streams costs on this machine, whatever the reconfiguration."""
+    from pipeline.coordinator import registry
+    from pipeline.redis_client import connect
+
+    rc = connect(redis_url)
+    registry.delete_job(rc, JOB)
+    rc.close()
+    ctx = mp.get_context("spawn")
+    ready, out, stop, go = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    server = ctx.Process(target=serve, args=(redis_url, world, world, 60 * world * 8, ready,
+                                             stop))
+    server.start()
+    address = f"127.0.0.1:{ready.get(timeout=120)}"
+    clients = [ctx.Process(target=cold_client,
+                           args=(address, [r for r in range(world) if r % procs == p], world,
+                                 go, out)) for p in range(procs)]
+    for c in clients:
+        c.start()
+    try:
+        time.sleep(3.0)  # the producer plans its first steps; the clients are up
+        t0 = time.time()
+        go.set()
+        firsts = {r: t for _ in clients for r, t in out.get(timeout=180).items()}
+        assert len(firsts) == world
+        return max(firsts.values()) - t0
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(30)
+        server.join(30)
 
 
 # ----------------------------------------------------------------------------- one repeat
-def one(redis_url: str, old: int, new: int, warm: int, procs: int) -> dict:
+def one(redis_url: str, old: int, new: int, warm: int, procs: int, lockstep: bool) -> dict:
     import grpc
 
     from pipeline.coordinator import RedisJobState, registry
@@ -125,6 +201,7 @@ def one(redis_url: str, old: int, new: int, warm: int, procs: int) -> dict:
     ctx = mp.get_context("spawn")
     ready, progress, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     stop, go = ctx.Event(), ctx.Event()
+    step = ctx.Barrier(min(procs, old)) if lockstep else None
     samples = max(4000, 60 * max(old, new) * 8)
     server = ctx.Process(target=serve, args=(redis_url, old, new, samples, ready, stop))
     server.start()
@@ -135,7 +212,7 @@ def one(redis_url: str, old: int, new: int, warm: int, procs: int) -> dict:
         mine_old = [r for r in range(old) if r % procs == p]
         mine_new = [r for r in range(new) if r % procs == p]
         c = ctx.Process(target=client, args=(address, mine_old, mine_new, old, new, warm,
-                                             progress, go, out))
+                                             progress, go, out, step))
         c.start()
         clients.append(c)
     try:
@@ -154,6 +231,7 @@ def one(redis_url: str, old: int, new: int, warm: int, procs: int) -> dict:
         firsts = {int(r): t for res in results for r, t in res["firsts"].items()}
         assert sorted(firsts) == list(range(new)), sorted(firsts)
         lat = [t - t0 for t in firsts.values()]
+        drained = [n for res in results for n in res["drained"].values()]
         st = RedisJobState.attach(redis_url, JOB)
         t = st.world_timings(1)
         prev = st.worlds()[0]
@@ -165,6 +243,15 @@ def one(redis_url: str, old: int, new: int, warm: int, procs: int) -> dict:
             "drained_s": max(t.left_at.values()) - t.requested_at,
             "boundary_step": reply.previous.last_step, "first_step": reply.world.first_step,
             "returned_samples": prev.returned_samples,
+            "drain_batches_max": max(drained), "drain_batches_total": sum(drained),
+            # Client side of the drain: when the last old rank saw its END(reconfigure), and
+            # when the last old stream was closed (the new ones open after that).
+            "client_end_max_s": max(t for res in results for t in res["ended"].values()) - t0,
+            "client_closed_max_s": max(t for res in results
+                                       for t in res["closed"].values()) - t0,
+            "rejoin_p50_s": statistics.median(
+                firsts[r] - closed for res in results for r, closed in res["closed"].items()
+                if r < new),
         }
     finally:
         stop.set()
@@ -191,10 +278,12 @@ def plot(results: dict, path: Path) -> None:
         service.append([r["service_first_batch_s"] for r in case["repeats"]])
         adopted.append([r["adopted_s"] for r in case["repeats"]])
     x = range(len(labels))
-    for off, data, name in ((-0.25, adopted, "new plan published"),
-                            (0.0, service, "first batch at every new rank (service)"),
-                            (0.25, client, "first batch at every new rank (client)")):
-        ax.bar([i + off for i in x], [statistics.median(d) for d in data], 0.25, label=name,
+    base = [case["cold_start_s"] for case in results["cases"]]
+    for off, data, name in ((-0.3, adopted, "new plan published"),
+                            (-0.1, service, "first batch at every new rank (service)"),
+                            (0.1, client, "first batch at every new rank (client)"),
+                            (0.3, base, "baseline: as many fresh streams, static job")):
+        ax.bar([i + off for i in x], [statistics.median(d) for d in data], 0.2, label=name,
                yerr=[[statistics.median(d) - min(d) for d in data],
                      [max(d) - statistics.median(d) for d in data]], capsize=3)
     ax.axhline(1.0, color="red", ls="--", lw=1, label="target 1 s")
@@ -213,6 +302,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warm", type=int, default=4, help="batches per old rank before the scale")
     ap.add_argument("--procs", type=int, default=4, help="client processes")
+    ap.add_argument("--no-lockstep", action="store_true",
+                    help="old ranks consume independently (not in DDP lockstep)")
     args = ap.parse_args()
     from pipeline.redis_server import LocalRedis
 
@@ -221,26 +312,32 @@ def main() -> None:
     results: dict = {"cases": []}
     with LocalRedis() as server:
         for old, new in CASES:
-            reps = [one(server.url, old, new, args.warm, args.procs) for _ in range(repeats)]
-            results["cases"].append({"old": old, "new": new, "repeats": reps})
+            reps = [one(server.url, old, new, args.warm, args.procs, not args.no_lockstep)
+                    for _ in range(repeats)]
+            base = [cold(server.url, new, args.procs) for _ in range(repeats)]
+            results["cases"].append({"old": old, "new": new, "repeats": reps,
+                                     "cold_start_s": base})
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(),
             "load_before": load_before, "load_after": os.getloadavg(), "repeats": repeats,
             "warm": args.warm, "client_processes": args.procs, "target_s": 1.0,
+            "lockstep": not args.no_lockstep,
             "command": "bench/elastic_bench.py" + (" --quick" if args.quick else "")}
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     stem = "elastic_bench_quick" if args.quick else "elastic_bench"
     (OUT_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, **results}, indent=1))
     plot(results, OUT_DIR / f"{stem}.png")
     print("| change | new plan (adopted) | old ranks drained | first batch everywhere "
-          "(service) | first batch everywhere (client) | p50 new rank (client) |")
-    print("|---|---|---|---|---|---|")
+          "(service) | first batch everywhere (client) | p50 new rank (client) | baseline: "
+          "that many fresh streams of a static job |")
+    print("|---|---|---|---|---|---|---|")
     for case in results["cases"]:
         med = {k: statistics.median(r[k] for r in case["repeats"])
                for k in ("adopted_s", "drained_s", "service_first_batch_s", "client_max_s",
                          "client_p50_s")}
         print(f"| {case['old']} -> {case['new']} | {med['adopted_s']:.3f} s | "
               f"{med['drained_s']:.3f} s | {med['service_first_batch_s']:.3f} s | "
-              f"{med['client_max_s']:.3f} s | {med['client_p50_s']:.3f} s |")
+              f"{med['client_max_s']:.3f} s | {med['client_p50_s']:.3f} s | "
+              f"{statistics.median(case['cold_start_s']):.3f} s |")
     print(f"load average before/after: {load_before} / {meta['load_after']}")
 
 

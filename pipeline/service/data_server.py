@@ -22,7 +22,8 @@ Acks: an ack past the published plan is a client bug: INVALID_ARGUMENT.
 
 Worlds (docs/elastic.md). A stream belongs to one world (`world_open` decides which from the
 Open). Before it sends a batch beyond its rank's delivery grant it raises the grant
-(`JobRuntime.grant`, a window of `prefetch_steps` at a time), so a reconfiguration can end the
+(`JobRuntime.grant`, a window of the client's credits at a time: one round trip per window,
+grouped with the replica's other streams), so a reconfiguration can end the
 world exactly where nothing delivered is lost. When its world has ended the stream runs through
 the rank's last step, sends END(reconfigure) naming the new world's size, leaves
 (`JobState.rank_left`: its lease is released at once, so the rank's next stream is not held up)
@@ -80,6 +81,7 @@ class StreamSession:
     error: tuple[grpc.StatusCode, str] | None = None  # set by the ack reader: abort
     leased: bool = True  # holds the rank's lease (a drained rank of an ended world does not)
     granted: int = -1  # the highest step the rank may be sent (its delivery grant)
+    window: int = 1  # grants are raised this many steps at a time: the client's credit window
     left: bool = False  # got END(reconfigure): its world ended, it left
 
 
@@ -254,11 +256,10 @@ class DataServicer(pb_grpc.DataServiceServicer):
         cursor = RankCursor(op.rank, rt.job.epochs, pos=step, epoch=epoch, last_sent=step - 1,
                             world=start.world, world_size=start.world_size, limit=start.limit,
                             next_world_size=start.next_world_size)
-        session = StreamSession(op.rank, client_id,
-                                max(1, min(op.credits or self.prefetch_steps,
-                                           self.prefetch_steps)),
-                                cursor, last_heartbeat=time.monotonic(),
-                                leased=start.has_work, granted=step - 1)
+        credits = max(1, min(op.credits or self.prefetch_steps, self.prefetch_steps))
+        session = StreamSession(op.rank, client_id, credits, cursor,
+                                last_heartbeat=time.monotonic(), leased=start.has_work,
+                                granted=step - 1, window=credits)
         wake = threading.Condition()
 
         def cancel() -> None:
@@ -277,9 +278,10 @@ class DataServicer(pb_grpc.DataServiceServicer):
                  extra={"job": op.job_id, "rank": op.rank, "step": step})
         try:
             yield from self._send(rt, session, wake, context)
-            # After the final END (or END(reconfigure)), wait (bounded) for the client's final
-            # ack and half-close so the last step is recorded as consumed.
-            deadline = time.monotonic() + self.lease_seconds
+            # After the final END, wait (bounded) for the client's final ack and half-close so
+            # the last step is recorded as consumed. (After END(reconfigure) there is nothing to
+            # record: end at once, the rank is about to open its stream in the new world.)
+            deadline = time.monotonic() + (0.0 if session.left else self.lease_seconds)
             with wake:
                 while not (session.client_closed or session.cancelled):
                     if time.monotonic() >= deadline:
@@ -447,7 +449,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
                     return
                 self._check_abort(rt, s, context)
                 n = action.step.step
-                if n > s.granted and not self._grant(rt, s, n + self.prefetch_steps - 1, n):
+                if n > s.granted and not self._grant(rt, s, n + s.window - 1, n):
                     continue  # its world ended before this step, or the state is behind
                 msg = rt.build_message(action.step, s.rank, s.cursor.world_size)
                 s.credits -= 1

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pipeline.config import JobConfig
 from pipeline.jobstate.interface import JobState
-from pipeline.jobstate.worlds import Grant
+from pipeline.jobstate.worlds import Grant, PlanHead
 from pipeline.planner.types import Step
 from pipeline.producer.hosting import ProducerHost
 from pipeline.service.batch_builder import batch_message
@@ -149,12 +149,12 @@ class JobRuntime:
             self._dead_cache = (now, rank_timeout_seconds, out)
         return out
 
-    def resume_position(self, rank: int, first_step: int = 0) -> tuple[int, int]:
-        """(step, epoch) of the rank's first unacknowledged step of the current world (which
-        starts at `first_step`): where a rank that opens without a state of its own continues
+    def resume_position(self, rank: int, head: PlanHead) -> tuple[int, int]:
+        """(step, epoch) of the rank's first unacknowledged step of the current world (`head`,
+        just read): where a rank that opens without a state of its own continues
         (Guarantee 5)."""
-        nxt = max(self.state.acked(rank) + 1, first_step)
-        if nxt <= self.plan.fresh_published_through():
+        nxt = max(self.state.acked(rank) + 1, head.first_step)
+        if nxt <= head.published_through:
             step = self.plan.step_for(nxt, rank)
             if step is not None:
                 return nxt, step.epoch

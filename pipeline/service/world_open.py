@@ -180,7 +180,7 @@ def _current_start(op: pb.Open, rt: JobRuntime, head: PlanHead, resume_grace_s: 
                    ) -> StreamStart:
     job = rt.job
     if op.resume_step == RESUME_FROM_CURSOR:
-        pos, epoch = rt.resume_position(op.rank, head.first_step)
+        pos, epoch = rt.resume_position(op.rank, head)
         return StreamStart(head.generation, head.world_size, pos, epoch)
     if not 0 <= op.resume_epoch <= job.epochs:
         raise OpenRefused(grpc.StatusCode.INVALID_ARGUMENT,
