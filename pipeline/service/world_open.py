@@ -168,6 +168,9 @@ def _drain_start(op: pb.Open, rt: JobRuntime, prev: World, head: PlanHead) -> St
         epoch = sum(1 for e in ends if e.last_step < pos)
     else:
         pos, epoch = op.resume_step, op.resume_epoch
+        if not 0 <= epoch <= rt.job.epochs:
+            raise OpenRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"resume_epoch {epoch} is outside [0, {rt.job.epochs}]")
         if pos < prev.first_step:
             raise OpenRefused(grpc.StatusCode.OUT_OF_RANGE,
                               f"resume_step {pos} is before world {prev.generation} of job "

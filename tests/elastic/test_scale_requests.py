@@ -151,3 +151,24 @@ def test_a_fully_planned_job_cannot_move(redis_client, redis_url):
         wait_for(lambda: svc.runtimes["sr"].state.is_done(), 30, "the plan")
         code, details = _code(lambda: _scale(svc.address, 3))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "fully planned" in details
+
+
+def test_an_aligned_loader_does_not_mistake_a_world_end_for_the_epochs(redis_client, redis_url):
+    """Runtimes without Join (StreamLoader, HF, Lightning) read the end of a pass as the end of
+    the epoch: a world that ends mid-epoch raises `Reconfigured` instead, so the worker restarts
+    as a rank of the new world from its checkpoint rather than skipping the epoch's rest."""
+    from trainer_client import StreamLoader
+
+    with served(redis_url, "sr", 1, samples(900), token=TOKEN) as svc:
+        stream = BatchStream(svc.address, "sr", 0, 1, token=TOKEN, prefetch=1, tensors="numpy")
+        loader = StreamLoader(stream, align=True)
+        it = iter(loader)
+        taken = [next(it).info.step]
+        assert _scale(svc.address, 2).changed
+        with pytest.raises(Reconfigured) as err:
+            for b in it:
+                taken.append(b.info.step)
+        assert err.value.world_size == 2
+        assert taken == list(range(len(taken)))  # every batch up to the boundary, in order
+        assert stream.last_end.final_step == taken[-1]
+        stream.close()
