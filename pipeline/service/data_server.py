@@ -144,7 +144,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
             return None
         why = ""
         if self.rank_failure_policy == "shrink":
-            why = scaling.shrink(rt, dead)
+            why = scaling.shrink(rt, self.rank_timeout_seconds)
             if why is None:
                 return None
             why = f" ({why})"

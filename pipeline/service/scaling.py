@@ -95,11 +95,15 @@ def scale_reply(rt: JobRuntime, res: ScaleResult) -> pb.ScaleReply:
     return out
 
 
-def shrink(rt: JobRuntime, dead: dict[int, float]) -> str | None:
+def shrink(rt: JobRuntime, timeout_seconds: float) -> str | None:
     """Switch to a world of the live ranks; None when done (or already done by another replica,
-    or pending), else why it cannot (the caller fails the ranks with it)."""
+    or pending, or nobody is gone any more), else why it cannot (the caller fails the ranks).
+
+    The lapses are read again here, after the head: a cached view could be of the world a
+    previous shrink already ended (its gone ranks' leases are dropped with it)."""
     head = rt.plan.fresh_head()
-    dead = {r: t for r, t in dead.items() if r < head.world_size}
+    dead = {r: t for r, t in rt.state.timed_out_ranks(timeout_seconds).items()
+            if r < head.world_size}
     if not dead:
         return None
     # The new world is the ranks live now (a lease held and not lapsed), which the boundary

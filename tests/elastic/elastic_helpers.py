@@ -96,7 +96,8 @@ class RankProc:
             raise AssertionError(f"world {self.world} rank {self.rank} did not finish in "
                                  f"{timeout}s: {self.lines()[-1:]}") from None
         out = self.proc.stdout.read().decode(errors="replace")
-        assert rc == 0, f"world {self.world} rank {self.rank} exited {rc}: {out[-3000:]}"
+        assert rc == 0, (f"world {self.world} rank {self.rank} exited {rc}: {self.lines()[-1:]} "
+                         f"{out[-3000:]}")
         return self
 
     def kill(self) -> None:
