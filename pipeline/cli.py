@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "plan": "dry-run batching on a dataset or a lengths file (steps, padding efficiency, balance)",
     "inspect": "show samples after preprocessing (tokens, visual tokens, cost, quarantine)",
     "status": "operator queries: jobs, ranks, throughput, quarantine (from Redis and the service)",
+    "scale": "move the rest of a job onto a new world size (reconfiguration)",
     "demo": "everything local: embedded Redis, local Ray, the service and N trainer ranks",
 }
 

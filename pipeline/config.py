@@ -165,7 +165,13 @@ class OrganizationConfig(_Model):
 class JobConfig(_Model):
     job_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     token_env: str | None = Field(None, description="env var holding the job's bearer token")
-    world_size: int = Field(ge=1, le=65536)
+    world_size: int = Field(ge=1, le=65536, description="the world the job starts with")
+    elastic: bool = Field(False, description="an Open with another world size, once the "
+                          "current world's ranks ended or their leases lapsed, reconfigures the "
+                          "job onto it (torchrun elastic restarts; docs/elastic.md)")
+    max_world_size: int | None = Field(
+        None, ge=1, le=65536, description="the largest world a reconfiguration may move the job "
+        "onto; None = max(world_size, 1024)")
     mode: Literal["join", "quota"] = "join"
     seed: int = 0
     epochs: int = Field(1, ge=1)
@@ -173,6 +179,13 @@ class JobConfig(_Model):
     preprocess: PreprocessConfig = PreprocessConfig()
     batching: BatchingConfig = BatchingConfig()
     organization: OrganizationConfig = OrganizationConfig()
+
+    @model_validator(mode="after")
+    def _max_world_holds_the_first(self) -> JobConfig:
+        if self.max_world_size is not None and self.max_world_size < self.world_size:
+            raise ValueError(f"max_world_size ({self.max_world_size}) is below world_size "
+                             f"({self.world_size})")
+        return self
 
     @model_validator(mode="after")
     def _limits_can_hold_a_sample(self) -> JobConfig:
@@ -184,6 +197,10 @@ class JobConfig(_Model):
                 f"smallest image (preprocess.image_min_pixels = {self.preprocess.image_min_pixels}"
                 f" pixels): no image could ever be batched; raise it or lower image_min_pixels")
         return self
+
+    def world_size_cap(self) -> int:
+        """The largest world size the job may run with (servers size their pools for it)."""
+        return self.max_world_size or max(self.world_size, 1024)
 
     def max_sample_tokens(self) -> int:
         """The most tokens one preprocessed sample may have: the one owner of this rule.
@@ -262,11 +279,12 @@ class ServiceConfig(_Model):
     lease_seconds: float = Field(10.0, gt=0)
     rank_timeout_seconds: float = Field(
         60.0, gt=0, description="how long a rank may be gone (its lease lapsed, or never "
-        "claimed since the job's first rank connected) before the failure policy applies; "
+        "claimed since the world's first rank connected) before the failure policy applies; "
         "it must cover the trainer ranks' start-up skew")
     # What the live ranks get once a rank has been gone for rank_timeout_seconds: `fail` =
-    # a clear ABORTED error naming the rank; `wait` = keep waiting for it to come back.
-    rank_failure_policy: Literal["fail", "wait"] = "fail"
+    # a clear ABORTED error naming the rank; `wait` = keep waiting for it to come back;
+    # `shrink` = a reconfiguration onto the live ranks (docs/elastic.md).
+    rank_failure_policy: Literal["fail", "wait", "shrink"] = "fail"
     metrics_port: int | None = Field(9464, ge=0, le=65535)
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

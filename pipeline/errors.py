@@ -10,6 +10,11 @@
         ├── AckAheadOfPlan   a rank acknowledged a step that is not published
         ├── RankHeld         another live client holds the rank's lease
         ├── Fenced           a producer whose lease generation is no longer current
+        ├── WorldChanged     a publication for a world that a reconfiguration ended
+        ├── ScaleRefused     a reconfiguration the state cannot make now
+        │   ├── ScaleInProgress   the previous one is not complete yet
+        │   ├── PlanningComplete  every epoch is planned: nothing left to move
+        │   └── RanksLive         (implicit switch) ranks of the current world still hold leases
         └── StateUnavailable the state could not be reached (Redis down after retries)
 
 Every refusal leaves the state as it was (the Redis scripts check before their first write), so a
@@ -70,6 +75,29 @@ class RankHeld(StateError):
 class Fenced(StateError):
     """A producer tried to act with a lease generation that is no longer the job's current one
     (another producer took over): it must stop, it can never publish again."""
+
+
+class WorldChanged(StateError):
+    """A producer published a checkpoint for a world that is no longer the job's current one (a
+    reconfiguration ended it): it must re-plan from the state's checkpoint for the new world."""
+
+
+class ScaleRefused(StateError):
+    """A reconfiguration that cannot be made now (nothing was changed)."""
+
+
+class ScaleInProgress(ScaleRefused):
+    """The previous reconfiguration is not complete: its producer has not published the new
+    world's plan yet, or ranks of the old world are still draining to their last step."""
+
+
+class PlanningComplete(ScaleRefused):
+    """Every epoch of the job is planned: its remaining steps are fixed for the current world."""
+
+
+class RanksLive(ScaleRefused):
+    """An implicit (Open-triggered) reconfiguration while ranks of the current world still hold
+    live leases: it happens once they ended or their leases lapsed."""
 
 
 class StateUnavailable(StateError):

@@ -6,7 +6,7 @@ framework adapters (`hf_trainer`, `accelerate_join`, `lightning_data`) import th
 when used, never here.
 """
 
-from trainer_client.batch_stream import BatchStream, EpochEndInfo, StreamError
+from trainer_client.batch_stream import BatchStream, EpochEndInfo, Reconfigured, StreamError
 from trainer_client.decode import BatchInfo, ModelInputs, StreamBatch
 from trainer_client.loader import StreamLoader
 from trainer_client.loss import causal_lm_loss, loss_scale
@@ -14,4 +14,5 @@ from trainer_client.pixels import PixelNorm
 from trainer_client.wire_format import WIRE_VERSION
 
 __all__ = ["WIRE_VERSION", "BatchInfo", "BatchStream", "EpochEndInfo", "ModelInputs", "PixelNorm",
-           "StreamBatch", "StreamError", "StreamLoader", "causal_lm_loss", "loss_scale"]
+           "Reconfigured", "StreamBatch", "StreamError", "StreamLoader", "causal_lm_loss",
+           "loss_scale"]

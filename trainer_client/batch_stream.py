@@ -29,6 +29,13 @@ the channel fails over between the addresses it resolves with gRPC's own load-ba
 (`load_balancing`, `pick_first` by default), and the reconnect loop resumes the stream there.
 Exit: a stream left open (a trainer that stops early, raises or gets Ctrl-C) is closed at
 interpreter exit, before gRPC's threads could abort the process.
+
+Elastic worlds (docs/elastic.md): when the job's world is reconfigured, this rank gets its
+batches up to the boundary and then an END whose `reason` is "reconfigure" and whose
+`world_size` is the new world's (`stream.last_end`; `stream.done` stays False). The rank then
+opens `BatchStream(endpoint, job, new_rank, new_world_size)`, with or without this stream's
+`state_dict()` (a state restores any rank of any world of the same job); iterating this stream
+again raises `Reconfigured`.
 """
 
 from __future__ import annotations
@@ -69,6 +76,17 @@ class StreamError(RuntimeError):
         self.details = details
 
 
+class Reconfigured(StreamError):
+    """This stream's world ended at a reconfiguration: open a stream of the new world."""
+
+    def __init__(self, job: str, rank: int, world_size: int) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"job {job!r}: the world of rank {rank} ended at a reconfiguration; "
+                         f"open BatchStream(endpoint, {job!r}, rank, {world_size}) (with this "
+                         "stream's state_dict) to continue")
+        self.world_size = world_size
+
+
 @dataclass(frozen=True)
 class EpochEndInfo:
     epoch: int
@@ -77,6 +95,8 @@ class EpochEndInfo:
     epoch_steps: int
     job_done: bool
     first_step: int = 0  # the epoch's first global step (steps are contiguous across epochs)
+    reason: str = "epoch"  # "epoch" | "reconfigure" (this rank's world ended; the epoch goes on)
+    world_size: int = 0  # reason "reconfigure": the new world's size
 
     @property
     def last_step(self) -> int:
@@ -166,6 +186,7 @@ class BatchStream:
         # once, instead of starting over).
         self._positioned = False
         self.last_end: EpochEndInfo | None = None
+        self._reconfigured = 0  # the new world's size once this stream's world ended
         self.reconnects = 0
         # Receiver side.
         self._items: queue.Queue = queue.Queue()
@@ -179,12 +200,15 @@ class BatchStream:
                 "epoch_first_step": self.epoch_first_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a position; the stream (re)connects from it on the next iteration."""
-        for key, mine in (("job", self.job), ("rank", self.rank),
-                          ("world_size", self.world_size)):
-            if state.get(key) != mine:
-                raise ValueError(f"state_dict is for {key}={state.get(key)!r}, "
-                                 f"this stream has {key}={mine!r}")
+        """Restore a position; the stream (re)connects from it on the next iteration.
+
+        The position (the global step after the consumed prefix, and the epoch) does not depend
+        on the rank or the world size: a state of any rank of any world of the job restores this
+        one (after a reconfiguration, the service maps a position at the end of the old world to
+        the new world's first step). Only the job must match."""
+        if state.get("job") != self.job:
+            raise ValueError(f"state_dict is for job={state.get('job')!r}, "
+                             f"this stream has job={self.job!r}")
         self._link.stop()
         self._next_step = int(state["next_step"])
         self._epoch = int(state["epoch"])
@@ -226,9 +250,19 @@ class BatchStream:
         """Batches of the current epoch, up to this rank's END for it."""
         if self._done:
             return
+        if self._reconfigured:
+            raise Reconfigured(self.job, self.rank, self._reconfigured)
         self._ensure_receiver()
         while True:
             item = self._take()
+            if isinstance(item, EpochEndInfo) and item.reason == "reconfigure":
+                # The epoch goes on in the new world: position and epoch stay as they are.
+                self.last_end = replace(item, first_step=self._epoch_first_step or 0)
+                self._reconfigured = item.world_size
+                with self._link.lock:  # our last ack went out with this take: half-close
+                    if self._link.reqs is not None:
+                        self._link.reqs.put(None)
+                return
             if isinstance(item, EpochEndInfo):
                 first = self.epoch_first_step
                 self.last_end = replace(item, first_step=first)
@@ -314,7 +348,7 @@ class BatchStream:
         epoch = self._epoch
         delay = self._backoff[0]
         last_progress = time.monotonic()
-        job_done = False
+        job_done = False  # (or this world ended: the server closes, nothing to resume)
         while not link.closing:
             reqs: queue.SimpleQueue = queue.SimpleQueue()
             with link.lock:
@@ -338,11 +372,14 @@ class BatchStream:
                         self._items.put(item)
                     else:
                         e = msg.end
-                        epoch = e.epoch + 1
+                        reconfigure = e.reason == pb.END_REASON_RECONFIGURE
+                        if not reconfigure:
+                            epoch = e.epoch + 1
                         self._items.put(EpochEndInfo(
                             e.epoch, e.final_step, pb.Mode.Name(e.mode).lower(), e.epoch_steps,
-                            e.job_done))
-                        job_done = job_done or e.job_done
+                            e.job_done, reason="reconfigure" if reconfigure else "epoch",
+                            world_size=e.world_size))
+                        job_done = job_done or e.job_done or reconfigure
                 if job_done:  # the server closes after our final ack (see __iter__)
                     return
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without END"

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer_client.batch_stream import BatchStream
+from trainer_client.batch_stream import BatchStream, Reconfigured
 from trainer_client.decode import BatchInfo, StreamBatch
 
 _NUM_YIELDED = "_num_yielded"
@@ -182,6 +182,10 @@ class StreamLoader:
                 batch.loader_state = self._snapshot()
                 yield batch
             end = s.last_end
+            if end is not None and end is not seen and end.reason == "reconfigure":
+                # The world ended mid-epoch (docs/elastic.md): not the epoch's end for the
+                # runtime; the worker restarts as a rank of the new world from its checkpoint.
+                raise Reconfigured(s.job, s.rank, end.world_size)
             if end is not None and end is not seen and end.epoch == self._epoch:
                 self._last_step = end.last_step
         if self.align and self._last_step is not None:

@@ -87,12 +87,30 @@ class JobKeys:
     def sdo_visits(self) -> str:  # hash (SDO jobs): epoch -> that epoch's visits (write-once)
         return self.base + "sdo_visits"
 
+    # --- worlds (reconfiguration, docs/elastic.md): written by SCALE, GRANT, LEFT, PUBLISH ---
+    @property
+    def worlds(self) -> str:  # hash: generation -> world record (JSON, with its boundary)
+        return self.base + "worlds"
+
+    @property
+    def grants(self) -> str:  # zset: rank of the current world -> highest step it may be sent
+        return self.base + "grants"
+
+    @property
+    def draining(self) -> str:  # hash: rank of the ended world still draining -> its client
+        return self.base + "draining"
+
+    @property
+    def world_times(self) -> str:  # hash: "<g>:requested|adopted", "<g>:first|left:<r>" -> ms
+        return self.base + "world_times"
+
     def fixed(self) -> list[str]:
         """Every job's keys except the per-step ones (those are found from meta's step range)
         and the SDO ones (`organization_keys`)."""
         return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
                 self.lease_exp, self.lease, self.lapsed, self.claimed, self.counters,
-                self.quarantine_ids, self.quarantine]
+                self.quarantine_ids, self.quarantine, self.worlds, self.grants, self.draining,
+                self.world_times]
 
     def organization_keys(self) -> list[str]:
         """The keys only an SDO job has (its producer writes them: `RedisLedgerStore`)."""

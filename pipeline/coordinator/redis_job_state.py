@@ -24,10 +24,14 @@ from pipeline.errors import (
     CheckpointConflict,
     DurabilityUnavailable,
     Fenced,
+    PlanningComplete,
     RankHeld,
+    RanksLive,
+    ScaleInProgress,
     StepConflict,
     StepGap,
     UnknownJob,
+    WorldChanged,
 )
 from pipeline.jobstate.interface import (
     JobCounters,
@@ -38,6 +42,15 @@ from pipeline.jobstate.interface import (
     QuarantineEntry,
     RankHealth,
     RankLease,
+)
+from pipeline.jobstate.worlds import (
+    Grant,
+    PlanHead,
+    ScaleReason,
+    ScaleRequest,
+    ScaleResult,
+    World,
+    WorldTimings,
 )
 from pipeline.planner.types import EpochEnd, Step, StepInfo
 
@@ -75,7 +88,6 @@ class RedisJobState(JobState):
                                                max_connections=max_connections,
                                                pool_timeout=pool_timeout)
         self.job_id = job_id
-        self.world_size = world_size
         self.mode = str(getattr(mode, "value", mode))
         self.keys = keys.JobKeys(job_id)
         self.fsync_publish = fsync_publish
@@ -105,7 +117,7 @@ class RedisJobState(JobState):
         """The state of a configured job (hash, world size, mode and seed from its config).
         Given a URL, the client's blocking pool is sized for the job (`pool_size_for`)."""
         if max_connections is None:
-            max_connections = pool_size_for(job.world_size)
+            max_connections = pool_size_for(job.world_size_cap())
         return cls(client_or_url, job.job_id, config_hash=registry.config_hash(job),
                    world_size=job.world_size, mode=job.mode, seed=job.seed, retries=retries,
                    socket_timeout=socket_timeout, fsync_publish=fsync_publish,
@@ -122,7 +134,7 @@ class RedisJobState(JobState):
             rec = registry.read_job(self.client, job_id)
         if rec is None:
             raise UnknownJob(f"job {job_id!r} is not registered in Redis")
-        self.job_id, self.world_size, self.mode = job_id, rec.world_size, rec.mode
+        self.job_id, self.mode = job_id, rec.mode
         self.keys = keys.JobKeys(job_id)
         self.fsync_publish = False
         self.created = False
@@ -171,6 +183,23 @@ class RedisJobState(JobState):
                                   f"through {rest[1]} are published")
         if code == "ODB_NOJOB":
             return UnknownJob(f"job {job!r} is not registered in Redis (deleted?)")
+        if code == "ODB_WORLD":
+            return WorldChanged(f"job {job!r}: publication planned for world {rest[0]}, the "
+                                f"current world is {rest[1]} (a reconfiguration ended it)")
+        if code == "ODB_RANK":
+            return ValueError(f"job {job!r}: rank {rest[0]} outside 0..{int(rest[1]) - 1}")
+        if code == "ODB_PLANNED":
+            return PlanningComplete(f"job {job!r} is fully planned: its remaining steps are "
+                                    f"fixed for {rest[0]} ranks")
+        if code == "ODB_SCALING":
+            if rest[0] == "adopting":
+                return ScaleInProgress(f"job {job!r}: the switch to world {rest[1]} "
+                                       f"({rest[2]} ranks) is not planned yet")
+            return ScaleInProgress(f"job {job!r}: ranks [{rest[1]}] of the previous world are "
+                                   "still draining to their last step")
+        if code == "ODB_LIVE":
+            return RanksLive(f"job {job!r}: ranks [{rest[1]}] of the current world ({rest[0]} "
+                             "ranks) hold live leases")
         return None
 
     def _raise_mapped(self, msg: str, rank: int | None = None) -> None:
@@ -178,9 +207,23 @@ class RedisJobState(JobState):
         if exc is not None:
             raise exc from None
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"job {self.job_id!r}: rank {rank} outside 0..{self.world_size - 1}")
+    def _check_rank(self, rank: int, bound: int) -> None:
+        if not 0 <= rank < bound:
+            raise ValueError(f"job {self.job_id!r}: rank {rank} outside 0..{bound - 1}")
+
+    @property
+    def world_size(self) -> int:
+        """The current world's size (read from Redis: another replica may have reconfigured)."""
+        (v,) = self._meta("world_size")
+        if v is None:
+            raise UnknownJob(f"job {self.job_id!r} is not registered in Redis (deleted?)")
+        return int(v)
+
+    def _lease_ranks(self) -> int:
+        ws, lr = self._meta("world_size", "lease_ranks")
+        if ws is None:
+            raise UnknownJob(f"job {self.job_id!r} is not registered in Redis (deleted?)")
+        return int(lr or ws)
 
     def _meta(self, *fields: str) -> list[bytes | None]:
         with unavailable_as_error(self._where):
@@ -192,11 +235,9 @@ class RedisJobState(JobState):
         args: list[Any] = [self.keys.base, fence, cp.epoch, cp.samples_consumed, cp.next_step,
                            step_codec.encode_checkpoint(cp), "1" if publication.done else "0",
                            publication.samples_in, QUARANTINE_LIST_CAP,
-                           len(publication.steps)]
+                           len(publication.steps), cp.world]
         for step in publication.steps:
-            header, blobs = step_codec.encode_step(step)
-            for b in step.batches:
-                self._check_rank(b.rank)
+            header, blobs = step_codec.encode_step(step)  # ranks are checked in the script
             args += [step.epoch, step.step, header, step.info.step_samples,
                      step.info.step_tokens, len(blobs)]
             for rank, blob in blobs:
@@ -209,7 +250,7 @@ class RedisJobState(JobState):
             args += [q.sample_id, q.reason, step_codec.encode_quarantine(q)]
         k = self.keys
         ks = [k.meta, k.digests, k.ends, k.checkpoint, k.counters, k.quarantine_ids,
-              k.quarantine]
+              k.quarantine, k.world_times]
         if not self.fsync_publish:
             new, _ = self._run(scripts.publish, ks, args)
             return int(new)
@@ -310,7 +351,7 @@ class RedisJobState(JobState):
 
     def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int,
              soft: bool = False) -> list:
-        self._check_rank(rank)
+        # The script checks the rank (current world for cursors, + draining ranks for leases).
         return self._run(scripts.ack, self._ack_keys(),
                          [self.keys.base, rank, client_id, _ms(lease_seconds), step,
                           "1" if soft else "0"], rank=rank)
@@ -328,8 +369,8 @@ class RedisJobState(JobState):
         return int(exp) != -2
 
     def ack(self, rank: int, step: int) -> None:
-        self._check_rank(rank)
         if step < 0:
+            self._check_rank(rank, self.world_size)
             return
         self._ack(rank, "", 0, step)
 
@@ -337,12 +378,15 @@ class RedisJobState(JobState):
         ks = self._ack_keys()
         out: list[Exception | None] = [None] * len(acks)
         todo = []
+        bound: int | None = None
         for i, (rank, step) in enumerate(acks):
-            if not 0 <= rank < self.world_size:
-                out[i] = ValueError(f"job {self.job_id!r}: rank {rank} outside "
-                                    f"0..{self.world_size - 1}")
-            elif step >= 0:
-                todo.append(i)
+            if step >= 0:
+                todo.append(i)  # the script checks the rank
+                continue
+            if bound is None:
+                bound = self.world_size
+            if not 0 <= rank < bound:
+                out[i] = ValueError(f"job {self.job_id!r}: rank {rank} outside 0..{bound - 1}")
         if not todo:
             return out
         for attempt in (0, 1):
@@ -365,28 +409,38 @@ class RedisJobState(JobState):
         raise AssertionError("unreachable")
 
     def release_rank(self, rank: int, client_id: str) -> None:
-        self._check_rank(rank)
+        self._check_rank(rank, self._lease_ranks())
         self._run(scripts.release, [self.keys.lease, self.keys.lease_exp], [rank, client_id])
 
     def acked(self, rank: int) -> int:
-        self._check_rank(rank)
         with unavailable_as_error(self._where):
-            v = self.client.zscore(self.keys.acked, rank)
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hget(self.keys.meta, "world_size")
+            pipe.zscore(self.keys.acked, rank)
+            ws, v = pipe.execute()
+        if ws is None:
+            raise UnknownJob(f"job {self.job_id!r} is not registered in Redis (deleted?)")
+        self._check_rank(rank, int(ws))
         return -1 if v is None else int(v)
 
     def acked_all(self) -> list[int]:
         with unavailable_as_error(self._where):
-            rows = self.client.zrange(self.keys.acked, 0, -1, withscores=True)
-        out = [-1] * self.world_size
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hget(self.keys.meta, "world_size")
+            pipe.zrange(self.keys.acked, 0, -1, withscores=True)
+            ws, rows = pipe.execute()
+        if ws is None:
+            raise UnknownJob(f"job {self.job_id!r} is not registered in Redis (deleted?)")
+        out = [-1] * int(ws)
         for member, score in rows:
             r = int(member)
-            if r < self.world_size:
+            if r < len(out):
                 out[r] = int(score)
         return out
 
     def lease(self, rank: int) -> RankLease | None:
         """The rank's current lease record (live or lapsed), None if never claimed/released."""
-        self._check_rank(rank)
+        self._check_rank(rank, self._lease_ranks())
         with unavailable_as_error(self._where):
             pipe = self.client.pipeline(transaction=True)
             pipe.hget(self.keys.lease, rank)
@@ -403,17 +457,18 @@ class RedisJobState(JobState):
         job's first claim; only with `absent`)."""
         k = self.keys
         offset_ms = round(older_than_seconds * 1000) if older_than_seconds > 0 else 0
-        now, rows, history, claimed, first = self._run(
-            scripts.lapsed, [k.lease_exp, k.lapsed, k.claimed, k.meta],
+        now, rows, history, ws, claimed, first = self._run(
+            scripts.lapsed, [k.lease_exp, k.lapsed, k.meta, k.claimed],
             [offset_ms, "1" if absent else "0"])
+        w = int(ws or 0)
         live = {int(rows[i]): (int(now) - int(float(rows[i + 1]))) / 1000.0
-                for i in range(0, len(rows), 2)}
+                for i in range(0, len(rows), 2) if int(rows[i]) < w}
         never: dict[int, float] = {}
         if absent and first:
             waited = (int(now) - int(first)) / 1000.0
             seen = {int(r) for r in claimed}
-            never = {r: waited for r in range(self.world_size) if r not in seen}
-        return live, {int(r) for r in history}, never
+            never = {r: waited for r in range(w) if r not in seen}
+        return live, {int(r) for r in history if int(r) < w}, never
 
     def lapsed_ranks(self) -> list[int]:
         live, history, _ = self._lapsed(0)
@@ -426,8 +481,8 @@ class RedisJobState(JobState):
 
     def rank_health(self) -> list[RankHealth]:
         k = self.keys
-        now_ms, acked, exps, leases = self._run(scripts.health, [k.acked, k.lease_exp, k.lease],
-                                                [])
+        now_ms, acked, exps, leases, ws = self._run(
+            scripts.health, [k.acked, k.lease_exp, k.lease, k.meta], [])
         acked_by = {int(acked[i]): int(float(acked[i + 1])) for i in range(0, len(acked), 2)}
         exp_by = {int(exps[i]): int(float(exps[i + 1])) for i in range(0, len(exps), 2)}
         lease_by: dict[int, tuple[int, str]] = {}
@@ -435,7 +490,7 @@ class RedisJobState(JobState):
             hb, _, cid = leases[i + 1].decode().partition(":")
             lease_by[int(leases[i])] = (int(hb), cid)
         out = []
-        for r in range(self.world_size):
+        for r in range(int(ws or 0)):
             exp = exp_by.get(r)
             hb_cid = lease_by.get(r)
             out.append(RankHealth(
@@ -447,6 +502,86 @@ class RedisJobState(JobState):
                 lapsed_for=max(0.0, (now_ms - exp) / 1000.0) if exp is not None else 0.0,
             ))
         return out
+
+    # ------------------------------------------------------------- worlds
+    def head(self) -> PlanHead:
+        pt, gen, ws, first = self._meta("published_through", "world_gen", "world_size",
+                                        "world_first")
+        if pt is None:
+            raise UnknownJob(f"job {self.job_id!r} is not registered in Redis (deleted?)")
+        return PlanHead(int(pt), int(gen or 0), int(ws), int(first or 0))
+
+    def worlds(self) -> list[World]:
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hgetall(self.keys.worlds)
+            pipe.hmget(self.keys.meta, ["world_size", "world_size0", "created_ms"])
+            raw, (ws, ws0, created) = pipe.execute()
+        if ws is None:
+            raise UnknownJob(f"job {self.job_id!r} is not registered in Redis (deleted?)")
+        out = {int(g): step_codec.decode_world(v) for g, v in raw.items()}
+        if 0 not in out:  # a job never reconfigured has no records
+            out[0] = World(0, int(ws0 or ws), 0, ScaleReason.INITIAL, int(created or 0) / 1000)
+        return [out[g] for g in sorted(out)]
+
+    def grant(self, requests: Sequence[tuple[int, int, int]]) -> list[Grant | Exception]:
+        if not requests:
+            return []
+        args: list[Any] = [len(requests)]
+        for gen, rank, through in requests:
+            args += [gen, rank, through]
+        k = self.keys
+        rows = self._run(scripts.grant, [k.meta, k.grants, k.worlds, k.world_times], args)
+        out: list[Grant | Exception] = []
+        for (gen, rank, _), (through, kind, extra) in zip(requests, rows, strict=True):
+            if kind == -1:
+                out.append(ValueError(f"job {self.job_id!r}: rank {rank} outside world {gen} "
+                                      f"(0..{int(extra) - 1})"))
+            elif kind == -2:
+                out.append(ValueError(f"job {self.job_id!r}: no world {gen} (current: {extra})"))
+            else:
+                out.append(Grant(int(through), ended=kind == 1, next_world_size=int(extra)))
+        return out
+
+    def scale(self, request: ScaleRequest) -> ScaleResult:
+        n = request.world_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {n!r}")
+        k = self.keys
+        res = self._run(scripts.scale,
+                        [k.meta, k.acked, k.lease_exp, k.lease, k.grants, k.draining, k.worlds,
+                         k.world_times, k.ends, k.counters, k.lapsed, k.claimed],
+                        [k.base, n, ScaleReason(request.reason).value,
+                         -1 if request.position is None else request.position,
+                         "1" if request.require_gone else "0",
+                         -1 if request.expect_generation is None else request.expect_generation])
+        if int(res[0]) == 0:
+            return ScaleResult(False, self.worlds()[-1])
+        return ScaleResult(True, step_codec.decode_world(res[2]),
+                           step_codec.decode_world(res[1]))
+
+    def rank_left(self, generation: int, rank: int, client_id: str) -> None:
+        k = self.keys
+        self._run(scripts.left, [k.lease, k.lease_exp, k.draining, k.world_times, k.meta],
+                  [generation, rank, client_id])
+
+    def world_timings(self, generation: int) -> WorldTimings | None:
+        if generation < 1:
+            return None
+        with unavailable_as_error(self._where):
+            raw = self.client.hgetall(self.keys.world_times)
+        prefix = f"{generation}:"
+        t = {key.decode()[len(prefix):]: int(v) / 1000.0 for key, v in raw.items()
+             if key.decode().startswith(prefix)}
+        if "requested" not in t:
+            return None
+        per = {"first": {}, "left": {}}
+        for name, at in t.items():
+            kind, _, rank = name.partition(":")
+            if kind in per and rank:
+                per[kind][int(rank)] = at
+        return WorldTimings(generation, t["requested"], t.get("adopted"), per["first"],
+                            per["left"])
 
     # ------------------------------------------------------------- counts
     def counters(self) -> JobCounters:

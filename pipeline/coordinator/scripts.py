@@ -24,10 +24,12 @@ _NOW = "local _t = redis.call('TIME'); local now = _t[1] * 1000 + math.floor(_t[
 REGISTER = _NOW + """
 local v = redis.call('GET', KEYS[1])
 if v and v ~= ARGV[1] then return redis.error_reply('ODB_SCHEMA ' .. v) end
-local m = redis.call('HMGET', KEYS[3], 'config_hash', 'world_size', 'mode')
+local m = redis.call('HMGET', KEYS[3], 'config_hash', 'world_size', 'mode', 'world_size0')
 if m[1] then
-  -- The specific differences first: the config hash covers them too.
-  if m[2] ~= ARGV[4] then return redis.error_reply('ODB_JOB world_size ' .. m[2]) end
+  -- The specific differences first: the config hash covers them too. The world size to match
+  -- is the registered one (a reconfiguration changes the current one, not the config).
+  local w0 = m[4] or m[2]
+  if w0 ~= ARGV[4] then return redis.error_reply('ODB_JOB world_size ' .. w0) end
   if m[3] ~= ARGV[5] then return redis.error_reply('ODB_JOB mode ' .. m[3]) end
   if m[1] ~= ARGV[3] then return redis.error_reply('ODB_JOB config_hash ' .. m[1]) end
   return 0
@@ -37,7 +39,8 @@ redis.call('HSET', KEYS[3], 'config_hash', ARGV[3], 'world_size', ARGV[4], 'mode
   'seed', ARGV[6], 'state', 'planning', 'epoch', 0, 'published_through', -1,
   'trimmed_through', -1, 'trim_epoch', 0, 'trim_keep', 0, 'ckpt_epoch', -1, 'ckpt_rows', 0,
   'ckpt_next_step', 0, 'producer_gen', 0, 'producer_holder', '', 'producer_exp', 0,
-  'created_ms', now)
+  'created_ms', now, 'world_size0', ARGV[4], 'world_gen', 0, 'world_first', 0, 'adopting', 0,
+  'lease_ranks', ARGV[4], 'trim_floor', -1)
 -- Every rank starts at -1 so the minimum cursor (what trimming may drop) counts silent ranks.
 local w = tonumber(ARGV[4])
 local r = 0
@@ -94,18 +97,23 @@ return 1
 """
 
 # One publication: steps + END records + checkpoint + counters + quarantine, all or nothing.
-# KEYS: meta, digests, ends, ckpt, counters, quarantine_ids, quarantine
+# KEYS: meta, digests, ends, ckpt, counters, quarantine_ids, quarantine, world_times
 # ARGV: base, fence, ckpt_epoch, ckpt_rows, ckpt_next_step, ckpt_blob, done, samples_in,
 #       quarantine_cap,
-#       n_steps, [epoch, step, header, samples, tokens, n_batches, (rank, blob)*]*,
+#       n_steps, ckpt_world, [epoch, step, header, samples, tokens, n_batches, (rank, blob)*]*,
 #       n_ends, [epoch, blob]*, n_quarantined, [sample_id, reason, record]*
-# Returns {new_steps, published_through}.
+# Returns {new_steps, published_through}. The checkpoint's world must be the current one (a
+# producer that planned for a world a reconfiguration ended gets ODB_WORLD); the first
+# publication for a new world adopts it.
 PUBLISH = _NOW + _FENCE + """
 local m = redis.call('HMGET', KEYS[1], 'published_through', 'state', 'ckpt_next_step', 'epoch',
-  'producer_gen', 'producer_exp', 'ckpt_epoch', 'ckpt_rows')
+  'producer_gen', 'producer_exp', 'ckpt_epoch', 'ckpt_rows', 'world_gen', 'world_size',
+  'adopting')
 if not m[1] then return redis.error_reply('ODB_NOJOB') end
 local f = fenced(m[5], m[6], ARGV[2])
 if f then return redis.error_reply(f) end
+local wg, ws = tonumber(m[9] or 0), tonumber(m[10])
+if tonumber(ARGV[11]) ~= wg then return redis.error_reply('ODB_WORLD ' .. ARGV[11] .. ' ' .. wg) end
 local ce, cr = tonumber(ARGV[3]), tonumber(ARGV[4])
 local oe, orows = tonumber(m[7]), tonumber(m[8])
 if ce < oe or (ce == oe and cr < orows) then
@@ -114,14 +122,18 @@ end
 local retry = ce == oe and cr == orows
 local expect = tonumber(m[1]) + 1
 local epoch = tonumber(m[4])
-local i = 11
+local i = 12
 local new = {}
 local pending = {}
 for s = 1, tonumber(ARGV[10]) do
   local n, nb = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 5])
   local first, last = i + 6, i + 5 + 2 * nb
   local parts = {ARGV[i + 2]}
-  for j = first, last, 2 do parts[#parts + 1] = ARGV[j] .. '=' .. ARGV[j + 1] end
+  for j = first, last, 2 do
+    local r = tonumber(ARGV[j])
+    if r < 0 or r >= ws then return redis.error_reply('ODB_RANK ' .. ARGV[j] .. ' ' .. ws) end
+    parts[#parts + 1] = ARGV[j] .. '=' .. ARGV[j + 1]
+  end
   local d = redis.sha1hex(table.concat(parts, '\\n'))
   local old = pending[n] or redis.call('HGET', KEYS[2], n)
   if old then
@@ -193,6 +205,10 @@ redis.call('HSET', KEYS[1], 'published_through', expect - 1, 'epoch', epoch,
   'ckpt_next_step', cn, 'ckpt_epoch', ce, 'ckpt_rows', cr)
 redis.call('SET', KEYS[4], ARGV[6])
 if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'state', 'done') end
+if m[11] == '1' then
+  redis.call('HSET', KEYS[1], 'adopting', 0)
+  redis.call('HSETNX', KEYS[8], wg .. ':adopted', now)
+end
 return {#new, expect - 1}
 """
 
@@ -213,6 +229,12 @@ ACK = _NOW + """
 local rank, cid = ARGV[2], ARGV[3]
 local step = tonumber(ARGV[5])
 local took_over = false
+-- Cursors are the current world's ranks; leases also the draining ranks of the world it ended.
+local wr = redis.call('HMGET', KEYS[1], 'world_size', 'lease_ranks')
+if not wr[1] then return redis.error_reply('ODB_NOJOB') end
+local r = tonumber(rank)
+local bound = tonumber(step >= 0 and wr[1] or (wr[2] or wr[1]))
+if r < 0 or r >= bound then return redis.error_reply('ODB_RANK ' .. rank .. ' ' .. bound) end
 if cid ~= '' then
   local cur = redis.call('HGET', KEYS[4], rank)
   if cur then
@@ -230,7 +252,7 @@ end
 local m
 if step >= 0 then
   m = redis.call('HMGET', KEYS[1], 'published_through', 'trimmed_through', 'trim_epoch',
-    'epoch', 'trim_keep')
+    'epoch', 'trim_keep', 'trim_floor')
   if not m[1] then return redis.error_reply('ODB_NOJOB') end
   if step > tonumber(m[1]) then return redis.error_reply('ODB_AHEAD ' .. step .. ' ' .. m[1]) end
 end
@@ -269,6 +291,8 @@ if step >= 0 then
     end
     redis.call('HSET', KEYS[1], 'trim_epoch', te, 'trim_keep', keep)
   end
+  local floor = tonumber(m[6] or -1)
+  if floor >= 0 and keep > floor then keep = floor end  -- steps ranks of an ended world drain
   local tt = tonumber(m[2])
   if keep - 1 > tt then
     local upto = math.min(keep - 1, tt + 64)  -- at most 64 per call: amortized O(1)
@@ -291,21 +315,216 @@ return 1
 
 # Leases expired at least ARGV[1] ms ago: O(log W + k) on the expiry zset; with ARGV[2] = '1'
 # also the ranks that ever claimed and the job's first claim (O(W): only the timeout check).
-# KEYS: lease_exp, lapsed, claimed, meta. Returns {now_ms, {rank, expiry, ...}, {ranks taken
-# over after a lapse}, {claimed ranks} or {}, first_claim_ms or false}.
+# KEYS: lease_exp, lapsed, meta, claimed. Returns {now_ms, {rank, expiry, ...}, {ranks taken
+# over after a lapse}, current world size, {claimed ranks} or {}, first_claim_ms or false} (the
+# caller keeps the current world's ranks).
 LAPSED = _NOW + """
 local rows = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[1])),
   'WITHSCORES')
-if ARGV[2] ~= '1' then return {now, rows, redis.call('SMEMBERS', KEYS[2]), {}, false} end
-return {now, rows, redis.call('SMEMBERS', KEYS[2]), redis.call('SMEMBERS', KEYS[3]),
-  redis.call('HGET', KEYS[4], 'first_claim_ms')}
+local ws = redis.call('HGET', KEYS[3], 'world_size')
+if ARGV[2] ~= '1' then return {now, rows, redis.call('SMEMBERS', KEYS[2]), ws, {}, false} end
+return {now, rows, redis.call('SMEMBERS', KEYS[2]), ws, redis.call('SMEMBERS', KEYS[4]),
+  redis.call('HGET', KEYS[3], 'first_claim_ms')}
 """
 
 # Every rank's cursor, lease expiry and last heartbeat, consistently at one instant: O(W).
-# KEYS: acked, lease_exp, lease. Returns {now_ms, acked(flat), lease_exp(flat), lease(flat)}.
+# KEYS: acked, lease_exp, lease, meta.
+# Returns {now_ms, acked(flat), lease_exp(flat), lease(flat), current world size}.
 HEALTH = _NOW + """
 return {now, redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'),
-  redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[3])}
+  redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[3]),
+  redis.call('HGET', KEYS[4], 'world_size')}
+"""
+
+# A reconfiguration (docs/elastic.md): end the current world at a boundary and start the next.
+# KEYS: meta, acked, lease_exp, lease, grants, draining, worlds, world_times, ends, counters,
+#       lapsed, claimed
+# ARGV: base, world_size, reason, position (-1: none), require_gone ('1'|'0'),
+#       expect_generation (-1: any)
+# Each rank's last step is `choose_boundary` (pipeline/jobstate/worlds.py), mirrored here: with a
+# position every rank ends at position - 1; otherwise live ranks (a live lease) end at the
+# highest grant among them, never before the last step of an epoch whose END is published, and
+# the others at what they acknowledged. Returned batches (after a rank's last step, up to the
+# published plan) leave the planned counters; cursors move to the new world's first step - 1,
+# grants are cleared, live ranks are recorded as draining (their client) and protect their
+# steps from trimming (`trim_floor`); the leases of the gone ranks, the lapse history and the
+# claimed set are dropped (they are not the new world's ranks, which reuse the ids and time out
+# from the new world's first claim). Returns {0, gen} for no
+# change, else {1, ended world record, new world record}.
+SCALE = _NOW + """
+local m = redis.call('HMGET', KEYS[1], 'published_through', 'state', 'world_gen', 'world_size',
+  'world_first', 'adopting', 'created_ms')
+if not m[1] then return redis.error_reply('ODB_NOJOB') end
+local P, gen, w, first = tonumber(m[1]), tonumber(m[3] or 0), tonumber(m[4]), tonumber(m[5] or 0)
+local n, expect = tonumber(ARGV[2]), tonumber(ARGV[6])
+if (expect >= 0 and expect ~= gen) or n == w then return {0, gen} end
+if m[2] == 'done' then return redis.error_reply('ODB_PLANNED ' .. w) end
+if m[6] == '1' then return redis.error_reply('ODB_SCALING adopting ' .. gen .. ' ' .. w) end
+local function holder(r)  -- the client of rank r's lease and its expiry, or nil
+  local cur = redis.call('HGET', KEYS[4], r)
+  if not cur then return nil, nil end
+  return string.sub(cur, string.find(cur, ':', 1, true) + 1),
+    tonumber(redis.call('ZSCORE', KEYS[3], r))
+end
+local busy = {}
+local d = redis.call('HGETALL', KEYS[6])
+for i = 1, #d, 2 do
+  local cid, exp = holder(d[i])
+  if cid == d[i + 1] and exp and exp > now then busy[#busy + 1] = d[i] end
+end
+if #busy > 0 then return redis.error_reply('ODB_SCALING draining ' .. table.concat(busy, ',')) end
+local live, clients, live_list = {}, {}, {}
+for r = 0, w - 1 do
+  local cid, exp = holder(r)
+  live[r] = cid ~= nil and exp ~= nil and exp > now
+  if live[r] then clients[r] = cid; live_list[#live_list + 1] = r end
+end
+if ARGV[5] == '1' and #live_list > 0 then
+  return redis.error_reply('ODB_LIVE ' .. w .. ' ' .. table.concat(live_list, ','))
+end
+local floor = first - 1
+local function clamp(x) return math.min(math.max(x, floor), P) end
+local lastend = -1
+for _, blob in ipairs(redis.call('HVALS', KEYS[9])) do
+  for _, s in ipairs(cjson.decode(blob)['f']) do
+    if s ~= cjson.null and s > lastend then lastend = s end
+  end
+end
+local L = {}
+local pos = tonumber(ARGV[4])
+if pos >= 0 then
+  for r = 0, w - 1 do L[r] = clamp(pos - 1) end
+else
+  local b = math.max(lastend, floor)
+  for r = 0, w - 1 do
+    if live[r] then
+      local g = tonumber(redis.call('ZSCORE', KEYS[5], r) or floor)
+      if g > b then b = g end
+    end
+  end
+  b = clamp(b)
+  for r = 0, w - 1 do
+    if live[r] then L[r] = b
+    else L[r] = clamp(tonumber(redis.call('ZSCORE', KEYS[2], r) or -1)) end
+  end
+end
+local rs, rt = 0, 0
+for r = 0, w - 1 do
+  for k = L[r] + 1, P do
+    local blob = redis.call('HGET', ARGV[1] .. 'step:' .. k, r)
+    if blob then
+      local b = cjson.decode(blob)
+      if not b['f'] then
+        local cut = {}
+        if b['t'] then for _, t in ipairs(b['t']) do cut[tostring(t[1])] = t[2] end end
+        for _, smp in ipairs(b['s']) do
+          rs = rs + 1
+          rt = rt + (cut[tostring(smp[1])] or smp[2])
+        end
+      end
+    end
+  end
+end
+-- All checks passed: write.
+local Ls = {}
+for r = 0, w - 1 do Ls[#Ls + 1] = L[r] end
+local rec = redis.call('HGET', KEYS[7], gen)
+local old = rec and string.sub(rec, 1, -2) or ('{"g":' .. gen .. ',"n":' .. w .. ',"f":' ..
+  first .. ',"r":"initial","t":' .. (m[7] or 0))
+old = old .. ',"l":[' .. table.concat(Ls, ',') .. '],"p":' .. P .. ',"v":[' ..
+  table.concat(live_list, ',') .. '],"rs":' .. rs .. ',"rt":' .. rt .. '}'
+local ng = gen + 1
+local new = '{"g":' .. ng .. ',"n":' .. n .. ',"f":' .. (P + 1) .. ',"r":"' .. ARGV[3] ..
+  '","t":' .. now .. '}'
+redis.call('HSET', KEYS[7], gen, old, ng, new)
+local tf = P + 1
+for _, r in ipairs(live_list) do
+  local a = tonumber(redis.call('ZSCORE', KEYS[2], r) or -1) + 1
+  if a < tf then tf = a end
+end
+redis.call('HSET', KEYS[1], 'world_gen', ng, 'world_size', n, 'world_first', P + 1, 'adopting', 1,
+  'lease_ranks', math.max(n, w), 'trim_floor', tf)
+redis.call('DEL', KEYS[2], KEYS[5], KEYS[6])
+local r = 0
+while r < n do
+  local args = {}
+  local stop = math.min(n, r + 1000) - 1
+  for k = r, stop do args[#args + 1] = P; args[#args + 1] = k end
+  redis.call('ZADD', KEYS[2], unpack(args))
+  r = stop + 1
+end
+for _, lr in ipairs(live_list) do redis.call('HSET', KEYS[6], lr, clients[lr]) end
+for g = 0, w - 1 do
+  if not live[g] then
+    redis.call('HDEL', KEYS[4], g)
+    redis.call('ZREM', KEYS[3], g)
+  end
+end
+redis.call('DEL', KEYS[11], KEYS[12])  -- the new world's ranks claim (and time out) anew
+redis.call('HDEL', KEYS[1], 'first_claim_ms')
+redis.call('HINCRBY', KEYS[10], 'samples_planned', 0 - rs)  -- (-0 would print as "-0")
+redis.call('HINCRBY', KEYS[10], 'tokens_planned', 0 - rt)
+redis.call('HSET', KEYS[8], ng .. ':requested', now)
+return {1, old, new}
+"""
+
+# Delivery grants for many rank streams in one round trip (docs/elastic.md).
+# KEYS: meta, grants, worlds, world_times. ARGV: count, (generation, rank, through)*.
+# Returns per request {through, 0, 0} (current world: the grant, never past the plan), or
+# {last_step, 1, next_world_size} (an ended world: the rank's boundary), or {-1, -1, size}
+# (rank outside the world), or {-1, -2, current generation} (unknown world). A rank's first
+# grant of a step of its world is recorded (`<g>:first:<rank>`: the first batch's time).
+GRANT = _NOW + """
+local m = redis.call('HMGET', KEYS[1], 'world_gen', 'world_size', 'world_first',
+  'published_through')
+if not m[4] then return redis.error_reply('ODB_NOJOB') end
+local cur, ws, first, P = tonumber(m[1] or 0), tonumber(m[2]), tonumber(m[3] or 0),
+  tonumber(m[4])
+local recs = {}
+local function rec(g)
+  if not recs[g] then recs[g] = cjson.decode(redis.call('HGET', KEYS[3], g)) end
+  return recs[g]
+end
+local out = {}
+for i = 0, tonumber(ARGV[1]) - 1 do
+  local g, r, want = tonumber(ARGV[2 + 3 * i]), tonumber(ARGV[3 + 3 * i]),
+    tonumber(ARGV[4 + 3 * i])
+  if g == cur then
+    if r < 0 or r >= ws then out[#out + 1] = {-1, -1, ws}
+    else
+      local old = tonumber(redis.call('ZSCORE', KEYS[2], r) or (first - 1))
+      local got = math.max(old, math.min(want, P))
+      if got > old then redis.call('ZADD', KEYS[2], got, r) end
+      if got >= first then redis.call('HSETNX', KEYS[4], cur .. ':first:' .. r, now) end
+      out[#out + 1] = {got, 0, 0}
+    end
+  elseif g >= 0 and g < cur then
+    local ls = rec(g)['l']
+    if r < 0 or r >= #ls then out[#out + 1] = {-1, -1, #ls}
+    else out[#out + 1] = {ls[r + 1], 1, rec(g + 1)['n']} end
+  else
+    out[#out + 1] = {-1, -2, cur}
+  end
+end
+return out
+"""
+
+# A draining rank of an ended world got its END(reconfigure): release its lease (only its
+# holder's), stop counting it as draining, record when. KEYS: lease, lease_exp, draining,
+# world_times, meta. ARGV: generation (of the ended world), rank, client_id.
+LEFT = _NOW + """
+local cur = redis.call('HGET', KEYS[1], ARGV[2])
+if cur and string.sub(cur, string.find(cur, ':', 1, true) + 1) == ARGV[3] then
+  redis.call('HDEL', KEYS[1], ARGV[2])
+  redis.call('ZREM', KEYS[2], ARGV[2])
+end
+local ng = tonumber(ARGV[1]) + 1
+if tonumber(redis.call('HGET', KEYS[5], 'world_gen') or 0) == ng
+    and redis.call('HGET', KEYS[3], ARGV[2]) == ARGV[3] then
+  redis.call('HDEL', KEYS[3], ARGV[2])
+end
+redis.call('HSETNX', KEYS[4], ng .. ':left:' .. ARGV[2], now)
+return 1
 """
 
 
@@ -375,3 +594,6 @@ lapsed = Script(LAPSED)
 health = Script(HEALTH)
 sdo_organization = Script(SDO_ORGANIZATION)
 sdo_epoch = Script(SDO_EPOCH)
+scale = Script(SCALE)
+grant = Script(GRANT)
+left = Script(LEFT)

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from pipeline.jobstate.interface import PlannerCheckpoint, QuarantineEntry
+from pipeline.jobstate.worlds import ScaleReason, World
 from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
@@ -111,14 +112,28 @@ def decode_epoch_end(data: bytes) -> EpochEnd:
 
 def encode_checkpoint(c: PlannerCheckpoint) -> bytes:
     # The opaque state is bytes (planner JSON); latin-1 maps every byte to one code point.
-    return _dumps({"e": int(c.epoch), "c": int(c.samples_consumed), "n": int(c.next_step),
-                   "s": c.state.decode("latin-1")}).encode()
+    d = {"e": int(c.epoch), "c": int(c.samples_consumed), "n": int(c.next_step),
+         "s": c.state.decode("latin-1")}
+    if c.world:
+        d["w"] = int(c.world)
+    return _dumps(d).encode()
 
 
 def decode_checkpoint(data: bytes) -> PlannerCheckpoint:
     d = json.loads(data)
     return PlannerCheckpoint(epoch=d["e"], samples_consumed=d["c"], next_step=d["n"],
-                             state=d["s"].encode("latin-1"))
+                             state=d["s"].encode("latin-1"), world=d.get("w", 0))
+
+
+def decode_world(data: bytes) -> World:
+    """A world record of the `worlds` hash (written by the SCALE script)."""
+    d = json.loads(data)
+    ls = d.get("l")
+    return World(generation=d["g"], world_size=d["n"], first_step=d["f"],
+                 reason=ScaleReason(d["r"]), requested_at=d["t"] / 1000.0,
+                 last_steps=None if ls is None else tuple(int(x) for x in ls),
+                 published_through=d.get("p", -1), live_ranks=tuple(d.get("v", ())),
+                 returned_samples=d.get("rs", 0), returned_tokens=d.get("rt", 0))
 
 
 def encode_quarantine(q: QuarantineEntry) -> bytes:

@@ -11,6 +11,16 @@ from pipeline.jobstate.interface import (
     RankLease,
 )
 from pipeline.jobstate.memory import MemoryJobState
+from pipeline.jobstate.worlds import (
+    Grant,
+    PlanHead,
+    ScaleReason,
+    ScaleRequest,
+    ScaleResult,
+    World,
+    WorldTimings,
+)
 
-__all__ = ["JobCounters", "JobState", "MemoryJobState", "PlannerCheckpoint", "ProducerLease",
-           "Publication", "QuarantineEntry", "RankHealth", "RankLease"]
+__all__ = ["Grant", "JobCounters", "JobState", "MemoryJobState", "PlanHead", "PlannerCheckpoint",
+           "ProducerLease", "Publication", "QuarantineEntry", "RankHealth", "RankLease",
+           "ScaleReason", "ScaleRequest", "ScaleResult", "World", "WorldTimings"]

@@ -9,10 +9,12 @@ replica and a restarted producer find it.
 
 Who writes what:
 - the job's one producer: `publish` (steps, END records, checkpoint, counters, quarantine — one
-  atomic change, fenced by its lease generation), `claim_producer`/`renew_producer`,
-  `set_error`;
-- replicas serving ranks: rank leases (`claim_rank`, `heartbeat`, `release_rank`) and cursors
-  (`ack`, `ack_many`);
+  atomic change, fenced by its lease generation and by the world it planned for),
+  `claim_producer`/`renew_producer`, `set_error`;
+- replicas serving ranks: rank leases (`claim_rank`, `heartbeat`, `release_rank`), cursors
+  (`ack`, `ack_many`), delivery grants (`grant`) and a drained rank's exit (`rank_left`);
+- a reconfiguration (`scale`: an operator's request, an elastic Open, the shrink policy) ends
+  the current world at a boundary and starts the next (worlds.py, docs/elastic.md);
 - everybody reads.
 """
 
@@ -22,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pipeline.jobstate.worlds import Grant, PlanHead, ScaleRequest, ScaleResult, World, WorldTimings
 from pipeline.planner.types import EpochEnd, Step
 
 
@@ -67,6 +70,7 @@ class PlannerCheckpoint:
     samples_consumed: int  # source rows of `epoch` already fed to the planner
     next_step: int  # the next step number the planner will publish
     state: bytes = b""
+    world: int = 0  # the world generation the planner state is for
 
     @property
     def position(self) -> tuple[int, int]:
@@ -111,7 +115,8 @@ class JobCounters:
 
 
 class JobState(ABC):
-    """One job's shared state. `job_id`, `world_size` and `mode` are fixed at registration."""
+    """One job's shared state. `job_id` and `mode` are fixed at registration; `world_size` is
+    the current world's (the registered one until a reconfiguration, `scale`)."""
 
     job_id: str
     world_size: int
@@ -125,8 +130,11 @@ class JobState(ABC):
         step (or an epoch's END) already published identically is a no-op, differently
         `StepConflict` (also within one publication); neither the checkpoint's input position
         nor its `next_step` may go backwards, nor `next_step` pass the published steps
-        (`CheckpointConflict`). A batch for a rank outside the world, or two for one rank, is a
-        ValueError. Returns the number of new steps."""
+        (`CheckpointConflict`). The checkpoint's `world` must be the current world generation
+        (else `WorldChanged`: a reconfiguration ended the world it planned for); the first
+        publication for a new world adopts it (`scale` is refused until then). A batch for a
+        rank outside the current world, or two for one rank, is a ValueError. Returns the number
+        of new steps."""
 
     @abstractmethod
     def get_step(self, step: int) -> Step | None:
@@ -181,6 +189,9 @@ class JobState(ABC):
     def error(self) -> str | None: ...
 
     # --- ranks: leases, cursors ---
+    # Cursors, health and lapses are the current world's ranks. Leases also cover the ranks of
+    # the world a reconfiguration just ended (they drain to their last step): a rank is valid
+    # for a lease below the larger of the two world sizes.
     @abstractmethod
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
         """Take or renew the rank's lease; `RankHeld` if another client's lease is live."""
@@ -231,6 +242,48 @@ class JobState(ABC):
     # --- counts and quarantine (written by `publish`) ---
     @abstractmethod
     def counters(self) -> JobCounters: ...
+
+    # --- worlds: reconfiguration (worlds.py, docs/elastic.md) ---
+    @abstractmethod
+    def head(self) -> PlanHead:
+        """`published_through` and the current world, read at one instant."""
+
+    @abstractmethod
+    def worlds(self) -> list[World]:
+        """Every world of the job by generation (the last is the current one)."""
+
+    @abstractmethod
+    def grant(self, requests: Sequence[tuple[int, int, int]]) -> list[Grant | Exception]:
+        """Per (generation, rank, through): raise the rank's delivery grant towards `through`
+        (never past the published plan; monotonic) while `generation` is the current world and
+        answer the grant; for a world that has ended, answer its boundary for the rank
+        (`Grant.ended`, the rank's last step, the next world's size). A rank outside that world
+        or an unknown generation is a ValueError in its slot. One round trip for all."""
+
+    @abstractmethod
+    def scale(self, request: ScaleRequest) -> ScaleResult:
+        """End the current world at a boundary and start one of `request.world_size` ranks,
+        atomically: each rank's last step is `worlds.choose_boundary` over the grants, cursors
+        and live leases at this instant; batches after a rank's last step up to the published
+        plan are returned (the counters no longer count them as planned); the new world starts
+        at `published_through + 1` with every cursor there and no grants; the leases of the
+        ranks that were not live and the lapse history are dropped (the new world's ranks reuse
+        the ids). No change for the
+        current size, or when `expect_generation` is no longer current. Refused, changing
+        nothing: `PlanningComplete` when the job is done, `ScaleInProgress` while the producer
+        has not adopted the previous switch or a rank of the world it ended still drains (holds
+        its lease), `RanksLive` with `require_gone` while a current rank holds a live lease;
+        ValueError for a size < 1."""
+
+    @abstractmethod
+    def rank_left(self, generation: int, rank: int, client_id: str) -> None:
+        """Rank `rank` of world `generation` (ended) got its END(reconfigure): it no longer
+        drains; its lease is released if `client_id` holds it. Recorded for the timings."""
+
+    @abstractmethod
+    def world_timings(self, generation: int) -> WorldTimings | None:
+        """When the switch into world `generation` was requested, adopted, and reached each
+        rank (None for generation 0 or an unknown one)."""
 
     @abstractmethod
     def quarantine(self, limit: int = 1000) -> list[QuarantineEntry]:

@@ -9,14 +9,19 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from pipeline.errors import (
     AckAheadOfPlan,
     CheckpointConflict,
     Fenced,
+    PlanningComplete,
     RankHeld,
+    RanksLive,
+    ScaleInProgress,
     StepConflict,
     StepGap,
+    WorldChanged,
 )
 from pipeline.jobstate.interface import (
     JobCounters,
@@ -28,6 +33,15 @@ from pipeline.jobstate.interface import (
     RankHealth,
     RankLease,
 )
+from pipeline.jobstate.worlds import (
+    Grant,
+    PlanHead,
+    ScaleRequest,
+    ScaleResult,
+    World,
+    WorldTimings,
+    choose_boundary,
+)
 from pipeline.planner.types import EpochEnd, Step
 
 
@@ -36,7 +50,13 @@ class MemoryJobState(JobState):
                  clock: Callable[[], float] = time.time) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.job_id, self.world_size, self.mode = job_id, world_size, mode
+        self.job_id, self.mode = job_id, mode
+        self._worlds = [World(0, world_size, 0)]
+        self._grants: dict[int, int] = {}  # current world: rank -> highest step it may be sent
+        self._adopting = False  # the producer has not published for the current world yet
+        self._draining: dict[int, str] = {}  # ranks of the ended world -> their lease holder
+        self._lease_ranks = world_size
+        self._timings: dict[int, WorldTimings] = {}
         self._clock = clock
         self._lock = threading.Lock()
         self._steps: dict[int, Step] = {}
@@ -56,6 +76,10 @@ class MemoryJobState(JobState):
         self._counts: Counter = Counter()
         self._quarantine: dict[str, QuarantineEntry] = {}  # insertion-ordered, one per id
 
+    @property
+    def world_size(self) -> int:
+        return self._worlds[-1].world_size
+
     # --- the plan ---
     def _check_fence(self, fence: int) -> None:
         p = self._producer
@@ -72,11 +96,16 @@ class MemoryJobState(JobState):
             self._check_rank(r)
 
     def publish(self, publication: Publication, *, fence: int) -> int:
-        for step in publication.steps:
-            self._check_batches(step)
         with self._lock:
             self._check_fence(fence)
             cp = publication.checkpoint
+            world = self._worlds[-1]
+            if cp.world != world.generation:
+                raise WorldChanged(f"job {self.job_id!r}: publication planned for world "
+                                   f"{cp.world}, the current world is {world.generation} "
+                                   f"({world.world_size} ranks from step {world.first_step})")
+            for step in publication.steps:
+                self._check_batches(step)
             old = self._checkpoint
             if old is not None and cp.position < old.position:
                 raise CheckpointConflict(f"job {self.job_id!r}: checkpoint at {cp.position} "
@@ -121,6 +150,10 @@ class MemoryJobState(JobState):
             for end in publication.ends:
                 self._ends.setdefault(end.epoch, end)
             self._checkpoint = cp
+            if self._adopting:
+                self._adopting = False
+                self._timings[world.generation] = replace(
+                    self._timings[world.generation], adopted_at=self._clock())
             self._done = self._done or publication.done
             if not retry:
                 self._counts["samples_in"] += publication.samples_in
@@ -207,6 +240,11 @@ class MemoryJobState(JobState):
         if not 0 <= rank < self.world_size:
             raise ValueError(f"job {self.job_id!r}: rank {rank} outside 0..{self.world_size - 1}")
 
+    def _check_lease_rank(self, rank: int) -> None:
+        if not 0 <= rank < self._lease_ranks:
+            raise ValueError(f"job {self.job_id!r}: rank {rank} outside 0..{self._lease_ranks - 1}"
+                             " (the current world and the one it replaced)")
+
     def _take(self, rank: int, client_id: str, lease_seconds: float, now: float) -> RankLease:
         cur = self._leases.get(rank)
         if cur is not None and cur.client_id != client_id:
@@ -223,7 +261,7 @@ class MemoryJobState(JobState):
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
         if not client_id:
             raise ValueError("client_id must be non-empty")
-        self._check_rank(rank)
+        self._check_lease_rank(rank)
         now = self._clock()
         with self._lock:
             cur = self._leases.get(rank)
@@ -233,7 +271,7 @@ class MemoryJobState(JobState):
             return self._take(rank, client_id, lease_seconds, now)
 
     def release_rank(self, rank: int, client_id: str) -> None:
-        self._check_rank(rank)
+        self._check_lease_rank(rank)
         with self._lock:
             cur = self._leases.get(rank)
             if cur is not None and cur.client_id == client_id:
@@ -243,7 +281,7 @@ class MemoryJobState(JobState):
     def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
         if not client_id:
             raise ValueError("client_id must be non-empty")
-        self._check_rank(rank)
+        self._check_lease_rank(rank)
         now = self._clock()
         with self._lock:
             cur = self._leases.get(rank)
@@ -291,14 +329,14 @@ class MemoryJobState(JobState):
         now = self._clock()
         with self._lock:
             live = {r for r, lease in self._leases.items() if lease.expires_at <= now}
-            return sorted(self._lapsed | live)
+            return sorted(r for r in self._lapsed | live if r < self.world_size)
 
     def timed_out_ranks(self, timeout_seconds: float) -> dict[int, float]:
         now = self._clock()
         limit = max(0.0, timeout_seconds)
         with self._lock:
             out = {r: now - lease.expires_at for r, lease in self._leases.items()
-                   if now - lease.expires_at > limit}
+                   if r < self.world_size and now - lease.expires_at > limit}
             if self._first_claim is not None and now - self._first_claim > limit:
                 out.update({r: now - self._first_claim for r in range(self.world_size)
                             if r not in self._claimed})
@@ -318,6 +356,118 @@ class MemoryJobState(JobState):
                     heartbeat_age=now - hb if hb is not None and lease else None,
                     lapsed_for=max(0.0, now - lease.expires_at) if lease else 0.0))
             return out
+
+    # --- worlds ---
+    def head(self) -> PlanHead:
+        with self._lock:
+            w = self._worlds[-1]
+            return PlanHead(self._through, w.generation, w.world_size, w.first_step)
+
+    def worlds(self) -> list[World]:
+        with self._lock:
+            return list(self._worlds)
+
+    def grant(self, requests: Sequence[tuple[int, int, int]]) -> list[Grant | Exception]:
+        now = self._clock()
+        out: list[Grant | Exception] = []
+        with self._lock:
+            cur = self._worlds[-1]
+            for gen, rank, through in requests:
+                world = self._worlds[gen] if 0 <= gen < len(self._worlds) else None
+                if world is None or not 0 <= rank < world.world_size:
+                    out.append(ValueError(f"job {self.job_id!r}: no rank {rank} in world {gen}"))
+                elif world is not cur:
+                    out.append(Grant(world.last_steps[rank], ended=True,
+                                     next_world_size=self._worlds[gen + 1].world_size))
+                else:
+                    g = max(self._grants.get(rank, cur.first_step - 1),
+                            min(through, self._through))
+                    self._grants[rank] = g
+                    t = self._timings.get(gen)
+                    if t is not None and g >= cur.first_step and rank not in t.first_batch_at:
+                        t.first_batch_at[rank] = now
+                    out.append(Grant(g))
+        return out
+
+    def scale(self, request: ScaleRequest) -> ScaleResult:
+        n = request.world_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {n!r}")
+        now = self._clock()
+        with self._lock:
+            cur = self._worlds[-1]
+            if request.expect_generation not in (None, cur.generation) or n == cur.world_size:
+                return ScaleResult(False, cur)
+            if self._done:
+                raise PlanningComplete(f"job {self.job_id!r} is fully planned: its remaining "
+                                       f"steps are fixed for {cur.world_size} ranks")
+            if self._adopting:
+                raise ScaleInProgress(f"job {self.job_id!r}: the switch to world {cur.generation}"
+                                      f" ({cur.world_size} ranks) is not planned yet")
+            draining = sorted(r for r, cid in self._draining.items()
+                              if (lease := self._leases.get(r)) is not None
+                              and lease.client_id == cid and lease.expires_at > now)
+            if draining:
+                raise ScaleInProgress(f"job {self.job_id!r}: ranks {draining} of the previous "
+                                      "world are still draining to their last step")
+            w = cur.world_size
+            live = [(lease := self._leases.get(r)) is not None and lease.expires_at > now
+                    for r in range(w)]
+            if request.require_gone and any(live):
+                raise RanksLive(f"job {self.job_id!r}: ranks {[r for r in range(w) if live[r]]}"
+                                f" of the current world ({w} ranks) hold live leases")
+            last = choose_boundary(
+                first_step=cur.first_step, published_through=self._through,
+                last_end_step=max((e.last_step for e in self._ends.values()), default=-1),
+                grants=[self._grants.get(r, cur.first_step - 1) for r in range(w)],
+                acked=self._acked, live=live, position=request.position)
+            samples = tokens = 0
+            for r, lr in enumerate(last):
+                for k in range(lr + 1, self._through + 1):
+                    b = self._steps[k].batch_for(r)
+                    if b is not None and not b.filler:
+                        samples, tokens = samples + len(b.samples), tokens + b.num_tokens
+            self._counts["samples_planned"] -= samples
+            self._counts["tokens_planned"] -= tokens
+            ended = replace(cur, last_steps=last, published_through=self._through,
+                            live_ranks=tuple(r for r in range(w) if live[r]),
+                            returned_samples=samples, returned_tokens=tokens)
+            new = World(cur.generation + 1, n, self._through + 1, request.reason, now)
+            self._worlds[-1:] = [ended, new]
+            self._adopting = True
+            self._draining = {r: self._leases[r].client_id for r in ended.live_ranks}
+            for r in range(w):  # the gone ranks' leases are not the new world's (same ids)
+                if not live[r]:
+                    self._leases.pop(r, None)
+                    self._heartbeats.pop(r, None)
+            self._lapsed.clear()
+            self._claimed.clear()  # the new world's ranks time out from its first claim
+            self._first_claim = None
+            self._acked = [self._through] * n
+            self._grants = {}
+            self._lease_ranks = max(n, w)
+            self._timings[new.generation] = WorldTimings(new.generation, now)
+            return ScaleResult(True, new, ended)
+
+    def rank_left(self, generation: int, rank: int, client_id: str) -> None:
+        now = self._clock()
+        with self._lock:
+            cur = self._leases.get(rank)
+            if cur is not None and cur.client_id == client_id:
+                del self._leases[rank]
+                self._heartbeats.pop(rank, None)
+            if (generation == self._worlds[-1].generation - 1
+                    and self._draining.get(rank) == client_id):
+                del self._draining[rank]
+            t = self._timings.get(generation + 1)
+            if t is not None:
+                t.left_at.setdefault(rank, now)
+
+    def world_timings(self, generation: int) -> WorldTimings | None:
+        with self._lock:
+            t = self._timings.get(generation)
+            return None if t is None else replace(t, first_batch_at=dict(t.first_batch_at),
+                                                  left_at=dict(t.left_at))
 
     # --- counts ---
     def counters(self) -> JobCounters:

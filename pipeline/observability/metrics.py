@@ -89,6 +89,17 @@ class OdbCollector(Collector):
                                        labels=["job_id"])
         live = GaugeMetricFamily("odb_producer_live", "1 while a producer lease is live",
                                  labels=["job_id"])
+        world_gen = GaugeMetricFamily("odb_world_generation",
+                                      "Reconfigurations so far (the current world's generation)",
+                                      labels=["job_id"])
+        switch = GaugeMetricFamily(
+            "odb_reconfiguration_seconds", "The latest reconfiguration, from its request to: "
+            "the new plan published (adopted), every old rank's END (drained), the first batch "
+            "at every new rank (first_batch)", labels=["job_id", "phase"])
+        first_batch = GaugeMetricFamily(
+            "odb_reconfiguration_first_batch_seconds",
+            "The latest reconfiguration, from its request to the rank's first batch in the new "
+            "world", labels=["job_id", "rank"])
         for job in snap["jobs"]:
             jid = job["job_id"]
             for r in job["ranks"]:
@@ -110,6 +121,14 @@ class OdbCollector(Collector):
             prod = job["producer"]
             generation.add_metric([jid], prod["generation"] if prod else 0.0)
             live.add_metric([jid], 1.0 if prod and prod["live"] else 0.0)
+            latest = job["worlds"][-1]
+            world_gen.add_metric([jid], latest["generation"])
+            if latest["generation"] > 0:
+                for phase in ("adopted", "drained", "first_batch"):
+                    if latest[f"{phase}_s"] is not None:
+                        switch.add_metric([jid, phase], latest[f"{phase}_s"])
+                for r, t in latest["first_batch_s_by_rank"].items():
+                    first_batch.add_metric([jid, str(r)], t)
         start = GaugeMetricFamily("odb_service_start_time_seconds",
                                   "Unix time the metrics view of this replica started")
         start.add_metric([], self.view.started_at)
@@ -117,7 +136,8 @@ class OdbCollector(Collector):
         yield from rank_gauges.values()
         yield from replica_gauges.values()
         yield from job_gauges.values()
-        yield from (fetched, samples_in, planned, quarantined, failed, generation, live, start)
+        yield from (fetched, samples_in, planned, quarantined, failed, generation, live, start,
+                    world_gen, switch, first_batch)
 
 
 def metric_names() -> set[str]:
@@ -126,5 +146,7 @@ def metric_names() -> set[str]:
     names |= {n for n, _, _ in _RANK_GAUGES + _REPLICA_RANK_GAUGES + _JOB_GAUGES}
     names |= {"odb_replica_samples_fetched_total", "odb_samples_in_total",
               "odb_samples_planned_total", "odb_quarantined_total", "odb_job_failed",
-              "odb_producer_generation", "odb_producer_live", "odb_service_start_time_seconds"}
+              "odb_producer_generation", "odb_producer_live", "odb_service_start_time_seconds",
+              "odb_world_generation", "odb_reconfiguration_seconds",
+              "odb_reconfiguration_first_batch_seconds"}
     return names

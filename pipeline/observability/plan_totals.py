@@ -9,6 +9,10 @@ step has been counted, and sums them.
 Counting starts at the lowest acknowledged step seen when the tracker is created (a replica that
 starts later reports from there; Prometheus treats the fresh counters as a reset). Steps trimmed
 from the state before they were scanned are skipped (counted in `steps_missing`).
+
+A reconfiguration (docs/elastic.md) ends a world: its returned batches were never consumed and
+leave the figures; every rank of it is counted through its last step there (its drain delivers
+them; the new world's cursors start past them). Ranks are by id (worlds reuse the ids).
 """
 
 from __future__ import annotations
@@ -59,15 +63,16 @@ class PlanTotals:
         self.collate = collate
         self.started_at = time.time()
         self._lock = threading.Lock()
-        w = state.world_size
         acked = state.acked_all()
         start = min(acked, default=-1)
         self.scanned_through = start  # highest published step already scanned
         self.published_samples = 0  # all-rank samples of scanned steps (for the planner buffer)
         self.steps_missing = 0
-        self.ranks = [RankTotals(counted_through=start, last_acked=a) for a in acked]
+        self.ranks: dict[int, RankTotals] = {
+            r: RankTotals(counted_through=start, last_acked=a) for r, a in enumerate(acked)}
         self._pending: dict[int, dict[int, BatchFigures]] = {}  # step -> rank -> figures
-        self._unacked: list[list[int]] = [[] for _ in range(w)]  # rank -> its steps > acked
+        self._unacked: dict[int, list[int]] = {}  # rank -> its published steps > acked
+        self._generation = state.head().generation  # the world whose cursors these are
 
     def update(self, acked: list[int] | None = None) -> None:
         """Catch up with the plan and the ranks' cursors (`acked`, index = rank: one read)."""
@@ -75,18 +80,39 @@ class PlanTotals:
             acked = self.state.acked_all()
         with self._lock:
             self._scan_published()
+            self._follow_worlds()
             now = time.time()
-            for r, tot in enumerate(self.ranks):
-                self._count_rank(r, tot, acked[r])
-                if acked[r] != tot.last_acked:
-                    tot.last_acked, tot.progress_at = acked[r], now
-                steps = self._unacked[r]
-                del steps[:bisect.bisect_right(steps, acked[r])]
+            for r, a in enumerate(acked):
+                tot = self.ranks.setdefault(r, RankTotals(counted_through=a, last_acked=a))
+                self._count_rank(r, tot, a)
+                if a != tot.last_acked:
+                    tot.last_acked, tot.progress_at = a, now
+                steps = self._unacked.get(r, [])
+                del steps[:bisect.bisect_right(steps, a)]
             # Drop steps every present rank has counted (join mode: absent ranks never count).
             done = [n for n, per in self._pending.items()
-                    if all(self.ranks[r].counted_through >= n for r in per)]
+                    if all(r not in self.ranks or self.ranks[r].counted_through >= n
+                           for r in per)]
             for n in done:
                 del self._pending[n]
+
+    def _follow_worlds(self) -> None:
+        """After a reconfiguration: drop the returned batches, count each rank of the ended
+        world through its last step there."""
+        if self.state.head().generation == self._generation:
+            return
+        worlds = self.state.worlds()
+        for w in worlds[self._generation:-1]:
+            for n, per in self._pending.items():
+                for r in [r for r in per if w.returned(n, r)]:
+                    del per[r]
+            for r, last in enumerate(w.last_steps or ()):
+                tot = self.ranks.get(r)
+                if tot is not None:
+                    self._count_rank(r, tot, last)
+                steps = self._unacked.get(r, [])
+                self._unacked[r] = [n for n in steps if n > w.published_through]
+        self._generation = worlds[-1].generation
 
     def _scan_published(self) -> None:
         through = self.state.published_through()
@@ -99,7 +125,7 @@ class PlanTotals:
             self.published_samples += step.info.step_samples
             self._pending[n] = {b.rank: batch_figures(b, self.collate) for b in step.batches}
             for b in step.batches:
-                self._unacked[b.rank].append(n)
+                self._unacked.setdefault(b.rank, []).append(n)
 
     def _count_rank(self, rank: int, tot: RankTotals, acked: int) -> None:
         if acked <= tot.counted_through:
@@ -116,7 +142,7 @@ class PlanTotals:
 
     def lag(self, rank: int) -> int:
         """Published steps of `rank` after its last ack (as of the last update)."""
-        return len(self._unacked[rank])
+        return len(self._unacked.get(rank, ()))
 
     def seconds_since_progress(self, rank: int, now: float | None = None) -> float:
         return (now or time.time()) - self.ranks[rank].progress_at

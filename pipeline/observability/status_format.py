@@ -17,6 +17,18 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def _world(w: dict[str, Any]) -> str:
+    """`4 [0-37]` for an ended world; `2 [38-] (scale: plan 0.04s, first batch 0.31s)`."""
+    span = f"[{w['first_step']}-{'' if w['last_step'] is None else w['last_step']}]"
+    out = f"{w['world_size']} {span}"
+    if w["generation"] > 0:
+        timing = [f"{label} {w[key]:.2f}s" for label, key in (
+            ("plan", "adopted_s"), ("drained", "drained_s"), ("first batch", "first_batch_s"))
+            if w.get(key) is not None]
+        out += f" ({w['reason']}" + (": " + ", ".join(timing) if timing else "") + ")"
+    return out
+
+
 def _job(job: dict[str, Any], show_records: bool) -> list[str]:
     lines = [
         f"job {job['job_id']}  state={job.get('state')}  mode={job.get('mode', '-')}  "
@@ -25,6 +37,10 @@ def _job(job: dict[str, Any], show_records: bool) -> list[str]:
     ]
     if job.get("error"):
         lines.append(f"  ERROR: {job['error']}")
+    worlds = job.get("worlds") or []
+    if len(worlds) > 1:
+        lines.append("  world sizes: " + " -> ".join(_world(w) for w in worlds)
+                     + ("  (reconfiguring)" if job.get("reconfiguring") else ""))
     t = job.get("throughput")
     if t:
         extra = f"  {t['steps_per_s']:.2f} steps/s" if "steps_per_s" in t else ""

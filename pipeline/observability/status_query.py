@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from pipeline.errors import UserError
-from pipeline.observability.status_view import derived, job_state, rates
+from pipeline.observability.status_view import derived, job_state, rates, world_history
 
 RPC_TIMEOUT_S = 5.0
 
@@ -91,7 +91,21 @@ def _grpc_job(src: Sources, job_id: str) -> dict[str, Any]:
         "replica": {"id": st.replica_id},
         "epoch_ends": [{"epoch": e.epoch, "steps": e.steps, "final_step": list(e.final_step),
                         "carried_over": e.carried_over} for e in st.epoch_ends],
+        "worlds": [_world(w) for w in st.worlds], "reconfiguring": st.reconfiguring,
     }
+
+
+def _world(w: Any) -> dict[str, Any]:
+    """A wire `World` as `status_view.world_history` writes one (-1 on the wire: not yet)."""
+    return {"generation": w.generation, "world_size": w.world_size, "first_step": w.first_step,
+            "last_step": None if w.last_step < 0 else w.last_step,
+            "rank_last_steps": list(w.rank_last_steps), "reason": w.reason,
+            "requested_at": w.requested_at, "returned_samples": w.returned_samples,
+            "adopted_s": None if w.adopted_seconds < 0 else round(w.adopted_seconds, 4),
+            "drained_s": None,
+            "first_batch_s": (None if w.first_batch_seconds < 0
+                              else round(w.first_batch_seconds, 4)),
+            "first_batch_s_by_rank": {}}
 
 
 # --- HTTP side port ---------------------------------------------------------------------------
@@ -139,6 +153,12 @@ def _redis_call(src: Sources, fn: Any, *args: Any) -> Any:
         raise UserError(f"Redis at {redact(src.redis_url)}: {exc}") from None
 
 
+def _redis_worlds(client: Any, job_id: str) -> list[dict[str, Any]]:
+    from pipeline.coordinator import RedisJobState
+
+    return world_history(RedisJobState.attach(client, job_id))
+
+
 def _redis_job(src: Sources, job_id: str) -> dict[str, Any] | None:
     from pipeline.coordinator import job_summary
 
@@ -160,6 +180,7 @@ def _redis_job(src: Sources, job_id: str) -> dict[str, Any] | None:
             "live": s.producer.expires_at > time.time()},
         "lapsed_ranks": s.lapsed_ranks, "created_at": s.job.created_at,
         "exposure": s.exposure,
+        "worlds": _redis_call(src, _redis_worlds, job_id),
         "ranks": [{"rank": h.rank, "acked_step": h.acked, "client_id": h.client_id,
                    "heartbeat_age_s": h.heartbeat_age, "lapsed_for_s": h.lapsed_for}
                   for h in s.ranks],
@@ -173,6 +194,7 @@ def _from_redis_only(job_id: str, r: dict[str, Any]) -> dict[str, Any]:
         "published_through": r["published_through"], "done": r["state"] == "done",
         "error": r["error"], "lapsed_ranks": r["lapsed_ranks"], "samples_in": r["samples_in"],
         "planned": r["planned"], "producer": r["producer"], "quarantine": r["quarantine"],
+        "worlds": r["worlds"],
         "ranks": [{"rank": h["rank"], "acked_step": h["acked_step"],
                    "client_id": h["client_id"] or ""} for h in r["ranks"]],
     }

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 from pipeline.observability.plan_totals import STALL_AFTER_S, PlanTotals
 
 if TYPE_CHECKING:
+    from pipeline.jobstate.interface import JobState
     from pipeline.service.job_runtime import JobRuntime
 
-TOTAL_KEYS = ("batches_emitted", "samples_emitted", "tokens_emitted", "padded_tokens",
-              "batch_cost")
 MAX_RECORDS = 1000  # quarantine records listed per job (the count is always exact)
 
 
@@ -37,6 +36,32 @@ def job_state(*, error: str | None, done: bool, published_through: int, epochs: 
             return "finished"
         return "draining"
     return "running" if published_through >= 0 else "waiting"
+
+
+def world_history(state: JobState) -> list[dict[str, Any]]:
+    """The job's worlds by generation, with the timings of each switch (docs/elastic.md):
+    request -> plan adopted -> every old rank left (drained) / first batch at every new rank."""
+    out = []
+    for w in state.worlds():
+        t = state.world_timings(w.generation)
+
+        def since(at: float | None, t=t) -> float | None:
+            return None if at is None or t is None else round(at - t.requested_at, 4)
+
+        first = {} if t is None else t.first_batch_at
+        left = {} if t is None else t.left_at
+        out.append({
+            "generation": w.generation, "world_size": w.world_size, "first_step": w.first_step,
+            "last_step": w.last_step, "rank_last_steps": list(w.last_steps or []),
+            "reason": w.reason.value, "requested_at": w.requested_at,
+            "returned_samples": w.returned_samples,
+            "adopted_s": since(t.adopted_at) if t else None,
+            "drained_s": since(max(left.values())) if left else None,
+            "first_batch_s": (None if t is None or t.first_batch_seconds(w.world_size) is None
+                              else round(t.first_batch_seconds(w.world_size), 4)),
+            "first_batch_s_by_rank": {r: since(at) for r, at in sorted(first.items())},
+        })
+    return out
 
 
 def derived(totals: Mapping[str, int], token_budget: int | None) -> dict[str, float | None]:
@@ -107,7 +132,7 @@ class ServiceView:
             tot = pt.ranks[r]
             lag = pt.lag(r)
             quiet = pt.seconds_since_progress(r, now)
-            conn = facts.ranks[r]
+            conn = facts.ranks.get(r)
             ranks.append({
                 "rank": r, "acked_step": h.acked, "lag_steps": lag,
                 "seconds_since_progress": round(quiet, 3),
@@ -117,10 +142,15 @@ class ServiceView:
                 "batches_emitted": tot.batches, "samples_emitted": tot.samples,
                 "tokens_emitted": tot.tokens, "padded_tokens": tot.padded_tokens,
                 "batch_cost": tot.cost,
-                "replica": {"connected": conn.connected, "delivered_step": conn.delivered,
+                "replica": {"connected": bool(conn and conn.connected),
+                            "delivered_step": conn.delivered if conn else -1,
                             "samples_fetched": facts.fetched_by_rank.get(r, 0)},
             })
-        totals = {k: sum(r[k] for r in ranks) for k in TOTAL_KEYS}
+        # Over every rank id the job had (a reconfiguration may have ended some).
+        totals = {f"{k}_emitted": sum(getattr(t, k) for t in pt.ranks.values())
+                  for k in ("batches", "samples", "tokens")}
+        totals["padded_tokens"] = sum(t.padded_tokens for t in pt.ranks.values())
+        totals["batch_cost"] = sum(t.cost for t in pt.ranks.values())
         counts = st.counters()
         done = st.is_done()
         ends = st.epoch_ends()
@@ -131,7 +161,8 @@ class ServiceView:
         uptime = now - pt.started_at
         budget = rt.job.batching.token_budget
         out: dict[str, Any] = {
-            "job_id": job_id, "mode": rt.mode, "world_size": rt.world_size,
+            "job_id": job_id, "mode": rt.mode, "world_size": len(health),
+            "worlds": world_history(st),
             "epochs": rt.job.epochs, "collate": rt.collate, "token_budget": budget,
             "state": job_state(error=error, done=done, published_through=pt.scanned_through,
                                epochs=rt.job.epochs, final_steps=finals, acked=acked),

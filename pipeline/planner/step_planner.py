@@ -244,6 +244,47 @@ class StepPlanner:
         self._epoch_started = False
         return events
 
+    def reconfigure(self, world_size: int, returned: Sequence[Batch], *, first_step: int,
+                    pool_steps: int | None = None) -> list[PlanEvent]:
+        """Move the rest of the current epoch onto `world_size` ranks (a reconfiguration: see
+        docs/elastic.md); returns the steps the pool fills at once, numbered from `first_step`.
+
+        `returned`: the batches of published steps that the old world will never run (voided),
+        in (step, rank) order. Each was a valid batch (budget, visual cap, truncation), and the
+        budget does not depend on the world, so it goes back into the pool as it was (fillers,
+        copies of a real sample, are dropped). Steps are write-once, so `first_step` (at least
+        `next_step`) skips the voided step numbers; the epoch keeps its first step and input
+        position, and its `EpochEnd` will name the new world's ranks. The pool is released as
+        soon as it holds a full step (not at its usual target) so the new world starts without
+        waiting for input; what cannot fill a step stays pooled.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if first_step < self.next_step:
+            raise ValueError(f"first_step {first_step} is before the planner's next step "
+                             f"{self.next_step}: published step numbers are never reused")
+        if pool_steps is None:
+            pool_steps = 1 if world_size == 1 else max(2, -(-256 // world_size))
+        if pool_steps < 1:
+            raise ValueError(f"pool_steps must be >= 1, got {pool_steps}")
+        self.world_size = world_size
+        self._pool_target = pool_steps * world_size
+        self.next_step = first_step
+        self._last_step = [None] * world_size  # the epoch's END names the new world's ranks
+        events: list[PlanEvent] = []
+        keep = [b for b in returned if not b.filler]
+        if keep and not self._epoch_started:
+            # Returned samples of an epoch that had ended open the next one (its first step,
+            # carry-over and rank bookkeeping are set up as by its first sample).
+            self._start_epoch(events)
+        self._pool.extend(
+            PendingBatch(b.samples, b.over_budget, tuple(sorted(
+                b.truncated_to.items(), key=lambda kv: (isinstance(kv[0], str), kv[0]))))
+            for b in keep)
+        if len(self._pool) >= world_size:
+            self._release(events, final=False)
+        return events
+
     @property
     def buffered(self) -> int:
         """Samples fed but not yet in a published step (window + pool)."""

@@ -138,5 +138,10 @@ class EpochEnd:
     steps: int
     carried_over: tuple[MeasuredSample, ...] = ()
 
+    @property
+    def last_step(self) -> int:
+        """The epoch's last step on any rank (-1 if it had none)."""
+        return max((s for s in self.final_step if s is not None), default=-1)
+
 
 PlanEvent = Step | Quarantined | EpochEnd

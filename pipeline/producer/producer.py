@@ -32,6 +32,7 @@ from pipeline.errors import (
     StateError,
     StateUnavailable,
     StepGap,
+    WorldChanged,
 )
 from pipeline.jobstate.interface import (
     JobState,
@@ -41,6 +42,7 @@ from pipeline.jobstate.interface import (
 )
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
+from pipeline.producer.adoption import adopt
 from pipeline.producer.feed import MeasuredFeed
 
 log = logging.getLogger(__name__)
@@ -86,8 +88,13 @@ class Producer:
         self._stop = threading.Event()
         self._fenced = threading.Event()
         self._world = job.world_size
+        self._world_gen = 0  # the world generation this producer plans for (docs/elastic.md)
+        self._world_first = 0
         # Per rank: published steps holding a batch of it that it has not acknowledged.
         self._unacked: list[deque[int]] = [deque() for _ in range(self._world)]
+        # Staged batches of an ended world's ranks, released once the new world runs.
+        self._retired: list[tuple[int, int]] = []
+        self._adoption: list[PlanEvent] | None = None
         self._last_published = -1
 
     # --- lifecycle ---
@@ -169,6 +176,10 @@ class Producer:
             except Fenced:
                 self._fenced.set()
                 return Outcome.FENCED
+            except WorldChanged:  # a reconfiguration: re-plan from the checkpoint at once
+                log.info("job %s: the world changed; adopting it", self.job.job_id,
+                         extra={"job": self.job.job_id})
+                continue
             except (StateUnavailable, StateRolledBack, StepGap, CheckpointConflict) as exc:
                 now = time.monotonic()
                 if failing_since is None or now - attempt > 5.0:  # it had recovered meanwhile
@@ -200,15 +211,36 @@ class Producer:
                 else self.job.batching.pool_steps)
         cp = self.state.load_checkpoint()
         self._last_published = self.state.published_through()
-        self._index_published()
+        self._enter_world()
+        worlds = self.state.worlds()
+        planned_for = cp.world if cp is not None else 0
+        size = worlds[planned_for].world_size
         if cp is None or not cp.state:
-            return StepPlanner(policy, self._world, self.job.mode, self.job.seed, pool), cp
-        snap = PlannerState.from_dict(json.loads(cp.state))
-        planner = StepPlanner.restore(snap, policy, self._world, self.job.mode, self.job.seed,
-                                      pool)
-        log.info("job %s: planner restored at epoch %d row %d, next step %d", self.job.job_id,
-                 cp.epoch, cp.samples_consumed, cp.next_step, extra={"job": self.job.job_id})
+            planner = StepPlanner(policy, size, self.job.mode, self.job.seed, pool)
+        else:
+            snap = PlannerState.from_dict(json.loads(cp.state))
+            planner = StepPlanner.restore(snap, policy, size, self.job.mode, self.job.seed, pool)
+            log.info("job %s: planner restored at epoch %d row %d, next step %d",
+                     self.job.job_id, cp.epoch, cp.samples_consumed, cp.next_step,
+                     extra={"job": self.job.job_id})
+        self._adoption = None
+        if planned_for != self._world_gen:
+            self._adoption = adopt(planner, planned_for, worlds[:self._world_gen + 1],
+                                   self.state, pool)
+            log.info("job %s: plan moved onto world %d (%d ranks from step %d)",
+                     self.job.job_id, self._world_gen, self._world, self._world_first,
+                     extra={"job": self.job.job_id})
         return planner, cp
+
+    def _enter_world(self) -> None:
+        """Follow the state's current world; after a reconfiguration the old world's staged
+        batches are kept for its draining ranks until the new world runs."""
+        head = self.state.head()
+        if head.generation != self._world_gen:
+            self._retired += [(n, r) for r, steps in enumerate(self._unacked) for n in steps]
+        self._world_gen, self._world, self._world_first = (head.generation, head.world_size,
+                                                           head.first_step)
+        self._index_published()
 
     def _index_published(self) -> None:
         """Which published steps each rank still has to acknowledge (back-pressure after a
@@ -228,6 +260,9 @@ class Producer:
         first_epoch, first_row = cp.position if cp is not None else (0, 0)
         epochs = self.job.epochs
         pending = _Pending()
+        if self._adoption is not None:  # publish for the new world at once: it adopts it
+            self._take(pending, self._adoption)
+            self._publish(pending, planner, first_epoch, first_row)
         for epoch in range(first_epoch, epochs):
             rows = first_row if epoch == first_epoch else 0  # source rows consumed
             for item in self.feed.iter_epoch(epoch, rows):
@@ -261,7 +296,8 @@ class Producer:
                  done: bool = False) -> None:
         steps = tuple(pending.steps)
         cp = PlannerCheckpoint(epoch=epoch, samples_consumed=rows, next_step=planner.next_step,
-                               state=json.dumps(planner.snapshot().to_dict()).encode())
+                               state=json.dumps(planner.snapshot().to_dict()).encode(),
+                               world=self._world_gen)
         pub = Publication(checkpoint=cp, steps=steps, ends=tuple(pending.ends),
                           samples_in=pending.samples_in, quarantined=tuple(pending.quarantined),
                           done=done)
@@ -280,7 +316,12 @@ class Producer:
                 self._unacked[b.rank].append(step.step)
 
     def _release_acked(self, acked: list[int]) -> None:
+        if len(acked) != len(self._unacked):  # the cursors of another world: re-plan first
+            raise WorldChanged(f"job {self.job.job_id}: {len(acked)} ranks now, this producer "
+                               f"plans for {len(self._unacked)}")
         done: list[tuple[int, int]] = []
+        if self._retired and min(acked, default=-1) >= self._world_first:
+            done, self._retired = self._retired, []  # every new rank runs: the drain is over
         for rank, steps in enumerate(self._unacked):
             while steps and steps[0] <= acked[rank]:
                 done.append((steps.popleft(), rank))
@@ -293,7 +334,11 @@ class Producer:
             self._release_acked(acked)
             if max(len(s) for s in self._unacked) <= self.settings.max_ahead:
                 return
-            through = self.state.published_through()  # stalled: did the state lose steps?
+            head = self.state.head()  # stalled: did the world change, or the state lose steps?
+            if head.generation != self._world_gen:
+                raise WorldChanged(f"job {self.job.job_id}: world {head.generation} replaced "
+                                   f"world {self._world_gen}")
+            through = head.published_through
             if through < self._last_published:
                 raise StateRolledBack(f"job {self.job.job_id}: the state holds steps through "
                                       f"{through}, this producer published through "
@@ -317,7 +362,8 @@ class Producer:
                          self.job.job_id, self.settings.linger_seconds)
                 break
             self._stop.wait(max(self.settings.poll_seconds, 0.2))
-        rest = [(n, r) for r, steps in enumerate(self._unacked) for n in steps]
+        rest = [(n, r) for r, steps in enumerate(self._unacked) for n in steps] + self._retired
+        self._retired = []
         if rest:
             self.feed.release(rest)
 

@@ -19,6 +19,16 @@ stream vanished from *this* replica takes the rank over at once instead of waiti
 lease; a client that fails over to another replica keeps its client id, so it re-claims at once.
 
 Acks: an ack past the published plan is a client bug: INVALID_ARGUMENT.
+
+Worlds (docs/elastic.md). A stream belongs to one world (`world_open` decides which from the
+Open). Before it sends a batch beyond its rank's delivery grant it raises the grant
+(`JobRuntime.grant`, a window of the client's credits at a time: one round trip per window,
+grouped with the replica's other streams), so a reconfiguration can end the
+world exactly where nothing delivered is lost. When its world has ended the stream runs through
+the rank's last step, sends END(reconfigure) naming the new world's size, leaves
+(`JobState.rank_left`: its lease is released at once, so the rank's next stream is not held up)
+and ends. `Scale` is the authenticated call that asks for a reconfiguration (`scaling`);
+`rank_failure_policy: shrink` makes one onto the live ranks instead of failing them.
 """
 
 from __future__ import annotations
@@ -34,17 +44,27 @@ import grpc
 from pipeline import __version__
 from pipeline.errors import AckAheadOfPlan, RankHeld, StateUnavailable
 from pipeline.planner.types import EpochEnd
+from pipeline.service import scaling
 from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
-from pipeline.service.rank_cursor import End, Finished, Missing, RankCursor, Send
+from pipeline.service.rank_cursor import (
+    Boundary,
+    End,
+    Finished,
+    Missing,
+    RankCursor,
+    Reconfigure,
+    Send,
+)
 from pipeline.service.wire_codec import wire_version_problem
+from pipeline.service.world_open import RESUME_FROM_CURSOR, OpenRefused, resolve
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 _MODE = {"join": pb.JOIN, "quota": pb.QUOTA}
-RESUME_FROM_CURSOR = -1  # Open.resume_step: continue at the rank's first unacknowledged step
+__all__ = ["RESUME_FROM_CURSOR", "DataServicer", "add_servicer"]
 
 
 @dataclass
@@ -59,6 +79,10 @@ class StreamSession:
     client_closed: bool = False  # the client half-closed its side (after its final ack)
     last_heartbeat: float = 0.0
     error: tuple[grpc.StatusCode, str] | None = None  # set by the ack reader: abort
+    leased: bool = True  # holds the rank's lease (a drained rank of an ended world does not)
+    granted: int = -1  # the highest step the rank may be sent (its delivery grant)
+    window: int = 1  # grants are raised this many steps at a time: the client's credit window
+    left: bool = False  # got END(reconfigure): its world ended, it left
 
 
 def serialize_response(msg: pb.ServerMessage | bytes) -> bytes:
@@ -79,6 +103,9 @@ def add_servicer(servicer: DataServicer, server: grpc.Server) -> None:
         "GetJob": grpc.unary_unary_rpc_method_handler(
             servicer.GetJob, request_deserializer=pb.GetJobRequest.FromString,
             response_serializer=pb.JobStatus.SerializeToString),
+        "Scale": grpc.unary_unary_rpc_method_handler(
+            servicer.Scale, request_deserializer=pb.ScaleRequest.FromString,
+            response_serializer=pb.ScaleReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "odb.v1.DataService", handlers),))
@@ -91,8 +118,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
         resume_grace_s: float = 2.0, rank_timeout_seconds: float = 60.0,
         rank_failure_policy: str = "fail",
     ) -> None:
-        if rank_failure_policy not in ("fail", "wait"):
-            raise ValueError(f"rank_failure_policy must be 'fail' or 'wait', "
+        if rank_failure_policy not in ("fail", "wait", "shrink"):
+            raise ValueError(f"rank_failure_policy must be 'fail', 'wait' or 'shrink', "
                              f"got {rank_failure_policy!r}")
         self.runtimes = runtimes
         self.tokens = tokens
@@ -115,6 +142,12 @@ class DataServicer(pb_grpc.DataServiceServicer):
         dead = {r: t for r, t in dead.items() if r != rank}
         if not dead:
             return None
+        why = ""
+        if self.rank_failure_policy == "shrink":
+            why = scaling.shrink(rt, self.rank_timeout_seconds)
+            if why is None:
+                return None
+            why = f" ({why})"
         if self.rank_failure_policy == "wait":
             for r, t in dead.items():
                 if (rt.job.job_id, r) not in self._waiting_logged:
@@ -126,9 +159,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
         gone = ", ".join(f"rank {r} has been gone for {t:.1f}s" for r, t in dead.items())
         return (f"job {rt.job.job_id!r}: {gone} (lease lapsed or never taken, longer than "
                 f"rank_timeout_seconds={self.rank_timeout_seconds:g}); "
-                "rank_failure_policy=fail: the other ranks' streams are aborted instead of "
-                "waiting for it. Restart the job's trainer ranks from their checkpoints "
-                "(or serve with rank_failure_policy=wait)")
+                f"rank_failure_policy={self.rank_failure_policy}{why}: the other ranks' streams "
+                "are aborted instead of waiting for it. Restart the job's trainer ranks from "
+                "their checkpoints (or serve with rank_failure_policy=wait)")
 
     def _claim(self, rt: JobRuntime, rank: int, client_id: str) -> None:
         """Claim the rank; if its holder is a stream that vanished from this replica, take over
@@ -162,23 +195,35 @@ class DataServicer(pb_grpc.DataServiceServicer):
         rt = self._runtime(request.job_id, context)
         st = rt.state
         counts = st.counters()
+        head = st.head()
         out = pb.JobStatus(
-            job_id=rt.job.job_id, world_size=rt.world_size, mode=_MODE[rt.mode],
-            epochs=rt.job.epochs, published_through=st.published_through(), done=st.is_done(),
-            samples_in=counts.samples_in, quarantined=counts.quarantined,
+            job_id=rt.job.job_id, world_size=head.world_size, mode=_MODE[rt.mode],
+            epochs=rt.job.epochs, published_through=head.published_through,
+            done=st.is_done(), samples_in=counts.samples_in, quarantined=counts.quarantined,
             lapsed_ranks=st.lapsed_ranks(), error=rt.error() or self.rank_failure(rt) or "",
-            replica_id=self.replica_id,
+            replica_id=self.replica_id, worlds=scaling.worlds_message(st),
+            reconfiguring=scaling.reconfiguring(st),
         )
         acked = st.acked_all()
-        for r, conn in enumerate(rt.ranks):
-            out.ranks.add(rank=r, acked_step=acked[r], client_id=conn.client_id,
-                          connected=conn.connected, delivered_step=conn.delivered)
+        for r, a in enumerate(acked):
+            conn = rt.ranks.get(r)
+            out.ranks.add(rank=r, acked_step=a, client_id=conn.client_id if conn else "",
+                          connected=bool(conn and conn.connected),
+                          delivered_step=conn.delivered if conn else -1)
         for end in st.epoch_ends():
             out.epoch_ends.add(
                 epoch=end.epoch, steps=end.steps, carried_over=len(end.carried_over),
                 final_step=[-1 if s is None else s for s in end.final_step],
             )
         return out
+
+    def Scale(self, request: pb.ScaleRequest, context: grpc.ServicerContext) -> pb.ScaleReply:
+        rt = self._runtime(request.job_id, context)
+        try:
+            res = scaling.scale(rt, request.world_size)
+        except scaling.ScaleRefusal as exc:
+            context.abort(exc.code, exc.message)
+        return scaling.scale_reply(rt, res)
 
     # --- the rank stream ---
     def Stream(self, request_iterator: Iterator[pb.ClientMessage],
@@ -196,18 +241,25 @@ class DataServicer(pb_grpc.DataServiceServicer):
         if problem:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         rt = self._runtime(op.job_id, context)
-        step, epoch = self._validate_open(op, rt, context)
-        client_id = op.client_id or context.peer()
         try:
-            self._claim(rt, op.rank, client_id)
-        except RankHeld as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{exc}; retry after the lease lapses")
-        cursor = RankCursor(op.rank, rt.job.epochs, pos=step, epoch=epoch, last_sent=step - 1)
-        session = StreamSession(op.rank, client_id,
-                                max(1, min(op.credits or self.prefetch_steps,
-                                           self.prefetch_steps)),
-                                cursor, last_heartbeat=time.monotonic())
+            start = resolve(op, rt, resume_grace_s=self.resume_grace_s)
+        except OpenRefused as exc:
+            context.abort(exc.code, exc.message)
+        step, epoch = start.pos, start.epoch
+        client_id = op.client_id or context.peer()
+        if start.has_work:  # a drained rank of an ended world just gets its END: no lease
+            try:
+                self._claim(rt, op.rank, client_id)
+            except RankHeld as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{exc}; retry after the lease lapses")
+        cursor = RankCursor(op.rank, rt.job.epochs, pos=step, epoch=epoch, last_sent=step - 1,
+                            world=start.world, world_size=start.world_size, limit=start.limit,
+                            next_world_size=start.next_world_size)
+        credits = max(1, min(op.credits or self.prefetch_steps, self.prefetch_steps))
+        session = StreamSession(op.rank, client_id, credits, cursor,
+                                last_heartbeat=time.monotonic(), leased=start.has_work,
+                                granted=step - 1, window=credits)
         wake = threading.Condition()
 
         def cancel() -> None:
@@ -221,14 +273,15 @@ class DataServicer(pb_grpc.DataServiceServicer):
         reader.start()
         conn = rt.ranks[op.rank]
         conn.client_id, conn.connected = client_id, True
-        log.info("job %s rank %d: client %s opened at step %d epoch %d", op.job_id, op.rank,
-                 client_id, step, epoch,
+        log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
+                 op.job_id, op.rank, client_id, step, epoch, start.world, start.world_size,
                  extra={"job": op.job_id, "rank": op.rank, "step": step})
         try:
             yield from self._send(rt, session, wake, context)
             # After the final END, wait (bounded) for the client's final ack and half-close so
-            # the last step is recorded as consumed.
-            deadline = time.monotonic() + self.lease_seconds
+            # the last step is recorded as consumed. (After END(reconfigure) there is nothing to
+            # record: end at once, the rank is about to open its stream in the new world.)
+            deadline = time.monotonic() + (0.0 if session.left else self.lease_seconds)
             with wake:
                 while not (session.client_closed or session.cancelled):
                     if time.monotonic() >= deadline:
@@ -240,66 +293,21 @@ class DataServicer(pb_grpc.DataServiceServicer):
             # A client whose stream went away before its final END keeps its lease until it
             # lapses: that is how the other ranks learn a peer is gone (Guarantee 4).
             # (A client that half-closed early on purpose leaves them waiting just the same.)
-            vanished = (session.cancelled or session.client_closed) and not cursor.job_done
+            vanished = ((session.cancelled or session.client_closed)
+                        and not (cursor.job_done or session.left) and session.leased)
             if vanished:
                 with self._vanished_lock:
                     self._vanished[(rt.job.job_id, op.rank)] = client_id
                 log.info("job %s rank %d: client %s vanished; its lease lapses in <= %.1fs",
                          op.job_id, op.rank, client_id, self.lease_seconds,
                          extra={"job": op.job_id, "rank": op.rank, "step": cursor.last_sent})
-            else:
+            elif session.leased:
                 try:
                     rt.state.release_rank(op.rank, client_id)
                 except Exception:
                     log.warning("job %s rank %d: release failed", op.job_id, op.rank,
                                 exc_info=True)
             cancel()
-
-    def _validate_open(self, op: pb.Open, rt: JobRuntime,
-                       context: grpc.ServicerContext) -> tuple[int, int]:
-        """The (step, epoch) the stream starts at, or an abort with a precise status."""
-        w = rt.world_size
-        if op.world_size != w:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"world_size {op.world_size} does not match job {rt.job.job_id!r}'s "
-                          f"world size {w}")
-        if not 0 <= op.rank < w:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"rank {op.rank} is outside [0, {w}) for job {rt.job.job_id!r}")
-        if op.credits < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"credits must be >= 0, got {op.credits}")
-        if op.resume_step == RESUME_FROM_CURSOR:
-            return rt.resume_position(op.rank)
-        if op.resume_step < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"resume_step must be >= 0 (or {RESUME_FROM_CURSOR}: where the rank "
-                          f"left off), got {op.resume_step}")
-        if not 0 <= op.resume_epoch <= rt.job.epochs:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"resume_epoch {op.resume_epoch} is outside [0, {rt.job.epochs}]")
-        # A step can only have been delivered once published; while a producer restarts the
-        # plan may lag, so wait briefly before calling the request impossible.
-        deadline = time.monotonic() + self.resume_grace_s
-        while op.resume_step > rt.plan.published_through() + 1:
-            if rt.state.is_done() or time.monotonic() >= deadline or rt.error():
-                through = rt.plan.fresh_published_through()
-                if op.resume_step <= through + 1:
-                    break  # the cache lagged
-                context.abort(
-                    grpc.StatusCode.OUT_OF_RANGE,
-                    f"resume_step {op.resume_step} is beyond the plan of job "
-                    f"{rt.job.job_id!r}: its last published step is {through}, so step "
-                    f"{op.resume_step} was never delivered")
-            rt.wait(0.05)
-        trimmed = rt.state.trimmed_through()
-        if op.resume_step <= trimmed:
-            context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"resume_step {op.resume_step} of job {rt.job.job_id!r} is in an epoch every "
-                f"rank has finished (steps through {trimmed} are no longer kept; the plan of "
-                "the current and the previous epoch is): resume from a later checkpoint")
-        return op.resume_step, op.resume_epoch
 
     def _read_acks(self, requests: Iterator[pb.ClientMessage], rt: JobRuntime,
                    session: StreamSession, wake: threading.Condition) -> None:
@@ -318,7 +326,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
                     with wake:
                         target = session.cursor.end_ack_due(step)
                     if target is not None:
-                        rt.ack(session.rank, target)
+                        self._ack(rt, session, target)
                     rt.notify()
                 with wake:
                     session.credits += max(0, msg.ack.credits)
@@ -340,8 +348,23 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 wake.notify_all()
 
     @staticmethod
-    def _record_ack(rt: JobRuntime, session: StreamSession, step: int) -> str | None:
+    def _ack(rt: JobRuntime, session: StreamSession, step: int) -> None:
+        """`rt.ack` for the rank of a current world's stream. Cursors are the current world's:
+        the acks of a rank whose world ended do not move them (nor fail the stream when the
+        rank is beyond the new world)."""
+        if session.cursor.limit is not None:
+            return
+        try:
+            rt.ack(session.rank, step)
+        except ValueError:
+            if rt.plan.fresh_head().generation == session.cursor.world:
+                raise
+
+    @classmethod
+    def _record_ack(cls, rt: JobRuntime, session: StreamSession, step: int) -> str | None:
         """Record the ack; the INVALID_ARGUMENT message if it acknowledges an unsent step."""
+        if step <= session.cursor.last_sent and session.cursor.limit is not None:
+            return None  # a rank of an ended world: it was sent, nothing to record
         through = rt.plan.published_through()
         if step > through:  # the cache may lag by its refresh interval
             through = rt.plan.fresh_published_through()
@@ -350,7 +373,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 raise AckAheadOfPlan(f"ack of step {step} by rank {session.rank} of job "
                                      f"{rt.job.job_id!r}, but only steps through {through} "
                                      "are published")
-            rt.ack(session.rank, step)
+            cls._ack(rt, session, step)
         except AckAheadOfPlan as exc:
             if step <= session.cursor.last_sent:
                 # We sent it, so it was published: the state lost it (a Redis crash without
@@ -375,7 +398,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
 
     def _heartbeat(self, rt: JobRuntime, s: StreamSession) -> None:
         now = time.monotonic()
-        if now - s.last_heartbeat >= self.lease_seconds / 3:
+        if s.leased and now - s.last_heartbeat >= self.lease_seconds / 3:
             rt.state.heartbeat(s.rank, s.client_id, self.lease_seconds)
             s.last_heartbeat = now
 
@@ -395,6 +418,12 @@ class DataServicer(pb_grpc.DataServiceServicer):
             self._heartbeat(rt, s)
             action = s.cursor.next(rt.plan)
             if isinstance(action, Finished):
+                return
+            if isinstance(action, Boundary):  # the world ended: learn this rank's last step
+                self._grant(rt, s, s.cursor.pos)
+                continue
+            if isinstance(action, Reconfigure):
+                yield self._reconfigure_message(rt, s, action)
                 return
             if isinstance(action, Missing):
                 missing_since = missing_since or time.monotonic()
@@ -419,27 +448,65 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 if s.cancelled:
                     return
                 self._check_abort(rt, s, context)
-                msg = rt.build_message(action.step, s.rank)
+                n = action.step.step
+                if n > s.granted and not self._grant(rt, s, n + s.window - 1, n):
+                    continue  # its world ended before this step, or the state is behind
+                msg = rt.build_message(action.step, s.rank, s.cursor.world_size)
                 s.credits -= 1
                 s.cursor.sent(action.step)
-                rt.ranks[s.rank].delivered = action.step.step
+                rt.ranks[s.rank].delivered = n
                 yield msg
                 continue
             rt.wait(0.02)  # Wait: nothing published for this rank yet
+
+    @staticmethod
+    def _grant(rt: JobRuntime, s: StreamSession, through: int, need: int | None = None) -> bool:
+        """Raise the rank's delivery grant towards `through`; True if step `need` may be sent.
+        An ended world answers with the rank's last step instead (the cursor's limit)."""
+        g = rt.grant(s.cursor.world, s.rank, through)
+        if g.ended:  # it may be sent everything through its last step, no more
+            s.cursor.limit, s.cursor.next_world_size = g.through, g.next_world_size
+            s.granted = max(s.granted, g.through)
+            return False
+        s.granted = max(s.granted, g.through)
+        if need is None or s.granted >= need:
+            return True
+        rt.wait(0.02)  # the state holds less of the plan than we read (it lost writes)
+        return False
+
+    def _reconfigure_message(self, rt: JobRuntime, s: StreamSession,
+                             action: Reconfigure) -> pb.ServerMessage:
+        """This rank ran its ended world's last step: it leaves (its lease is released now, so
+        the rank's stream in the new world is not held up), then gets END(reconfigure)."""
+        try:
+            rt.state.rank_left(s.cursor.world, s.rank, s.client_id)
+        except Exception:  # the lease then lapses; the switch completes all the same
+            log.warning("job %s rank %d: recording its exit from world %d failed",
+                        rt.job.job_id, s.rank, s.cursor.world, exc_info=True)
+        s.leased, s.left = False, True
+        log.info("job %s rank %d: world %d ended at step %d; END(reconfigure) to %d ranks",
+                 rt.job.job_id, s.rank, s.cursor.world, s.cursor.limit, action.world_size,
+                 extra={"job": rt.job.job_id, "rank": s.rank, "step": s.cursor.limit})
+        return pb.ServerMessage(end=pb.End(
+            epoch=s.cursor.epoch, final_step=s.cursor.limit, mode=_MODE[rt.mode],
+            epoch_steps=0, job_done=False, reason=pb.END_REASON_RECONFIGURE,
+            world_size=action.world_size))
 
     def _end_message(self, rt: JobRuntime, s: StreamSession, end: EpochEnd,
                      wake: threading.Condition) -> pb.ServerMessage:
         with wake:
             s.cursor.ended(end)
         # Ack it through the epoch's last step now if it acked everything it was sent (a rank
-        # with no batch at all acked "everything"); else its next ack triggers it.
-        acked = -1 if s.cursor.last_sent < 0 else rt.state.acked(s.rank)
-        with wake:
-            target = s.cursor.end_ack_due(acked)
-        if target is not None:
-            rt.ack(s.rank, target)
+        # with no batch at all acked "everything"); else its next ack triggers it. (A rank of
+        # an ended world has no cursor to move.)
+        if s.cursor.limit is None:
+            acked = -1 if s.cursor.last_sent < 0 else rt.state.acked(s.rank)
+            with wake:
+                target = s.cursor.end_ack_due(acked)
+            if target is not None:
+                self._ack(rt, s, target)
         final = end.final_step[s.rank]
         return pb.ServerMessage(end=pb.End(
             epoch=end.epoch, final_step=-1 if final is None else final, mode=_MODE[rt.mode],
-            epoch_steps=end.steps, job_done=s.cursor.job_done,
+            epoch_steps=end.steps, job_done=s.cursor.job_done, reason=pb.END_REASON_EPOCH,
         ))

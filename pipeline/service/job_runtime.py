@@ -2,6 +2,8 @@
 
 - `plan` (`PlanView`): the published plan, read cheaply and only per served rank;
 - `ack` (a `Coalescer` over `JobState.ack_many`): acks of all streams in grouped round trips;
+- `grant` (a `Coalescer` over `JobState.grant`): delivery grants of all streams, the same way
+  (a stream raises its rank's grant before sending past it: docs/elastic.md);
 - `payloads` (`PayloadSource`): the payloads of a rank's batch, by reference;
 - `build_message`: a rank's batch as wire bytes (`batch_builder`);
 - `dead_ranks`: lapsed ranks for the failure policy, one query per ~0.25 s for all streams;
@@ -18,10 +20,12 @@ import contextlib
 import logging
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 from pipeline.config import JobConfig
 from pipeline.jobstate.interface import JobState
+from pipeline.jobstate.worlds import Grant, PlanHead
 from pipeline.planner.types import Step
 from pipeline.producer.hosting import ProducerHost
 from pipeline.service.batch_builder import batch_message
@@ -46,7 +50,7 @@ class RankConnection:
 class ReplicaFacts:
     """A snapshot of this replica's side of a job, for observers (status, metrics)."""
 
-    ranks: tuple[RankConnection, ...]
+    ranks: dict[int, RankConnection]  # ranks that have had a stream on this replica
     fetched_by_rank: dict[int, int]
     uptime_s: float
 
@@ -60,12 +64,13 @@ class JobRuntime:
         self.payloads = payloads
         self.host = host
         self.pad_id = pad_id
-        self.world_size = state.world_size
         self.mode = state.mode
         self.collate = job.batching.collate
         self.plan = PlanView(state, refresh_seconds=refresh_seconds)
         self._acks = Coalescer(state.ack_many)
-        self.ranks = [RankConnection() for _ in range(self.world_size)]
+        self._grants = Coalescer(state.grant)
+        # By rank id (a reconfiguration changes the world size, the ids are reused).
+        self.ranks: defaultdict[int, RankConnection] = defaultdict(RankConnection)
         self.started_at = time.monotonic()
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -105,6 +110,10 @@ class JobRuntime:
         if step >= 0:
             self._acks((rank, step))
 
+    def grant(self, world: int, rank: int, through: int) -> Grant:
+        """`state.grant` for one stream, grouped with the other streams' grants."""
+        return self._grants((world, rank, through))
+
     def error(self) -> str | None:
         """The producer's recorded failure (read at most every second)."""
         now = time.monotonic()
@@ -140,11 +149,12 @@ class JobRuntime:
             self._dead_cache = (now, rank_timeout_seconds, out)
         return out
 
-    def resume_position(self, rank: int) -> tuple[int, int]:
-        """(step, epoch) of the rank's first unacknowledged step: where a rank that opens
-        without a state of its own continues (Guarantee 5)."""
-        nxt = self.state.acked(rank) + 1
-        if nxt <= self.plan.fresh_published_through():
+    def resume_position(self, rank: int, head: PlanHead) -> tuple[int, int]:
+        """(step, epoch) of the rank's first unacknowledged step of the current world (`head`,
+        just read): where a rank that opens without a state of its own continues
+        (Guarantee 5)."""
+        nxt = max(self.state.acked(rank) + 1, head.first_step)
+        if nxt <= head.published_through:
             step = self.plan.step_for(nxt, rank)
             if step is not None:
                 return nxt, step.epoch
@@ -153,13 +163,14 @@ class JobRuntime:
         # A rank done with the whole job gets its final END again, never a silent stream.
         return nxt, min(epoch, self.job.epochs - 1)
 
-    def build_message(self, step: Step, rank: int) -> bytes:
+    def build_message(self, step: Step, rank: int, world_size: int) -> bytes:
+        """Rank's batch of `step`, a step of a world of `world_size` ranks."""
         samples = self.payloads.fetch(step, rank)
         return batch_message(step, rank, samples, collate=self.collate, pad_id=self.pad_id,
-                             world_size=self.world_size)
+                             world_size=world_size)
 
     def facts(self) -> ReplicaFacts:
-        return ReplicaFacts(ranks=tuple(RankConnection(r.client_id, r.connected, r.delivered)
-                                        for r in self.ranks),
+        return ReplicaFacts(ranks={r: RankConnection(c.client_id, c.connected, c.delivered)
+                                   for r, c in list(self.ranks.items())},
                             fetched_by_rank=self.payloads.fetched_by_rank(),
                             uptime_s=time.monotonic() - self.started_at)

@@ -1,9 +1,10 @@
 """What the rank streams of one replica read of a job's plan, at most one round trip per fact.
 
 With the state in another process (Redis), every stream reading the plan itself would cost a
-round trip per check per rank. Here `published_through` is read at most every `refresh_seconds`
-(so it is stale by at most that, and never ahead of the state: it is only ever a value the
-state returned); steps and END records are write-once, so a cached one is always correct. A
+round trip per check per rank. Here the plan's head (`published_through` and the current world,
+read together) is read at most every `refresh_seconds` (so it is stale by at most that, and
+never ahead of the state: it is only ever a value the state returned); steps and END records
+are write-once, so a cached one is always correct. A
 stream reads only its own rank's batch of a step (`step_for`): the reads of all streams waiting
 for the same step go together in one round trip.
 """
@@ -16,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pipeline.jobstate.interface import JobState
+from pipeline.jobstate.worlds import PlanHead
 from pipeline.planner.types import EpochEnd, Step
 from pipeline.service.coalescer import Coalescer
 
@@ -26,7 +28,7 @@ class PlanView:
         self.state = state
         self.refresh_seconds = refresh_seconds
         self._pt_lock = threading.Lock()
-        self._pt: tuple[float, int | None, BaseException | None] | None = None  # (at, v, err)
+        self._pt: tuple[float, PlanHead | None, BaseException | None] | None = None  # at, v, err
         self._steps_lock = threading.Lock()
         self._steps: OrderedDict[tuple[int, int], Step] = OrderedDict()
         self._cache_size = cache_size
@@ -35,7 +37,7 @@ class PlanView:
         self._ends: dict[int, EpochEnd] = {}
         self._ends_at = -1.0
 
-    def published_through(self) -> int:
+    def head(self) -> PlanHead:
         """At most `refresh_seconds` stale; a failed read is re-raised to every reader of the
         same interval (no retry storm)."""
         with self._pt_lock:
@@ -43,7 +45,7 @@ class PlanView:
             if c is None or time.monotonic() - c[0] >= self.refresh_seconds:
                 at = time.monotonic()
                 try:
-                    c = (at, self.state.published_through(), None)
+                    c = (at, self.state.head(), None)
                 except Exception as exc:
                     c = (at, None, exc)
                 self._pt = c
@@ -51,12 +53,18 @@ class PlanView:
                 raise c[2]
             return c[1]  # type: ignore[return-value]
 
-    def fresh_published_through(self) -> int:
+    def published_through(self) -> int:
+        return self.head().published_through
+
+    def fresh_head(self) -> PlanHead:
         """Read the state now (before refusing a request that a stale value would refuse)."""
-        v = self.state.published_through()
+        v = self.state.head()
         with self._pt_lock:
             self._pt = (time.monotonic(), v, None)
         return v
+
+    def fresh_published_through(self) -> int:
+        return self.fresh_head().published_through
 
     def step_for(self, n: int, rank: int) -> Step | None:
         """Step `n` with only `rank`'s batch (none if the rank is absent from it); None if the

@@ -7,6 +7,11 @@ client has credit, send an END, wait). Positions: `pos` is the next global step 
 Join mode leaves a rank out of the steps after its final one; once the rank has acknowledged
 everything it was sent before an epoch's END, it is acknowledged through that epoch's last step
 (`end_ack_due`), so the state can trim steps it has no batch in.
+
+Worlds (docs/elastic.md): a cursor belongs to one world (`world`, `world_size`). It never reads
+past the plan of its world: when the plan's head names a later world it asks for its boundary
+(`Boundary`); once it knows its last step (`limit`) it runs through it, delivers the ENDs of
+epochs that ended in its world, then `Reconfigure`s.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pipeline.jobstate.worlds import PlanHead
 from pipeline.planner.types import EpochEnd, Step
 
 
 class PlanReader(Protocol):
-    def published_through(self) -> int: ...
+    def head(self) -> PlanHead: ...
 
     def step_for(self, n: int, rank: int) -> Step | None: ...
 
@@ -50,7 +56,17 @@ class Finished:
     pass
 
 
-Action = Send | End | Wait | Missing | Finished
+@dataclass(frozen=True)
+class Boundary:
+    pass  # the cursor's world ended: learn its last step (`RankCursor.limit`) first
+
+
+@dataclass(frozen=True)
+class Reconfigure:
+    world_size: int  # the rank ran its world's last step: END(reconfigure), the new size
+
+
+Action = Send | End | Wait | Missing | Finished | Boundary | Reconfigure
 
 
 def epoch_last_step(end: EpochEnd) -> int:
@@ -67,12 +83,23 @@ class RankCursor:
     last_sent: int = -1
     # (trigger, target): once the rank acks `trigger`, ack it through `target`.
     end_acks: list[tuple[int, int]] = field(default_factory=list)
+    world: int = 0  # the world generation this cursor runs in
+    world_size: int = 0  # its size (an END record of another world is not this cursor's; 0: any)
+    limit: int | None = None  # this rank's last step, once its world ended
+    next_world_size: int = 0  # the world after it (once it ended)
 
     def next(self, plan: PlanReader) -> Action:
         while True:
             if self.epoch >= self.epochs:
                 return Finished()
-            if self.pos <= plan.published_through():
+            head = plan.head()
+            through = head.published_through
+            if self.limit is None:
+                if head.generation > self.world:
+                    return Boundary()
+            else:
+                through = min(through, self.limit)
+            if self.pos <= through:
                 step = plan.step_for(self.pos, self.rank)
                 if step is None:
                     return Missing(self.pos)
@@ -87,8 +114,12 @@ class RankCursor:
                 self.pos += 1  # join mode: the rank is absent from this step
                 continue
             end = plan.epoch_end(self.epoch)
+            if end is not None and self.world_size and len(end.final_step) != self.world_size:
+                end = None  # the epoch ended in the next world, after this rank's last step
             if end is not None and epoch_last_step(end) < self.pos:
                 return End(end)
+            if self.limit is not None and self.pos > self.limit:
+                return Reconfigure(self.next_world_size)
             return Wait()
 
     def sent(self, step: Step) -> None:

@@ -144,8 +144,10 @@ def start_service(
         runtimes[job.job_id] = JobRuntime(job, state, payloads, host)
         toks[job.job_id] = tokens[job.job_id] if tokens and job.job_id in tokens else job.token()
 
-    # One pool thread per live stream (+ unary calls): size it for every rank of every job.
-    workers = max_workers or max(16, sum(j.world_size for j in config.jobs) * 2 + 8)
+    # One pool thread per live stream (+ unary calls): size it for every rank of every job, in
+    # the largest world it may be reconfigured to plus the ranks draining from the previous one
+    # (threads are started on demand, so the bound costs nothing until used).
+    workers = max_workers or max(16, sum(j.world_size_cap() for j in config.jobs) * 2 + 8)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="odb"),
                          options=grpc_options(config.grpc.max_message_mb))
     servicer = DataServicer(runtimes, toks, replica_id=replica_id,

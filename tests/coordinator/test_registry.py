@@ -9,7 +9,7 @@ from jobstate.builders import make_step, publication, steps
 
 from pipeline.coordinator import RedisJobState, job_summary, keys, list_jobs, registry
 from pipeline.errors import JobMismatch, SchemaMismatch, UnknownJob, UserError
-from pipeline.jobstate import QuarantineEntry
+from pipeline.jobstate import QuarantineEntry, ScaleRequest
 from pipeline.planner.types import EpochEnd
 
 
@@ -102,9 +102,12 @@ def test_every_key_is_under_the_versioned_job_prefix(new_state, redis_client):
     st.set_error("boom", fence=gen)
     time.sleep(0.02)
     st.claim_rank(0, "d", 30)  # a lapse: the lapsed set and the counter
+    st.scale(ScaleRequest(1))  # worlds, draining (rank 0 is live), world_times
+    st.publish(publication([make_step(1, 1)], world=1), fence=gen)
+    st.grant([(1, 0, 1)])  # grants
     found = {k.decode() for k in redis_client.keys("*")}
-    assert found == {keys.SCHEMA_VERSION_KEY, keys.JOBS_KEY, st.keys.step(0)} | set(
-        st.keys.fixed())
+    assert found == {keys.SCHEMA_VERSION_KEY, keys.JOBS_KEY, st.keys.step(0),
+                     st.keys.step(1)} | set(st.keys.fixed())
     assert all(k.startswith("odb:") for k in found)
 
 

@@ -96,3 +96,30 @@ def test_trimming_catches_up_64_steps_per_ack(new_state):
         st.ack(0, 449)
         seen.append(st.trimmed_through())
     assert seen == [63, 127, 191, 255, 299]
+
+
+def test_trimming_keeps_what_the_ranks_of_an_ended_world_still_drain(new_state):
+    """After a reconfiguration the new world's cursors start past the old world's steps; the
+    old world's live ranks still drain from their own cursors (`trim_floor`), so however far the
+    new world gets, those steps stay readable."""
+    from pipeline.jobstate import ScaleRequest
+
+    st = new_state(world_size=2)
+    gen = st.claim_producer("producer", LONG)
+    st.publish(publication([make_step(n, 2) for n in range(6)], rows=6), fence=gen)
+    for r, a in ((0, 1), (1, 0)):
+        st.claim_rank(r, f"c{r}", LONG)
+        st.ack(r, a)
+    st.grant([(0, 0, 5), (0, 1, 5)])
+    assert st.scale(ScaleRequest(3)).previous.last_steps == (5, 5)
+    nxt = 6
+    for e, length in ((0, 3), (1, 4), (2, 4)):  # epoch 0 goes on in the new world
+        s = [make_step(n, 3, epoch=e) for n in range(nxt, nxt + length)]
+        nxt += length
+        st.publish(publication(s, epoch=e + 1, rows=0, next_step=nxt, world=1,
+                               ends=(EpochEnd(e, (nxt - 1,) * 3, nxt if e == 0 else length),)),
+                   fence=gen)
+    for r in range(3):
+        st.ack(r, nxt - 1)
+    assert st.trimmed_through() == 0  # only what every cursor passed: step 0
+    assert all(st.get_step(n) is not None for n in range(1, 6))

@@ -28,7 +28,7 @@ def publication(step_list: tuple[Step, ...] | list[Step] = (), *, epoch: int = 0
                 rows: int | None = None, next_step: int | None = None,
                 ends: tuple[EpochEnd, ...] = (), samples_in: int = 0,
                 quarantined: tuple[QuarantineEntry, ...] = (), done: bool = False,
-                state: bytes = b"") -> Publication:
+                state: bytes = b"", world: int = 0) -> Publication:
     """A publication whose checkpoint defaults to "just after the last of these steps" (the
     input position `rows` defaults to that step number + 1, so later publications move on)."""
     step_list = tuple(step_list)
@@ -36,6 +36,6 @@ def publication(step_list: tuple[Step, ...] | list[Step] = (), *, epoch: int = 0
         next_step = step_list[-1].step + 1 if step_list else 0
     if rows is None:
         rows = next_step
-    return Publication(checkpoint=PlannerCheckpoint(epoch, rows, next_step, state),
+    return Publication(checkpoint=PlannerCheckpoint(epoch, rows, next_step, state, world),
                        steps=step_list, ends=tuple(ends), samples_in=samples_in,
                        quarantined=tuple(quarantined), done=done)

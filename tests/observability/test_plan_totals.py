@@ -40,7 +40,8 @@ def test_join_mode_tail_and_rewind_count_each_batch_once() -> None:
         _step(1, _batch(0, 6)))), fence=gen)  # join tail: rank 1 has no batch at step 1
     pt = PlanTotals(state, "padded")
     pt.update([1, 0])
-    assert [(r.batches, r.samples, r.tokens) for r in pt.ranks] == [(2, 3, 22), (1, 1, 4)]
+    assert [(r.batches, r.samples, r.tokens) for r in pt.ranks.values()] == [(2, 3, 22),
+                                                                      (1, 1, 4)]
     assert pt.published_samples == 4 and not pt._pending  # both steps fully counted
     pt.update([0, 0])  # a rank restored from an older checkpoint: cursors never go back,
     pt.update([1, 0])  # and a count never does either

@@ -61,8 +61,8 @@ def test_reads_shared_state_once_per_interval_and_step():
     assert view.published_through() == 0
     for _ in range(50):  # many streams, one interval: one read
         view.published_through()
-    assert calls["published_through"] == 2
-    assert view.fresh_published_through() == 0 and calls["published_through"] == 3
+    assert calls["head"] == 2  # the plan's head: published_through and the world, together
+    assert view.fresh_published_through() == 0 and calls["head"] == 3
 
     got = [view.step_for(0, 0) for _ in range(20)]
     assert all(g == inner.get_step(0) for g in got)
@@ -117,8 +117,8 @@ def test_failed_refresh_is_reraised_within_interval():
     inner = MemoryJobState("j", 2)
 
     class Failing(CountingState):
-        def published_through(self):
-            self.calls["published_through"] = self.calls.get("published_through", 0) + 1
+        def head(self):
+            self.calls["head"] = self.calls.get("head", 0) + 1
             raise StateUnavailable("down")
 
     st = Failing(inner)
@@ -126,7 +126,7 @@ def test_failed_refresh_is_reraised_within_interval():
     for _ in range(5):
         with pytest.raises(StateUnavailable):
             view.published_through()
-    assert st.calls["published_through"] == 1
+    assert st.calls["head"] == 1
 
 
 def test_coalescer_groups_calls_and_keeps_errors_per_caller():
@@ -188,7 +188,10 @@ def test_grouped_acks_match_single_acks_and_errors_stay_per_caller(redis_url, re
 
 
 def test_connect_sizes_a_blocking_pool_for_the_job(redis_url, redis_client):
-    job = service_config(job_dict(world_size=256)).jobs[0]
+    # Sized for the largest world the job may be reconfigured to (docs/elastic.md).
+    job = service_config(job_dict(world_size=64, max_world_size=256)).jobs[0]
+    assert job.world_size_cap() == 256
+    assert service_config(job_dict(world_size=64)).jobs[0].world_size_cap() == 1024
     st = RedisJobState.connect(redis_url, job)
     try:
         pool = st.client.connection_pool

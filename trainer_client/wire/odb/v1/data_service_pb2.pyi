@@ -23,6 +23,12 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_UNSPECIFIED: _ClassVar[Mode]
     JOIN: _ClassVar[Mode]
     QUOTA: _ClassVar[Mode]
+
+class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    END_REASON_UNSPECIFIED: _ClassVar[EndReason]
+    END_REASON_EPOCH: _ClassVar[EndReason]
+    END_REASON_RECONFIGURE: _ClassVar[EndReason]
 DTYPE_UNSPECIFIED: DType
 INT32: DType
 INT64: DType
@@ -34,6 +40,9 @@ BOOL: DType
 MODE_UNSPECIFIED: Mode
 JOIN: Mode
 QUOTA: Mode
+END_REASON_UNSPECIFIED: EndReason
+END_REASON_EPOCH: EndReason
+END_REASON_RECONFIGURE: EndReason
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -146,18 +155,22 @@ class Batch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ..., info: _Optional[_Union[StepInfo, _Mapping]] = ..., collate: _Optional[str] = ..., over_budget: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., pixel_norm: _Optional[_Union[PixelNorm, _Mapping]] = ..., filler: _Optional[bool] = ...) -> None: ...
 
 class End(_message.Message):
-    __slots__ = ("epoch", "final_step", "mode", "epoch_steps", "job_done")
+    __slots__ = ("epoch", "final_step", "mode", "epoch_steps", "job_done", "reason", "world_size")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINAL_STEP_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_STEPS_FIELD_NUMBER: _ClassVar[int]
     JOB_DONE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     final_step: int
     mode: Mode
     epoch_steps: int
     job_done: bool
-    def __init__(self, epoch: _Optional[int] = ..., final_step: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epoch_steps: _Optional[int] = ..., job_done: _Optional[bool] = ...) -> None: ...
+    reason: EndReason
+    world_size: int
+    def __init__(self, epoch: _Optional[int] = ..., final_step: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epoch_steps: _Optional[int] = ..., job_done: _Optional[bool] = ..., reason: _Optional[_Union[EndReason, str]] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("batch", "end")
@@ -199,8 +212,52 @@ class EpochSummary(_message.Message):
     carried_over: int
     def __init__(self, epoch: _Optional[int] = ..., steps: _Optional[int] = ..., final_step: _Optional[_Iterable[int]] = ..., carried_over: _Optional[int] = ...) -> None: ...
 
+class World(_message.Message):
+    __slots__ = ("generation", "world_size", "first_step", "last_step", "rank_last_steps", "reason", "requested_at", "returned_samples", "adopted_seconds", "first_batch_seconds")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_LAST_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_AT_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    world_size: int
+    first_step: int
+    last_step: int
+    rank_last_steps: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    requested_at: float
+    returned_samples: int
+    adopted_seconds: float
+    first_batch_seconds: float
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., rank_last_steps: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., requested_at: _Optional[float] = ..., returned_samples: _Optional[int] = ..., adopted_seconds: _Optional[float] = ..., first_batch_seconds: _Optional[float] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("job_id", "world_size")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    world_size: int
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class ScaleReply(_message.Message):
+    __slots__ = ("job_id", "changed", "world", "previous")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    changed: bool
+    world: World
+    previous: World
+    def __init__(self, job_id: _Optional[str] = ..., changed: _Optional[bool] = ..., world: _Optional[_Union[World, _Mapping]] = ..., previous: _Optional[_Union[World, _Mapping]] = ...) -> None: ...
+
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id")
+    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +271,8 @@ class JobStatus(_message.Message):
     LAPSED_RANKS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLDS_FIELD_NUMBER: _ClassVar[int]
+    RECONFIGURING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     mode: Mode
@@ -227,4 +286,6 @@ class JobStatus(_message.Message):
     lapsed_ranks: _containers.RepeatedScalarFieldContainer[int]
     error: str
     replica_id: str
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    worlds: _containers.RepeatedCompositeFieldContainer[World]
+    reconfiguring: bool
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ...) -> None: ...

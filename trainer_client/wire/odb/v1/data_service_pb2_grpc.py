@@ -49,6 +49,11 @@ class DataServiceStub:
                 request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/odb.v1.DataService/Scale',
+                request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleReply.FromString,
+                _registered_method=True)
 
 
 class DataServiceServicer:
@@ -72,6 +77,16 @@ class DataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Move the rest of the job onto a new world size (authenticated like the others):
+        INVALID_ARGUMENT for a size < 1 or above the job's max_world_size, NOT_FOUND for an unknown
+        job, FAILED_PRECONDITION while a previous switch is in progress or once the job is fully
+        planned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +104,11 @@ def add_DataServiceServicer_to_server(servicer, server):
                     servicer.GetJob,
                     request_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.FromString,
                     response_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleRequest.FromString,
+                    response_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +192,33 @@ class DataService:
             '/odb.v1.DataService/GetJob',
             trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.GetJobRequest.SerializeToString,
             trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/odb.v1.DataService/Scale',
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleRequest.SerializeToString,
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,48 @@
+"""How a producer moves its plan onto a new world (a reconfiguration, docs/elastic.md).
+
+The state's checkpoint names the world its planner state was planned for. When a boundary
+ended that world, the producer restores the planner from the checkpoint (which covers every
+published step) and hands it back the batches the boundary returned, for the next world's size
+and first step (`StepPlanner.reconfigure`); it then publishes at once for the new world, which
+adopts it. Deterministic: the same checkpoint and boundary give the same plan, so a producer
+that dies half-way and its successor adopt identically.
+
+Reads the state (the world records, the returned steps); never writes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.jobstate.interface import JobState
+from pipeline.jobstate.worlds import World
+from pipeline.planner.step_planner import StepPlanner
+from pipeline.planner.types import Batch, PlanEvent
+
+
+def returned_batches(state: JobState, world: World) -> list[Batch]:
+    """The batches `world`'s boundary voided (after each rank's last step, up to the plan at
+    the switch), in (step, rank) order."""
+    if world.last_steps is None:
+        return []
+    out: list[Batch] = []
+    first = min(world.last_steps, default=world.published_through) + 1
+    for n in range(first, world.published_through + 1):
+        step = state.get_step(n)
+        if step is None:
+            raise LookupError(f"step {n}, returned by the end of world {world.generation}, is "
+                              "not in the state any more")
+        out += [b for b in sorted(step.batches, key=lambda b: b.rank)
+                if world.returned(n, b.rank)]
+    return out
+
+
+def adopt(planner: StepPlanner, planned_for: int, worlds: Sequence[World], state: JobState,
+          pool_steps: int | None) -> list[PlanEvent]:
+    """Move `planner`, restored for world `planned_for`, onto the current (last) world through
+    every boundary since; returns the steps it can emit at once."""
+    events: list[PlanEvent] = []
+    for old, new in zip(worlds[planned_for:-1], worlds[planned_for + 1:], strict=True):
+        events += planner.reconfigure(new.world_size, returned_batches(state, old),
+                                      first_step=new.first_step, pool_steps=pool_steps)
+    return events

@@ -1,0 +1,155 @@
+"""Shared pieces of the elastic tests: a served job on the session's Redis, rank processes
+(elastic_rank.py) started and killed like trainer workers, and the checks every test applies to
+what they consumed (exactly once across worlds, alignment per world, exact loss-scale totals)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ServiceConfig
+from pipeline.preprocess.array_source import ArraySource, synthetic_samples
+from pipeline.service.server import RunningService, start_service
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def samples(n: int, seed: int = 1) -> list:
+    return synthetic_samples(n, max_len=400, seed=seed)
+
+
+@contextmanager
+def served(redis_url: str, job_id: str, world_size: int, items: list, *,
+           token: str | None = None, **service: Any):
+    """The job on a real gRPC server over RedisJobState (the session's redis-server); `service`
+    holds ServiceConfig fields, `job` JobConfig fields."""
+    job = {"job_id": job_id, "world_size": world_size, "seed": 3,
+           "source": {"paths": ["arrays"]},
+           "batching": {"token_budget": 1024, "max_window_samples": 64, "pool_steps": 2},
+           **service.pop("job", {})}
+    cfg = ServiceConfig.model_validate({
+        "redis_url": redis_url, "metrics_port": None, "grpc": {"port": 0},
+        "lease_seconds": service.pop("lease_seconds", 5.0), "jobs": [job], **service})
+    svc: RunningService = start_service(cfg, sample_sources={job_id: ArraySource(items)},
+                                        tokens={job_id: token})
+    try:
+        yield svc
+    finally:
+        svc.stop(grace=0.5)
+
+
+class RankProc:
+    """elastic_rank.py for one rank of one world; its log and state live in `tmp`."""
+
+    def __init__(self, tmp: Path, address: str, job: str, rank: int, world: int, *,
+                 restore: Path | None = None, sleep: float = 0.02, tag: str = "") -> None:
+        self.rank, self.world = rank, world
+        name = f"w{world}{tag}-r{rank}"
+        self.log, self.state = tmp / f"{name}.jsonl", tmp / f"{name}.state.json"
+        cmd = [sys.executable, str(HERE / "elastic_rank.py"), "--address", address, "--job",
+               job, "--rank", str(rank), "--world", str(world), "--out", str(self.log),
+               "--state", str(self.state), "--sleep", str(sleep)]
+        if restore is not None:
+            cmd += ["--restore", str(restore)]
+        self.proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+
+    def lines(self) -> list[dict]:
+        if not self.log.exists():
+            return []
+        return [json.loads(ln) for ln in self.log.read_text().splitlines() if ln.strip()]
+
+    def batches(self) -> list[dict]:
+        return [x for x in self.lines() if "step" in x]
+
+    def end(self) -> dict:
+        last = self.lines()[-1]
+        assert "end" in last, f"world {self.world} rank {self.rank} ended with {last}"
+        return last
+
+    def finish(self, timeout: float = 120.0) -> RankProc:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"world {self.world} rank {self.rank} did not finish in "
+                                 f"{timeout}s: {self.lines()[-1:]}") from None
+        out = self.proc.stdout.read().decode(errors="replace")
+        assert rc == 0, (f"world {self.world} rank {self.rank} exited {rc}: {self.lines()[-1:]} "
+                         f"{out[-3000:]}")
+        return self
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def scale_cli(address: str, job: str, world_size: int) -> dict:
+    """`odb-pipeline scale ... --json` in its own process."""
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "scale", "--endpoint", address,
+                          "--job", job, "--world-size", str(world_size), "--json"],
+                         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def check_worlds(records: Iterable[dict], worlds: list, last_world_closes: bool) -> None:
+    """Per world: every rank got the same steps, contiguous from the world's first step (the
+    job's closing partial step aside), each within the world's boundary; loss-scale totals
+    exact: the ranks' shares of a step add up to its all-rank totals."""
+    by_world: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for rec in records:
+        by_world[rec["world"]][rec["rank"]].append(rec["step"])
+        by_step[rec["step"]].append(rec)
+    for g, w in enumerate(worlds):
+        ranks = by_world[w.world_size]
+        assert sorted(ranks) == list(range(w.world_size)), f"world {g}: ranks {sorted(ranks)}"
+        steps = {r: sorted(s) for r, s in ranks.items()}
+        for r, s in steps.items():
+            assert len(s) == len(set(s)), f"world {g} rank {r} got a step twice"
+            assert s[0] >= w.first_step
+            if w.last_steps is not None:
+                assert s[-1] <= w.last_steps[r]
+        full = steps[0]
+        last = g == len(worlds) - 1 and last_world_closes
+        for r, s in steps.items():
+            mine = s if not last else [n for n in s if n != max(full)]
+            others = full if not last else [n for n in full if n != max(full)]
+            assert mine == others, f"world {g}: rank {r} got steps {s}, rank 0 {full}"
+        assert full == list(range(full[0], full[-1] + 1)), f"world {g}: steps not contiguous"
+    for n, recs in by_step.items():
+        assert len({r["world"] for r in recs}) == 1, f"step {n} in two worlds"
+        assert sum(r["rank_samples"] for r in recs) == recs[0]["step_samples"], f"step {n}"
+        assert sum(r["rank_tokens"] for r in recs) == recs[0]["step_tokens"], f"step {n}"
+
+
+def assert_exactly_once(records: Iterable[dict], items: list) -> None:
+    got = Counter(i for rec in records for i in rec["ids"])
+    want = Counter(s.sample_id for s in items)
+    missing, extra = want - got, got - want
+    assert not missing and not extra, (
+        f"{sum(missing.values())} missing (e.g. {list(missing)[:3]}), "
+        f"{sum(extra.values())} twice (e.g. {list(extra)[:3]})")

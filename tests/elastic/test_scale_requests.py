@@ -1,0 +1,174 @@
+"""Scale requests and Opens around a reconfiguration, over real gRPC: every invalid request gets
+a precise status code and changes nothing; a second switch is refused while the first one's old
+ranks still drain; ranks of the ended world get END(reconfigure) in-band; positions the new
+world cannot honour are refused; `odb-pipeline scale` and `status` show it all."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import pytest
+from elastic_helpers import samples, served, wait_for
+
+from pipeline.cli import main
+from pipeline.coordinator import RedisJobState
+from trainer_client import BatchStream, Reconfigured
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import WIRE_VERSION
+
+TOKEN = "s3cret"
+MD = (("authorization", f"Bearer {TOKEN}"),)
+
+
+def _scale(address: str, world_size: int, job: str = "sr", md=MD) -> pb.ScaleReply:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.DataServiceStub(ch).Scale(
+            pb.ScaleRequest(job_id=job, world_size=world_size), metadata=md, timeout=30)
+
+
+def _code(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value.code(), err.value.details()
+
+
+def _get(address: str) -> pb.JobStatus:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.DataServiceStub(ch).GetJob(pb.GetJobRequest(job_id="sr"), metadata=MD,
+                                                  timeout=10)
+
+
+class Held:
+    """A rank that takes one batch, then holds (its stream open and its lease live) until
+    released, then consumes to its END."""
+
+    def __init__(self, address: str, rank: int, world: int) -> None:
+        self.stream = BatchStream(address, "sr", rank, world, token=TOKEN, prefetch=1,
+                                  tensors="numpy")
+        self.steps: list[int] = []
+        self.gate = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for b in self.stream:
+                self.steps.append(b.info.step)
+                self.gate.wait()
+        except BaseException as exc:
+            self.error = exc
+
+
+def test_invalid_scale_requests_get_precise_codes(redis_client, redis_url, capsys):
+    with served(redis_url, "sr", 2, samples(600), token=TOKEN,
+                job={"max_world_size": 16}) as svc:
+        a = svc.address
+        before = RedisJobState.attach(redis_url, "sr").worlds()
+        for bad in (0, -3, 17):
+            code, details = _code(lambda bad=bad: _scale(a, bad))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "[1, 16]" in details
+        assert _code(lambda: _scale(a, 3, job="nope"))[0] == grpc.StatusCode.NOT_FOUND
+        assert _code(lambda: _scale(a, 3, md=()))[0] == grpc.StatusCode.UNAUTHENTICATED
+        bad_md = (("authorization", "Bearer wrong"),)
+        assert _code(lambda: _scale(a, 3, md=bad_md))[0] == grpc.StatusCode.UNAUTHENTICATED
+        same = _scale(a, 2)  # the current size: nothing to do (an idempotent retry)
+        assert not same.changed and same.world.world_size == 2
+        assert RedisJobState.attach(redis_url, "sr").worlds() == before
+        # The CLI: one-line errors, exit 2.
+        assert main(["scale", "--endpoint", a, "--job", "nope", "--world-size", "3",
+                     "--token", TOKEN]) == 2
+        assert "NOT_FOUND" in capsys.readouterr().err
+        assert main(["scale", "--endpoint", a, "--job", "sr", "--world-size", "0"]) == 2
+        assert "--world-size must be >= 1" in capsys.readouterr().err
+
+
+def test_a_second_switch_waits_for_the_first_and_old_ranks_end_in_band(redis_client, redis_url,
+                                                                       capsys):
+    with served(redis_url, "sr", 2, samples(900), token=TOKEN) as svc:
+        a = svc.address
+        held = [Held(a, r, 2) for r in range(2)]
+        wait_for(lambda: all(h.steps for h in held), 30, "both ranks' first batch")
+        assert main(["scale", "--endpoint", a, "--job", "sr", "--world-size", "1",
+                     "--token", TOKEN, "--json"]) == 0
+        first = json.loads(capsys.readouterr().out)
+        b = first["previous"]["last_step"]
+        assert first["changed"] and first["previous"]["rank_last_steps"] == [b, b]
+        # The old ranks hold their streams: the switch is in progress until they drained.
+        wait_for(lambda: svc.runtimes["sr"].state.world_timings(1).adopted_at is not None, 30,
+                 "the new plan")
+        code, details = _code(lambda: _scale(a, 3))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "draining" in details
+        assert _get(a).reconfiguring
+        assert main(["scale", "--endpoint", a, "--job", "sr", "--world-size", "3",
+                     "--token", TOKEN]) == 2
+        assert "FAILED_PRECONDITION" in capsys.readouterr().err
+        for h in held:
+            h.gate.set()
+        for h in held:
+            h.thread.join(30)
+            assert h.error is None, h.error
+            end = h.stream.last_end
+            assert (end.reason, end.world_size, end.final_step) == ("reconfigure", 1, b)
+            assert not h.stream.done and h.steps[-1] == b
+            with pytest.raises(Reconfigured, match="BatchStream"):
+                next(iter(h.stream))
+            h.stream.close()
+        wait_for(lambda: not _get(a).reconfiguring, 10, "the old ranks to have left")
+        # A rank of the ended world that comes back without a state: END(reconfigure) at once.
+        with BatchStream(a, "sr", 0, 2, token=TOKEN, tensors="numpy") as late:
+            assert list(late) == [] and late.last_end.reason == "reconfigure"
+        # Not elastic: a third size is refused, naming the way to reconfigure.
+        with BatchStream(a, "sr", 0, 5, token=TOKEN, tensors="numpy") as wrong:
+            with pytest.raises(Exception) as err:
+                list(wrong)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "world sizes so far: 2 -> 1" in err.value.details
+            assert "scale" in err.value.details
+        # A position inside the old world (before its boundary) cannot be honoured.
+        with grpc.insecure_channel(a) as ch:
+            call = pb_grpc.DataServiceStub(ch).Stream(iter([pb.ClientMessage(open=pb.Open(
+                job_id="sr", rank=0, world_size=1, resume_step=0, resume_epoch=0,
+                client_id="x", credits=1, wire_version=WIRE_VERSION))]), metadata=MD)
+            code, details = _code(lambda: next(call))
+        assert code == grpc.StatusCode.OUT_OF_RANGE and "inside world 0" in details
+        # The next switch is accepted now; status shows the history.
+        assert _scale(a, 3).changed
+        assert main(["status", "--endpoint", a, "--job", "sr", "--token", TOKEN]) == 0
+        out = capsys.readouterr().out
+        assert f"world sizes: 2 [0-{b}] -> 1 [" in out and "-> 3 [" in out
+        st = _get(a)
+        assert [w.world_size for w in st.worlds] == [2, 1, 3]
+        assert [w.reason for w in st.worlds] == ["initial", "scale", "scale"]
+        assert st.worlds[0].last_step == b and st.world_size == 3
+
+
+def test_a_fully_planned_job_cannot_move(redis_client, redis_url):
+    with served(redis_url, "sr", 2, samples(30), token=TOKEN) as svc:
+        wait_for(lambda: svc.runtimes["sr"].state.is_done(), 30, "the plan")
+        code, details = _code(lambda: _scale(svc.address, 3))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "fully planned" in details
+
+
+def test_an_aligned_loader_does_not_mistake_a_world_end_for_the_epochs(redis_client, redis_url):
+    """Runtimes without Join (StreamLoader, HF, Lightning) read the end of a pass as the end of
+    the epoch: a world that ends mid-epoch raises `Reconfigured` instead, so the worker restarts
+    as a rank of the new world from its checkpoint rather than skipping the epoch's rest."""
+    from trainer_client import StreamLoader
+
+    with served(redis_url, "sr", 1, samples(900), token=TOKEN) as svc:
+        stream = BatchStream(svc.address, "sr", 0, 1, token=TOKEN, prefetch=1, tensors="numpy")
+        loader = StreamLoader(stream, align=True)
+        it = iter(loader)
+        taken = [next(it).info.step]
+        assert _scale(svc.address, 2).changed
+        with pytest.raises(Reconfigured) as err:
+            for b in it:
+                taken.append(b.info.step)
+        assert err.value.world_size == 2
+        assert taken == list(range(len(taken)))  # every batch up to the boundary, in order
+        assert stream.last_end.final_step == taken[-1]
+        stream.close()
