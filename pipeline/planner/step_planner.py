@@ -271,6 +271,7 @@ class StepPlanner:
         self._pool_target = pool_steps * world_size
         self.next_step = first_step
         self._last_step = [None] * world_size  # the epoch's END names the new world's ranks
+        self._ramp()  # the pool's size for the new world (as a restore computes it)
         events: list[PlanEvent] = []
         keep = [b for b in returned if not b.filler]
         if keep and not self._epoch_started:
