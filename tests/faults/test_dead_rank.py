@@ -54,9 +54,9 @@ def start_and_kill_rank0(svc, tmp_path):
     # counts as gone from the job's first claim on, and rank 0's slow process start must not be
     # mistaken for that (the threads connect within milliseconds).
     steps0 = lambda: len([x for x in read_log(log) if "step" in x])  # noqa: E731
-    state = svc.runtimes["dead"].state
+    job_state = svc.runtimes["dead"].state
     try:
-        wait_for(lambda: state.lease(0) is not None, 60, "rank 0's lease")
+        wait_for(lambda: job_state.lease(0) is not None, 60, "rank 0's lease")
     except AssertionError:
         proc.kill()
         raise AssertionError(f"rank 0: {read_log(log)[-1:]}") from None

@@ -200,7 +200,8 @@ def test_health_reflection_and_job_status():
 def test_server_restart_continues_the_plan_from_its_checkpoint():
     """A new server on the surviving JobState (what Redis gives) resumes planning mid-epoch:
     ranks resume from their state_dicts; the union is the epoch exactly once, byte-identical."""
-    samples = synthetic_samples(400, max_len=500, seed=9)
+    # ~38 steps: the producer, held 6 steps past the ranks' acks plus a pool, cannot finish.
+    samples = synthetic_samples(800, max_len=500, seed=9)
     cfg = service_config(job_dict(seed=4))
     with serving(cfg, {"j": samples}, pool_steps=4) as svc:
         ref = consume_all(svc.address, "j", 2)

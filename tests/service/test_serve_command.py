@@ -105,7 +105,8 @@ def test_serve_plans_the_first_steps_while_ray_starts_then_the_actor_takes_over(
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate(3000, 2, mean_tokens=120,
                                                                     image_frac=0.0)))
-    path = _config(tmp_path, batching={"token_budget": 4096})
+    # A small balancing pool: the default one (128 steps at W=2) holds this whole epoch.
+    path = _config(tmp_path, batching={"token_budget": 4096, "pool_steps": 4})
     cfg = json.loads(path.read_text())
     cfg["jobs"][0]["source"]["paths"] = [str(data)]
     path.write_text(json.dumps({**cfg, "redis_url": redis_url}))
