@@ -124,13 +124,15 @@ class _Link:
                 self.reqs.put(None)
             call = self.call
         self.closing = True  # the receiver returns when the call ends; no reconnect
-        if drain_s and self.thread is not None:
+        # A finalizer run by a garbage collection on the receiver thread itself cannot join it.
+        thread = self.thread if self.thread is not threading.current_thread() else None
+        if drain_s and thread is not None:
             # The server reads the acks still in flight, then ends the call itself.
-            self.thread.join(drain_s)
+            thread.join(drain_s)
         if call is not None:
             call.cancel()
-        if self.thread is not None:
-            self.thread.join(5.0)
+        if thread is not None:
+            thread.join(5.0)
         self.thread = None
         self.reqs = None
 

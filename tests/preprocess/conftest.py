@@ -32,7 +32,9 @@ def write_jsonl(path: Path, records: list[Any]) -> Path:
 
 
 def src(path: Path | str = "mem.jsonl") -> SourceFile:
-    return SourceFile(str(path), str(path), "jsonl")
+    # The file's name, not its tmp path, names the samples: augmentation is seeded by the
+    # sample id, so a test's draws must not change with pytest's tmp directory.
+    return SourceFile(Path(path).name, str(path), "jsonl")
 
 
 @pytest.fixture(scope="session")
