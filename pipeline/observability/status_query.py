@@ -21,7 +21,8 @@ import grpc
 from pipeline.errors import UserError
 from pipeline.observability.status_view import derived, job_state, rates, world_history
 
-RPC_TIMEOUT_S = 5.0
+# Generous: a replica on a saturated machine (its Ray starting, preprocessing) still answers.
+RPC_TIMEOUT_S = 15.0
 
 
 @dataclass

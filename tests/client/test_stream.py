@@ -45,6 +45,9 @@ TRAINER = textwrap.dedent("""
     import os, signal, sys
     from trainer_client import BatchStream
     how, address = sys.argv[1], sys.argv[2]
+    # Ctrl-C raises KeyboardInterrupt even where this process was started with SIGINT ignored
+    # (a background job of a non-interactive shell, as CI runs it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     stream = BatchStream(address, "j", 0, 1, prefetch=4)   # never closed
     for i, batch in enumerate(stream):
         if how == "max_steps":
