@@ -17,8 +17,9 @@ from pipeline.coordinator.scripts import _NOW, Script
 # Shared helpers: re-admit a consumer's leases (but `keep`), and every expired consumer's.
 _HELPERS = """
 local base = ARGV[1]
-local K_INFO, K_WAIT, K_OWNER = base .. 'refill:info', base .. 'refill:wait', base .. 'refill:owner'
-local K_CONS, K_DONE, K_CNT = base .. 'refill:consumers', base .. 'refill:done', base .. 'refill:counters'
+local K_INFO, K_WAIT = base .. 'refill:info', base .. 'refill:wait'
+local K_OWNER, K_CONS = base .. 'refill:owner', base .. 'refill:consumers'
+local K_DONE, K_CNT = base .. 'refill:done', base .. 'refill:counters'
 local function info_of(id)
   local s = redis.call('HGET', K_INFO, id)
   if not s then return nil end
@@ -49,14 +50,26 @@ local function expire(t)
 end
 """
 
-# ARGV: base, consumer, lease_ms, held ids...
+# ARGV: base, consumer, lease_ms, retry_seq, held ids...
 # Re-admits the consumer's leases it no longer holds (a restarted consumer: all of them), renews
-# the rest. Returns the number released.
+# the rest. The admission of ask `retry_seq` (a retried ask whose reply was lost) is held too,
+# and stays on record for the retry; any other ask's record is dropped. Returns the number
+# released.
 OPEN = _NOW + _HELPERS + """
-local consumer, lease = ARGV[2], tonumber(ARGV[3])
+local consumer, lease, retry = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 expire(now)
 local keep = {}
-for i = 4, #ARGV do keep[ARGV[i]] = true end
+for i = 5, #ARGV do keep[ARGV[i]] = true end
+local K_CALLS = base .. 'refill:calls'
+local prev = redis.call('HGET', K_CALLS, consumer)
+if prev then
+  local seq, ids = string.match(prev, '^([^|]*)|(.*)$')
+  if seq == retry then
+    for id in string.gmatch(ids, '[^\\n]+') do keep[id] = true end
+  else
+    redis.call('HDEL', K_CALLS, consumer)
+  end
+end
 local n = release(consumer, keep)
 redis.call('ZADD', K_CONS, now + lease, consumer)
 return n

@@ -95,10 +95,10 @@ class RefillState:
             return script(self.client, [], [self.keys.base, *args])
 
     # --- consumers ---
-    def open(self, consumer: str, held: Sequence[str] = ()) -> int:
-        """A consumer (re)connects holding `held`; its other leases are re-admitted now.
-        Returns how many were."""
-        return int(self._run(rs.open_consumer, [consumer, self.lease_ms, *held]))
+    def open(self, consumer: str, held: Sequence[str] = (), retry_seq: int = 0) -> int:
+        """A consumer (re)connects holding `held` (and about to repeat ask `retry_seq`, whose
+        admission it holds too); its other leases are re-admitted now. Returns how many were."""
+        return int(self._run(rs.open_consumer, [consumer, self.lease_ms, retry_seq, *held]))
 
     def refill(self, consumer: str, free_tokens: int, finished: Sequence[str],
                call_seq: int) -> RefillResult:

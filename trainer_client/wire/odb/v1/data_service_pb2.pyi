@@ -295,14 +295,16 @@ class JobStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
 
 class RefillOpen(_message.Message):
-    __slots__ = ("job_id", "consumer_id", "held_ids")
+    __slots__ = ("job_id", "consumer_id", "held_ids", "retry_seq")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     HELD_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_SEQ_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     consumer_id: str
     held_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., held_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    retry_seq: int
+    def __init__(self, job_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., held_ids: _Optional[_Iterable[str]] = ..., retry_seq: _Optional[int] = ...) -> None: ...
 
 class RefillAsk(_message.Message):
     __slots__ = ("free_tokens", "finished", "call_seq")
