@@ -26,6 +26,7 @@ local function info_of(id)
   local cost, seq, over = string.match(s, '^(%d+),(%d+),(%d)')
   return tonumber(cost), tonumber(seq), over == '1'
 end
+-- `refill:calls` holds each consumer's last ask as JSON [call_seq, admitted, completed, stale].
 local function release(consumer, keep)
   local held = base .. 'refill:held:' .. consumer
   local n = 0
@@ -63,9 +64,9 @@ for i = 5, #ARGV do keep[ARGV[i]] = true end
 local K_CALLS = base .. 'refill:calls'
 local prev = redis.call('HGET', K_CALLS, consumer)
 if prev then
-  local seq, ids = string.match(prev, '^([^|]*)|(.*)$')
-  if seq == retry then
-    for id in string.gmatch(ids, '[^\\n]+') do keep[id] = true end
+  local rec = cjson.decode(prev)
+  if rec[1] == retry then
+    for _, id in ipairs(rec[2]) do keep[id] = true end
   else
     redis.call('HDEL', K_CALLS, consumer)
   end
@@ -78,19 +79,17 @@ return n
 # ARGV: base, consumer, lease_ms, free_tokens, scan, call_seq, n_finished, finished ids...
 # Reply: {'ok', admitted ids (array), completed ids, stale ids} or
 #        {'rejected', unknown ids, twice ids} (nothing applied) or
-#        {'again', admitted ids} (a retried call: the same admission as the first time).
+#        a retried call (same call_seq): the very reply of the first time, from the record.
 REFILL = _NOW + _HELPERS + """
 local consumer, lease = ARGV[2], tonumber(ARGV[3])
 local free, scan, call = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local nf = tonumber(ARGV[7])
 local prev = redis.call('HGET', base .. 'refill:calls', consumer)
 if prev then
-  local seq, ids = string.match(prev, '^([^|]*)|(.*)$')
-  if seq == call then
-    local out = {}
-    for id in string.gmatch(ids, '[^\\n]+') do out[#out + 1] = id end
+  local rec = cjson.decode(prev)
+  if rec[1] == call then
     redis.call('ZADD', K_CONS, now + lease, consumer)
-    return {'again', out}
+    return {'ok', rec[2], rec[3], rec[4]}
   end
 end
 local unknown, twice, seen = {}, {}, {}
@@ -144,7 +143,8 @@ if free > 0 then
   end
   if #admitted > 0 then redis.call('HINCRBY', K_CNT, 'admitted', #admitted) end
 end
-redis.call('HSET', base .. 'refill:calls', consumer, call .. '|' .. table.concat(admitted, '\\n'))
+redis.call('HSET', base .. 'refill:calls', consumer,
+  cjson.encode({call, admitted, completed, stale}))
 return {'ok', admitted, completed, stale}
 """
 

@@ -116,9 +116,7 @@ class RefillState:
             parts = ([f"unknown request ids {unknown}"] if unknown else []) + (
                 [f"ids named twice {twice}"] if twice else [])
             raise RefillRejected("finished: " + "; ".join(parts) + " (nothing was applied)")
-        ids = [_s(x) for x in reply[1]]  # type: ignore[index]
-        done = [_s(x) for x in reply[2]] if kind == "ok" else []  # type: ignore[index]
-        stale = [_s(x) for x in reply[3]] if kind == "ok" else []  # type: ignore[index]
+        ids, done, stale = ([_s(x) for x in part] for part in reply[1:4])  # type: ignore[index]
         return RefillResult(self.requests(ids), done, stale)
 
     def requests(self, ids: Sequence[str]) -> list[LeasedRequest]:

@@ -71,9 +71,10 @@ class RefillServicer:
             j.producer.start()
 
     def stop(self) -> None:
+        # Producers only: the Redis clients stay open for the asks still draining while the
+        # gRPC server stops after this (their pools close with the process).
         for j in self.jobs.values():
             j.producer.stop()
-            j.state.close()
 
     def _job(self, job_id: str, context: grpc.ServicerContext) -> RefillJob:
         rj = self.jobs.get(job_id)

@@ -128,6 +128,8 @@ def test_a_retried_ask_gets_the_same_admission_and_applies_nothing_twice(redis_c
     assert [r.request.request_id for r in again.admitted] == [
         r.request.request_id for r in a.admitted] == ["s:0", "s:1"]
     assert state.counts().admitted == 2
+    done = state.refill("c", 0, ["s:0"], 8)
+    assert state.refill("c", 0, ["s:0"], 8).completed == done.completed == ["s:0"]
 
 
 def test_reopening_keeps_what_is_held_and_the_retried_asks_admission(redis_client):
