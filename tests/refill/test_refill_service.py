@@ -98,6 +98,15 @@ def test_random_capacities_never_receive_more_than_offered(served):
     assert st.mode == pb.REFILL and st.done
     assert (st.refill.completed, st.refill.in_flight) == (c.enqueued, 0)
     assert st.refill.quarantined == c.quarantined > 0  # images not shipped next to the slice
+    # ... and the operator's command.
+    from pipeline.observability import status_format
+    from pipeline.observability.status_query import Sources, collect
+
+    job = collect(Sources(endpoint=svc.address, jobs=["gen"]))["jobs"][0]
+    assert job["mode"] == "refill" and job["state"] == "done"
+    assert job["refill"]["completed"] == c.enqueued and job["refill"]["in_flight"] == 0
+    assert f"refill: in_flight=0  completed={c.enqueued}  readmitted=0" in status_format.render(
+        {"generated_at": 0, "sources": {}, "jobs": [job]})
 
 
 def test_requests_are_the_real_prompts(served):
