@@ -76,7 +76,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     levels = [r["spread"] for r in result["levels"]]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for ax, key, label in ((axes[0], "requests_per_s", "requests/s"),
                            (axes[1], "tokens_per_s", "generated tokens/s")):
         s = [r["static"][key] for r in result["levels"]]
@@ -90,6 +90,15 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xticks(x, [f"spread {v:g}" for v in levels])
         ax.set_ylabel(label)
         ax.set_title(label)
+    ax = axes[2]  # the load-independent view: positions computed per request
+    x = np.arange(len(levels))
+    ax.bar(x - 0.2, [r["static"]["work_tokens_per_request"] for r in result["levels"]], 0.4)
+    ax.bar(x + 0.2, [r["refill"]["work_tokens_per_request"] for r in result["levels"]], 0.4)
+    for i, r in enumerate(result["levels"]):
+        ax.text(x[i] + 0.2, r["refill"]["work_tokens_per_request"], f"/{r['work_ratio']:.2f}",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"spread {v:g}" for v in levels])
+    ax.set_title("positions computed per request (lower is better)")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"tiny masked-diffusion LM, capacity {result['capacity_tokens']} tokens, "
                  f"{result['requests']} requests (CPU)", fontsize=9)
@@ -100,6 +109,7 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a result file")
     ap.add_argument("--requests", type=int)
     ap.add_argument("--capacity", type=int, default=4096, help="consumer capacity in tokens")
     ap.add_argument("--train-seconds", type=float)
@@ -107,6 +117,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name")
     args = ap.parse_args()
+    if args.replot:
+        src = Path(args.replot)
+        plot(json.loads(src.read_text()), src.with_suffix(".png"))
+        return 0
     n = args.requests or (16 if args.quick else 64)
     train_s = args.train_seconds if args.train_seconds is not None else (20 if args.quick else 120)
     spreads = [float(x) for x in args.spreads.split(",")]
