@@ -1,7 +1,7 @@
 """Refill vs static batching for a diffusion LM consumer (issue #18), through the real service.
 
     .venv/bin/python bench/refill_bench.py            # full: 2 min training + 3 levels
-    .venv/bin/python bench/refill_bench.py --quick    # a smoke run (~1 min)
+    .venv/bin/python bench/refill_bench.py --quick    # a smoke run (~3 min on 2 loaded cores)
 
 A tiny masked-diffusion LM (bench/mdlm, built from a config, trained for `--train-seconds` on the
 shipped chats tokenized by the project's real preprocessing) decodes requests of mixed prompt
@@ -113,7 +113,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int)
     ap.add_argument("--capacity", type=int, default=4096, help="consumer capacity in tokens")
     ap.add_argument("--train-seconds", type=float)
-    ap.add_argument("--spreads", default="0,0.5,1", help="threshold spreads (heterogeneity)")
+    ap.add_argument("--spreads", help="threshold spreads (heterogeneity); default 0,0.5,1 "
+                    "(--quick: 0,1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name")
     args = ap.parse_args()
@@ -121,9 +122,9 @@ def main() -> int:
         src = Path(args.replot)
         plot(json.loads(src.read_text()), src.with_suffix(".png"))
         return 0
-    n = args.requests or (16 if args.quick else 64)
+    n = args.requests or (8 if args.quick else 64)
     train_s = args.train_seconds if args.train_seconds is not None else (20 if args.quick else 120)
-    spreads = [float(x) for x in args.spreads.split(",")]
+    spreads = [float(x) for x in (args.spreads or ("0,1" if args.quick else "0,0.5,1")).split(",")]
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
