@@ -1,7 +1,7 @@
 """Refill vs static batching for a diffusion LM consumer (issue #18), through the real service.
 
     .venv/bin/python bench/refill_bench.py            # full: 2 min training + 3 levels
-    .venv/bin/python bench/refill_bench.py --quick    # a smoke run (~3 min on 2 loaded cores)
+    .venv/bin/python bench/refill_bench.py --quick    # a smoke run (~5 min on 2 loaded cores)
 
 A tiny masked-diffusion LM (bench/mdlm, built from a config, trained for `--train-seconds` on the
 shipped chats tokenized by the project's real preprocessing) decodes requests of mixed prompt
