@@ -162,6 +162,35 @@ class OrganizationConfig(_Model):
     embedding: EmbeddingConfig = EmbeddingConfig()
 
 
+class RefillConfig(_Model):
+    """A `mode: refill` job (docs/refill.md): requests for inference consumers, admitted under
+    each consumer's free token capacity. A request costs its prompt tokens plus its planned
+    generation tokens, from `generation_tokens` (one rule for the job), else the record field
+    `generation_tokens_field`, else the length of the record's reference answer."""
+
+    generation_tokens: int | None = Field(None, gt=0, description="planned generation tokens "
+                                          "of every request")
+    generation_tokens_field: str | None = Field(
+        None, min_length=1, description="record field holding a request's planned generation "
+        "tokens (a record without a positive integer there is quarantined as bad_record)")
+    lease_seconds: float = Field(30.0, gt=0, description="a consumer silent this long loses its "
+                                 "admitted-but-unfinished requests: they are re-admitted")
+    max_request_tokens: int | None = Field(
+        None, gt=0, description="the largest request any consumer can hold; None = no limit")
+    over_budget: Literal["quarantine", "alone", "truncate"] = Field(
+        "quarantine", description="a request costing more than max_request_tokens: "
+        "`quarantine` = set aside as over_budget; `alone` = admitted flagged, by itself, to a "
+        "consumer with nothing in flight; `truncate` = its planned generation is cut to fit")
+    queue_depth: int = Field(1024, gt=0, description="requests the producer keeps waiting in "
+                             "Redis ahead of the consumers (back-pressure)")
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> RefillConfig:
+        if self.generation_tokens is not None and self.generation_tokens_field is not None:
+            raise ValueError("give one of generation_tokens or generation_tokens_field, not both")
+        return self
+
+
 class JobConfig(_Model):
     job_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     token_env: str | None = Field(None, description="env var holding the job's bearer token")
@@ -172,13 +201,33 @@ class JobConfig(_Model):
     max_world_size: int | None = Field(
         None, ge=1, le=65536, description="the largest world a reconfiguration may move the job "
         "onto; None = max(world_size, 1024)")
-    mode: Literal["join", "quota"] = "join"
+    mode: Literal["join", "quota", "refill"] = "join"
     seed: int = 0
     epochs: int = Field(1, ge=1)
     source: SourceConfig
     preprocess: PreprocessConfig = PreprocessConfig()
     batching: BatchingConfig = BatchingConfig()
     organization: OrganizationConfig = OrganizationConfig()
+    refill: RefillConfig | None = Field(None, description="options of a `mode: refill` job")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refill_has_no_world(cls, data: Any) -> Any:
+        # A refill job has consumers, not ranks: its world size means nothing, so it may be left
+        # out (1 stands in for it wherever a job's world size is read).
+        if isinstance(data, dict) and data.get("mode") == "refill":
+            data = {"world_size": 1, "refill": {}, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _refill_options(self) -> JobConfig:
+        if self.refill is not None and self.mode != "refill":
+            raise ValueError(f"refill options are for `mode: refill` jobs, this job has mode "
+                             f"{self.mode!r}")
+        if self.mode == "refill" and (self.organization.kind != "none" or self.elastic):
+            raise ValueError("a `mode: refill` job has no ranks or plan: organization.kind must "
+                             "be none and elastic false")
+        return self
 
     @model_validator(mode="after")
     def _max_world_holds_the_first(self) -> JobConfig:

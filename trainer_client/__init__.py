@@ -11,8 +11,9 @@ from trainer_client.decode import BatchInfo, ModelInputs, StreamBatch
 from trainer_client.loader import StreamLoader
 from trainer_client.loss import causal_lm_loss, loss_scale
 from trainer_client.pixels import PixelNorm
+from trainer_client.refill_stream import RefillStream, Request
 from trainer_client.wire_format import WIRE_VERSION
 
 __all__ = ["WIRE_VERSION", "BatchInfo", "BatchStream", "EpochEndInfo", "ModelInputs", "PixelNorm",
-           "Reconfigured", "StreamBatch", "StreamError", "StreamLoader", "causal_lm_loss",
-           "loss_scale"]
+           "Reconfigured", "RefillStream", "Request", "StreamBatch", "StreamError", "StreamLoader",
+           "causal_lm_loss", "loss_scale"]

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             svc = start_service(config, ray_ready=ray_up.ready)
         except OSError as exc:
             raise UserError(str(exc)) from None
-        if not config.ray.address:
+        if not config.ray.address and svc.runtimes:  # (refill jobs need no Ray)
             ray_up.start(lambda: all(rt.state.published_through() >= 0 or rt.state.is_done()
                                      for rt in svc.runtimes.values()))
         metrics_port = None

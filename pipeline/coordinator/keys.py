@@ -112,6 +112,57 @@ class JobKeys:
                 self.quarantine_ids, self.quarantine, self.worlds, self.grants, self.draining,
                 self.world_times]
 
+    # --- refill jobs (docs/refill.md): written by the scripts of coordinator/refill_scripts.py ---
+    @property
+    def refill_meta(self) -> str:  # hash: producer lease, source cursor, exhausted flag
+        return self.base + "refill:meta"
+
+    @property
+    def refill_info(self) -> str:  # hash: request id -> "cost,seq,over,prompt,generation"
+        return self.base + "refill:info"
+
+    @property
+    def refill_payload(self) -> str:  # hash: request id -> prompt input_ids, raw int32 LE
+        return self.base + "refill:req"
+
+    @property
+    def refill_waiting(self) -> str:  # zset: admissible request id -> seq (arrival order)
+        return self.base + "refill:wait"
+
+    @property
+    def refill_owner(self) -> str:  # hash: leased request id -> consumer id
+        return self.base + "refill:owner"
+
+    def refill_held(self, consumer: str) -> str:  # set: ids leased to one consumer (in Lua too)
+        return f"{self.base}refill:held:{consumer}"
+
+    @property
+    def refill_consumers(self) -> str:  # zset: consumer id -> lease expiry (ms, Redis clock)
+        return self.base + "refill:consumers"
+
+    @property
+    def refill_calls(self) -> str:  # hash: consumer id -> "<call seq>|<admitted ids>" (retries)
+        return self.base + "refill:calls"
+
+    @property
+    def refill_done(self) -> str:  # hash: completed request id -> the consumer that did it
+        return self.base + "refill:done"
+
+    @property
+    def refill_counters(self) -> str:  # hash: enqueued, admitted, completed, readmitted, ...
+        return self.base + "refill:counters"
+
+    @property
+    def refill_quarantine(self) -> str:  # list: the first records set aside, bounded (JSON)
+        return self.base + "refill:quarantine"
+
+    def refill_keys(self) -> list[str]:
+        """The keys only a refill job has (the per-consumer held sets are found from
+        `refill_consumers` and `refill_owner`)."""
+        return [self.refill_meta, self.refill_info, self.refill_payload, self.refill_waiting,
+                self.refill_owner, self.refill_consumers, self.refill_calls, self.refill_done,
+                self.refill_counters, self.refill_quarantine]
+
     def organization_keys(self) -> list[str]:
         """The keys only an SDO job has (its producer writes them: `RedisLedgerStore`)."""
         return [self.sdo, self.sdo_visits]

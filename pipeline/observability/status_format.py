@@ -37,6 +37,12 @@ def _job(job: dict[str, Any], show_records: bool) -> list[str]:
     ]
     if job.get("error"):
         lines.append(f"  ERROR: {job['error']}")
+    rf = job.get("refill")
+    if rf:  # a refill job has consumers, not ranks
+        lines.append(f"  refill: in_flight={rf['in_flight']}  completed={rf['completed']}  "
+                     f"readmitted={rf['readmitted']}  waiting={rf['waiting']}  "
+                     f"enqueued={rf['enqueued']}{'' if rf['exhausted'] else '+'}  "
+                     f"consumers={rf['consumers']}")
     worlds = job.get("worlds") or []
     if len(worlds) > 1:
         lines.append("  world sizes: " + " -> ".join(_world(w) for w in worlds)

@@ -93,7 +93,16 @@ def _grpc_job(src: Sources, job_id: str) -> dict[str, Any]:
         "epoch_ends": [{"epoch": e.epoch, "steps": e.steps, "final_step": list(e.final_step),
                         "carried_over": e.carried_over} for e in st.epoch_ends],
         "worlds": [_world(w) for w in st.worlds], "reconfiguring": st.reconfiguring,
+        **({"refill": _refill(st.refill), "state": "done" if st.done else "serving"}
+           if st.mode == pb.REFILL else {}),
     }
+
+
+def _refill(c: Any) -> dict[str, Any]:
+    """A refill job's counters (docs/refill.md) as `status --json` shows them."""
+    return {"in_flight": c.in_flight, "completed": c.completed, "readmitted": c.readmitted,
+            "waiting": c.waiting, "enqueued": c.enqueued, "admitted": c.admitted,
+            "quarantined": c.quarantined, "consumers": c.consumers, "exhausted": c.exhausted}
 
 
 def _world(w: Any) -> dict[str, Any]:
@@ -231,7 +240,7 @@ def _merge(job_id: str, grpc_job: dict | None, http_job: dict | None,
         r.setdefault("replica", None)
         r.setdefault("stalled", None)
         r.setdefault("lapsed", r["rank"] in out.get("lapsed_ranks", []))
-    if "state" not in out or http_job is None:
+    if ("state" not in out or http_job is None) and "refill" not in out:  # refill: no plan
         ends = out.get("epoch_ends")
         finals = (ends[-1]["final_step"] if isinstance(ends, list) and ends
                   and len(ends) >= out.get("epochs", 1) else None)

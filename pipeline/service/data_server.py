@@ -56,6 +56,7 @@ from pipeline.service.rank_cursor import (
     Reconfigure,
     Send,
 )
+from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
 from pipeline.service.world_open import RESUME_FROM_CURSOR, OpenRefused, resolve
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -92,7 +93,8 @@ def serialize_response(msg: pb.ServerMessage | bytes) -> bytes:
 
 def add_servicer(servicer: DataServicer, server: grpc.Server) -> None:
     """Register like the generated `add_DataServiceServicer_to_server`, but with a Stream
-    response serializer that passes pre-serialized batches through."""
+    response serializer that passes pre-serialized batches through (and Refill when the
+    servicer carries refill jobs)."""
     handlers = {
         "Health": grpc.unary_unary_rpc_method_handler(
             servicer.Health, request_deserializer=pb.Ping.FromString,
@@ -107,6 +109,8 @@ def add_servicer(servicer: DataServicer, server: grpc.Server) -> None:
             servicer.Scale, request_deserializer=pb.ScaleRequest.FromString,
             response_serializer=pb.ScaleReply.SerializeToString),
     }
+    if servicer.refill is not None:
+        add_refill_handler(servicer.refill, handlers)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "odb.v1.DataService", handlers),))
 
@@ -116,7 +120,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
         self, runtimes: dict[str, JobRuntime], tokens: dict[str, str | None], *,
         replica_id: str = "", lease_seconds: float = 10.0, prefetch_steps: int = 4,
         resume_grace_s: float = 2.0, rank_timeout_seconds: float = 60.0,
-        rank_failure_policy: str = "fail",
+        rank_failure_policy: str = "fail", refill: RefillServicer | None = None,
     ) -> None:
         if rank_failure_policy not in ("fail", "wait", "shrink"):
             raise ValueError(f"rank_failure_policy must be 'fail', 'wait' or 'shrink', "
@@ -129,6 +133,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
         self.resume_grace_s = resume_grace_s
         self.rank_timeout_seconds = rank_timeout_seconds
         self.rank_failure_policy = rank_failure_policy
+        self.refill = refill  # the `mode: refill` jobs (refill_server.py), if any
         # (job, rank) -> client id of a stream that vanished from this replica (not released).
         self._vanished: dict[tuple[str, int], str] = {}
         self._vanished_lock = threading.Lock()
@@ -179,6 +184,10 @@ class DataServicer(pb_grpc.DataServiceServicer):
     # --- common checks ---
     def _runtime(self, job_id: str, context: grpc.ServicerContext) -> JobRuntime:
         rt = self.runtimes.get(job_id)
+        if rt is None and self.refill is not None and job_id in self.refill.jobs:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"job {job_id!r} has mode 'refill': its consumers use the Refill RPC "
+                          "(trainer_client.RefillStream), not Stream or Scale")
         if rt is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"unknown job {job_id!r}; this server serves {sorted(self.runtimes)}")
@@ -192,6 +201,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
         return pb.Pong(server_version=__version__)
 
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:
+        if self.refill is not None and request.job_id in self.refill.jobs:
+            self.refill._job(request.job_id, context)  # its token
+            return self.refill.job_status(request.job_id, self.replica_id)
         rt = self._runtime(request.job_id, context)
         st = rt.state
         counts = st.counters()

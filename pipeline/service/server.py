@@ -37,6 +37,7 @@ from pipeline.service.auth import server_credentials
 from pipeline.service.data_server import DataServicer, add_servicer
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.payloads import ArrayPayloads, PayloadSource, RayPayloads
+from pipeline.service.refill_server import RefillJob, RefillServicer
 from pipeline.service.state_factory import make_job_state
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
@@ -137,7 +138,13 @@ def start_service(
     settings = producer_settings(config, pool_steps)
     runtimes: dict[str, JobRuntime] = {}
     toks: dict[str, str | None] = {}
+    refill_jobs: dict[str, RefillJob] = {}
     for job in config.jobs:
+        if job.mode == "refill":
+            refill_jobs[job.job_id] = _refill_job(config, job, replica_id)
+            toks[job.job_id] = (tokens[job.job_id] if tokens and job.job_id in tokens
+                                else job.token())
+            continue
         state = job_states.get(job.job_id) or make_job_state(config, job)
         payloads, host = _job_parts(config, job, state, sample_sources.get(job.job_id),
                                     replica_id, settings, ray_ready)
@@ -147,7 +154,9 @@ def start_service(
     # One pool thread per live stream (+ unary calls): size it for every rank of every job, in
     # the largest world it may be reconfigured to plus the ranks draining from the previous one
     # (threads are started on demand, so the bound costs nothing until used).
-    workers = max_workers or max(16, sum(j.world_size_cap() for j in config.jobs) * 2 + 8)
+    # (A refill job's consumers hold one thread each too: room for 32 per job.)
+    workers = max_workers or max(16, sum(j.world_size_cap() for j in config.jobs
+                                         if j.mode != "refill") * 2 + 8 + 32 * len(refill_jobs))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="odb"),
                          options=grpc_options(config.grpc.max_message_mb))
     servicer = DataServicer(runtimes, toks, replica_id=replica_id,
@@ -156,7 +165,8 @@ def start_service(
                             resume_grace_s=(config.resume_grace_seconds
                                             if resume_grace_s is None else resume_grace_s),
                             rank_timeout_seconds=config.rank_timeout_seconds,
-                            rank_failure_policy=config.rank_failure_policy)
+                            rank_failure_policy=config.rank_failure_policy,
+                            refill=_refill_servicer(refill_jobs, toks, runtimes))
     add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -172,6 +182,33 @@ def start_service(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     for rt in runtimes.values():
         rt.start()
-    log.info("replica %s serving %d job(s) on %s (tls=%s)", replica_id, len(runtimes), addr,
-             creds is not None)
-    return RunningService(server, port, runtimes, health_servicer, replica_id)
+    on_stop = []
+    if servicer.refill is not None:
+        servicer.refill.start()
+        on_stop.append(servicer.refill.stop)
+    log.info("replica %s serving %d job(s) on %s (tls=%s)", replica_id,
+             len(runtimes) + len(refill_jobs), addr, creds is not None)
+    return RunningService(server, port, runtimes, health_servicer, replica_id, on_stop)
+
+
+def _refill_job(config: ServiceConfig, job: JobConfig, replica_id: str) -> RefillJob:
+    """A `mode: refill` job's parts on this replica: its Redis state and its producer."""
+    from pipeline.coordinator.refill_state import RefillState
+    from pipeline.producer.refill_producer import RefillProducer
+
+    if not config.redis_url:
+        raise UserError(f"job {job.job_id!r}: a `mode: refill` job keeps its leases and "
+                        "completions in Redis: configure redis_url (serve's embedded default "
+                        "does)")
+    assert job.refill is not None
+    state = RefillState.connect(config.redis_url, job.job_id,
+                                lease_seconds=job.refill.lease_seconds)
+    return RefillJob(job, state, RefillProducer(job, state, holder=f"replica:{replica_id}"))
+
+
+def _refill_servicer(jobs: dict[str, RefillJob], tokens: dict[str, str | None],
+                     runtimes: Mapping[str, JobRuntime]) -> RefillServicer | None:
+    if not jobs:
+        return None
+    return RefillServicer(jobs, {j: tokens.get(j) for j in jobs},
+                          {j: rt.mode for j, rt in runtimes.items()})

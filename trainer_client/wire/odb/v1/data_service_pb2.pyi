@@ -23,6 +23,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_UNSPECIFIED: _ClassVar[Mode]
     JOIN: _ClassVar[Mode]
     QUOTA: _ClassVar[Mode]
+    REFILL: _ClassVar[Mode]
 
 class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ BOOL: DType
 MODE_UNSPECIFIED: Mode
 JOIN: Mode
 QUOTA: Mode
+REFILL: Mode
 END_REASON_UNSPECIFIED: EndReason
 END_REASON_EPOCH: EndReason
 END_REASON_RECONFIGURE: EndReason
@@ -257,7 +259,7 @@ class ScaleReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., changed: _Optional[bool] = ..., world: _Optional[_Union[World, _Mapping]] = ..., previous: _Optional[_Union[World, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring")
+    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "refill")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +275,7 @@ class JobStatus(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     WORLDS_FIELD_NUMBER: _ClassVar[int]
     RECONFIGURING_FIELD_NUMBER: _ClassVar[int]
+    REFILL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     mode: Mode
@@ -288,4 +291,89 @@ class JobStatus(_message.Message):
     replica_id: str
     worlds: _containers.RepeatedCompositeFieldContainer[World]
     reconfiguring: bool
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ...) -> None: ...
+    refill: RefillCounts
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
+
+class RefillOpen(_message.Message):
+    __slots__ = ("job_id", "consumer_id", "held_ids", "retry_seq")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_SEQ_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    consumer_id: str
+    held_ids: _containers.RepeatedScalarFieldContainer[str]
+    retry_seq: int
+    def __init__(self, job_id: _Optional[str] = ..., consumer_id: _Optional[str] = ..., held_ids: _Optional[_Iterable[str]] = ..., retry_seq: _Optional[int] = ...) -> None: ...
+
+class RefillAsk(_message.Message):
+    __slots__ = ("free_tokens", "finished", "call_seq")
+    FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CALL_SEQ_FIELD_NUMBER: _ClassVar[int]
+    free_tokens: int
+    finished: _containers.RepeatedScalarFieldContainer[str]
+    call_seq: int
+    def __init__(self, free_tokens: _Optional[int] = ..., finished: _Optional[_Iterable[str]] = ..., call_seq: _Optional[int] = ...) -> None: ...
+
+class RefillMessage(_message.Message):
+    __slots__ = ("open", "ask")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ASK_FIELD_NUMBER: _ClassVar[int]
+    open: RefillOpen
+    ask: RefillAsk
+    def __init__(self, open: _Optional[_Union[RefillOpen, _Mapping]] = ..., ask: _Optional[_Union[RefillAsk, _Mapping]] = ...) -> None: ...
+
+class RefillRequest(_message.Message):
+    __slots__ = ("id", "input_ids", "cost", "prompt_tokens", "generation_tokens", "over_budget")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVER_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    input_ids: Tensor
+    cost: int
+    prompt_tokens: int
+    generation_tokens: int
+    over_budget: bool
+    def __init__(self, id: _Optional[str] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., cost: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., over_budget: _Optional[bool] = ...) -> None: ...
+
+class RefillReply(_message.Message):
+    __slots__ = ("requests", "completed", "stale", "done", "waiting", "in_flight")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RefillRequest]
+    completed: _containers.RepeatedScalarFieldContainer[str]
+    stale: _containers.RepeatedScalarFieldContainer[str]
+    done: bool
+    waiting: int
+    in_flight: int
+    def __init__(self, requests: _Optional[_Iterable[_Union[RefillRequest, _Mapping]]] = ..., completed: _Optional[_Iterable[str]] = ..., stale: _Optional[_Iterable[str]] = ..., done: _Optional[bool] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class RefillCounts(_message.Message):
+    __slots__ = ("enqueued", "waiting", "in_flight", "completed", "readmitted", "admitted", "quarantined", "consumers", "exhausted")
+    ENQUEUED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    READMITTED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    enqueued: int
+    waiting: int
+    in_flight: int
+    completed: int
+    readmitted: int
+    admitted: int
+    quarantined: int
+    consumers: int
+    exhausted: bool
+    def __init__(self, enqueued: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., completed: _Optional[int] = ..., readmitted: _Optional[int] = ..., admitted: _Optional[int] = ..., quarantined: _Optional[int] = ..., consumers: _Optional[int] = ..., exhausted: _Optional[bool] = ...) -> None: ...

@@ -54,6 +54,11 @@ class DataServiceStub:
                 request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleReply.FromString,
                 _registered_method=True)
+        self.Refill = channel.stream_stream(
+                '/odb.v1.DataService/Refill',
+                request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.RefillMessage.SerializeToString,
+                response_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.RefillReply.FromString,
+                _registered_method=True)
 
 
 class DataServiceServicer:
@@ -87,6 +92,13 @@ class DataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Refill(self, request_iterator, context):
+        """Inference consumers of a `mode: refill` job (see the refill messages above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_DataServiceServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleRequest.FromString,
                     response_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleReply.SerializeToString,
+            ),
+            'Refill': grpc.stream_stream_rpc_method_handler(
+                    servicer.Refill,
+                    request_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.RefillMessage.FromString,
+                    response_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.RefillReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class DataService:
             '/odb.v1.DataService/Scale',
             trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleRequest.SerializeToString,
             trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Refill(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/odb.v1.DataService/Refill',
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.RefillMessage.SerializeToString,
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.RefillReply.FromString,
             options,
             channel_credentials,
             insecure,
