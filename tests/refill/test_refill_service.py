@@ -58,13 +58,15 @@ def served(tmp_path, redis_url, redis_client):
 
 def test_random_capacities_never_receive_more_than_offered(served):
     svc, state = served
-    rng = random.Random(1)
     seen: list[str] = []
     lock = threading.Lock()
     problems: list[str] = []
 
     def consumer(i: int) -> None:
-        cap = rng.choice([1000, 3000, 5000])
+        # One draw sequence per consumer (a shared one would follow the threads' interleaving),
+        # and one consumer at least as large as max_request_tokens, so every request fits one.
+        rng = random.Random(i)
+        cap = (1000, 3000, 5000)[i]
         held: dict[str, int] = {}
         with RefillStream(svc.address, "gen", consumer_id=f"c{i}") as s:
             finished: list[str] = []
@@ -89,6 +91,7 @@ def test_random_capacities_never_receive_more_than_offered(served):
         t.start()
     for t in threads:
         t.join(90)
+    assert not any(t.is_alive() for t in threads)
     assert not problems
     assert len(seen) == len(set(seen)) == len(good_ids(state)) > 0
     c = state.counts()
