@@ -202,7 +202,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
 
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.JobStatus:
         if self.refill is not None and request.job_id in self.refill.jobs:
-            self.refill._job(request.job_id, context)  # its token
+            self.refill.authorized_job(request.job_id, context)  # checks its token
             return self.refill.job_status(request.job_id, self.replica_id)
         rt = self._runtime(request.job_id, context)
         st = rt.state

@@ -76,7 +76,7 @@ class RefillServicer:
         for j in self.jobs.values():
             j.producer.stop()
 
-    def _job(self, job_id: str, context: grpc.ServicerContext) -> RefillJob:
+    def authorized_job(self, job_id: str, context: grpc.ServicerContext) -> RefillJob:
         rj = self.jobs.get(job_id)
         if rj is None:
             if job_id in self.other_jobs:
@@ -109,7 +109,7 @@ class RefillServicer:
                           "the first message of a Refill stream must be RefillOpen, got "
                           f"{'nothing' if first is None else first.WhichOneof('kind')}")
         op = first.open
-        rj = self._job(op.job_id, context)
+        rj = self.authorized_job(op.job_id, context)
         consumer = op.consumer_id or f"anon-{uuid.uuid4().hex[:12]}"
         try:
             released = rj.state.open(consumer, list(op.held_ids), op.retry_seq)
