@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -97,7 +98,13 @@ def run(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.cleanup()
     print("odb-pipeline serve: stopped", flush=True)
-    return 0
+    # Everything this command started is stopped and its state is in Redis: end the process
+    # here. Interpreter finalization with gRPC's and Ray's native threads still winding down
+    # can abort (SIGABRT) a clean drain's exit status.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class RayStarter:
