@@ -20,6 +20,13 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | No
     return None
 
 
+def require_token(expected: str | None, context, job_id: str) -> None:
+    """Abort the call with UNAUTHENTICATED unless it carries the job's token."""
+    problem = check_token(expected, context.invocation_metadata(), job_id)
+    if problem is not None:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+
+
 def check_token(expected: str | None, metadata, job_id: str) -> str | None:
     """None when the call may proceed, else the UNAUTHENTICATED message."""
     if expected is None:

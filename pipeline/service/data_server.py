@@ -45,7 +45,7 @@ from pipeline import __version__
 from pipeline.errors import AckAheadOfPlan, RankHeld, StateUnavailable
 from pipeline.planner.types import EpochEnd
 from pipeline.service import scaling
-from pipeline.service.auth import check_token
+from pipeline.service.auth import require_token
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.rank_cursor import (
     Boundary,
@@ -191,9 +191,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
         if rt is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"unknown job {job_id!r}; this server serves {sorted(self.runtimes)}")
-        problem = check_token(self.tokens.get(job_id), context.invocation_metadata(), job_id)
-        if problem is not None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        require_token(self.tokens.get(job_id), context, job_id)
         return rt
 
     # --- unary ---

@@ -28,7 +28,7 @@ from pipeline.coordinator.refill_state import LeasedRequest, RefillCounts, Refil
 from pipeline.errors import StateUnavailable
 from pipeline.producer.refill_producer import RefillProducer
 from pipeline.refill.leases import RefillRejected
-from pipeline.service.auth import check_token
+from pipeline.service.auth import require_token
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,7 @@ class RefillServicer:
             known = sorted([*self.jobs, *self.other_jobs])
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"unknown job {job_id!r}; this server serves {known}")
-        problem = check_token(self.tokens.get(job_id), context.invocation_metadata(), job_id)
-        if problem is not None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        require_token(self.tokens.get(job_id), context, job_id)
         return rj
 
     def job_status(self, job_id: str, replica_id: str) -> pb.JobStatus:
