@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from pipeline import __version__
@@ -44,6 +45,9 @@ def _module(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Every child these commands fork (Redis, Ray's node processes) execs at once: gRPC's fork
+    # handlers only pause its threads (a live server's included) around each fork for nothing.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     # Only the chosen command's module is imported (its arguments are needed to parse).
     chosen = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(load_commands=False)

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +45,21 @@ class ServeProcess:
 
     def output(self) -> str:
         return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 180.0) -> None:
+        """Until `text` appears in the output (AssertionError, with the output, if the process
+        exits or the time runs out first)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            assert time.monotonic() < deadline and self.proc is not None \
+                and self.proc.poll() is None, f"no {text!r} from serve:\n{self.output()[-3000:]}"
+            time.sleep(0.2)
+
+    def wait_for_ray(self) -> None:
+        """Until the private Ray is up. While `ray.init` runs in a thread of serve, the
+        process's other threads (GetJob, the metrics endpoint) can stall on a loaded machine:
+        a test that is not about start-up asks its questions after that."""
+        self.wait_for("Ray is up")
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
         """Signal it and wait; kill it if it does not stop in time. Returns its exit status."""

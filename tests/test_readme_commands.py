@@ -132,6 +132,7 @@ def test_what_survives_a_kill_9_of_serve(readme_run):
     again = ServeProcess(["bash", "-c", f"exec {serve_cmd}"], env).start()
     try:
         assert "embedded Redis with its state in" in again.output()
+        again.wait_for_ray()
         after = _status_json(env)
         assert after["state"] == "finished"
         assert [r["acked_step"] for r in after["ranks"]] == \

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -47,12 +46,7 @@ def served(tmp_path_factory):
            "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}
     proc = ServeProcess([sys.executable, "-m", "pipeline.cli", "serve", "--config", str(config)],
                         env).start()
-    # Queried once its private Ray is up: while ray.init runs (in a thread of serve) the
-    # process's other threads, the metrics endpoint's among them, can stall for seconds.
-    deadline = time.monotonic() + 180
-    while "Ray is up" not in proc.output():
-        assert time.monotonic() < deadline and proc.proc.poll() is None, proc.output()[-3000:]
-        time.sleep(0.2)
+    proc.wait_for_ray()
     try:
         yield proc, config, d
     finally:
