@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import resource
 import threading
+import time
 
 
 def array_job(job_id: str, world: int, budget: int) -> dict:
@@ -48,6 +49,8 @@ def _replica(redis_url: str, job: dict, steps: int, max_len: int, extra: dict, c
         ru = resource.getrusage(resource.RUSAGE_SELF)
         if cmd == "cpu":
             conn.send(ru.ru_utime + ru.ru_stime)
+        elif cmd == "published":
+            conn.send(svc.runtimes[job["job_id"]].state.published_through())
         elif cmd == "stop":
             fetched = svc.runtimes[job["job_id"]].payloads.fetched_by_rank()
             svc.stop(grace=0.5)
@@ -75,11 +78,26 @@ class Replica:
         self.conn.send("cpu")
         return self.conn.recv()
 
+    def published_through(self) -> int:
+        """The job's last published step as this replica's state reads it (-1: none yet)."""
+        self.conn.send("published")
+        return self.conn.recv()
+
     def stop(self) -> dict:
         self.conn.send("stop")
         out = self.conn.recv()
         self.proc.join(30)
         return out
+
+
+def start_producer(redis_url: str, job: dict, steps: int, max_len: int) -> Replica:
+    """As deployed, a job's producer is a process of its own (a Ray actor there): a replica no
+    rank connects to, started first, takes the job's lease and plans; replicas started after it
+    only serve. Returns once it has published."""
+    producer = Replica(redis_url, job, steps, max_len)
+    while producer.published_through() < 0:
+        time.sleep(0.05)
+    return producer
 
 
 def consume_threads(address: str, job: str, ranks: list[int], world: int, start, q) -> None:

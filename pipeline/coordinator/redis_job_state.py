@@ -283,8 +283,18 @@ class RedisJobState(JobState):
         return step_codec.decode_step(header, {int(r): v for r, v in raw.items()})
 
     def get_step_for(self, step: int, ranks: Sequence[int]) -> Step | None:
+        return self.get_steps_for([(step, ranks)])[0]
+
+    def get_steps_for(self, wanted: Sequence[tuple[int, Sequence[int]]]) -> list[Step | None]:
         with unavailable_as_error(self._where):
-            raw = self.client.hmget(self.keys.step(step), ["h", *ranks])
+            pipe = self.client.pipeline(transaction=False)
+            for step, ranks in wanted:
+                pipe.hmget(self.keys.step(step), ["h", *ranks])
+            raws = pipe.execute()
+        return [self._step_part(raw, ranks) for raw, (_, ranks) in zip(raws, wanted, strict=True)]
+
+    @staticmethod
+    def _step_part(raw: list[bytes | None], ranks: Sequence[int]) -> Step | None:
         if raw[0] is None:
             return None
         h = step_codec.decode_header(raw[0])

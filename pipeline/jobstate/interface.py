@@ -145,6 +145,11 @@ class JobState(ABC):
         """The step with only `ranks`' batches (info keeps the all-rank totals); None if not
         published. What a replica reads: never the other ranks' batches."""
 
+    def get_steps_for(self, wanted: Sequence[tuple[int, Sequence[int]]]) -> list[Step | None]:
+        """`get_step_for` of each (step, ranks), in order; a remote state reads them all in one
+        round trip."""
+        return [self.get_step_for(n, ranks) for n, ranks in wanted]
+
     @abstractmethod
     def published_through(self) -> int:
         """Highest published step number, -1 if none."""

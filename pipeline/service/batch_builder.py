@@ -27,7 +27,7 @@ def batch_message(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
     pieces = [col.Piece(p, batch.truncated_to.get(s.sample_id))
               for p, s in zip(samples, batch.samples, strict=True)]
     arrays = col.collate(pieces, collate, pad_id)
-    loss = col.loss_tokens(pieces, collate)
+    loss = col.loss_tokens(arrays)
     if loss != batch.loss_tokens and not (batch.truncated_to or batch.filler):
         log.error("step %d rank %d: %d loss tokens in the payload, %d in the plan (metadata and "
                   "payload disagree)", step.step, rank, loss, batch.loss_tokens)

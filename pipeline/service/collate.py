@@ -40,16 +40,10 @@ class Piece:
         return self.sample.labels[: self.keep] if self.keep is not None else self.sample.labels
 
 
-def loss_tokens(pieces: Sequence[Piece], collate: str) -> int:
-    """Tokens that contribute to the loss once collated (label != -100)."""
-    total = 0
-    for p in pieces:
-        lab = p.labels
-        n = int(np.count_nonzero(lab != IGNORE_INDEX))
-        if collate == "packed" and len(lab) and lab[0] != IGNORE_INDEX:
-            n -= 1  # the packed collate masks each sample's first label
-        total += n
-    return total
+def loss_tokens(arrays: dict[str, np.ndarray]) -> int:
+    """Tokens of a collated batch that contribute to the loss (label != -100): padding and the
+    packed layout's masked first labels are already -100 there."""
+    return int(np.count_nonzero(arrays["labels"] != IGNORE_INDEX))
 
 
 def collate(pieces: Sequence[Piece], mode: str, pad_id: int = 0) -> dict[str, np.ndarray]:

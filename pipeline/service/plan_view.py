@@ -5,8 +5,8 @@ round trip per check per rank. Here the plan's head (`published_through` and the
 read together) is read at most every `refresh_seconds` (so it is stale by at most that, and
 never ahead of the state: it is only ever a value the state returned); steps and END records
 are write-once, so a cached one is always correct. A
-stream reads only its own rank's batch of a step (`step_for`): the reads of all streams waiting
-for the same step go together in one round trip.
+stream reads only its own rank's batch of a step (`step_for`), with its next few published
+steps read ahead: the reads of all streams waiting meanwhile go together in one round trip.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from pipeline.service.coalescer import Coalescer
 
 class PlanView:
     def __init__(self, state: JobState, *, refresh_seconds: float = 0.025,
-                 cache_size: int = 4096) -> None:
+                 cache_size: int = 4096, read_ahead: int = 4) -> None:
         self.state = state
         self.refresh_seconds = refresh_seconds
+        self.read_ahead = read_ahead
         self._pt_lock = threading.Lock()
         self._pt: tuple[float, PlanHead | None, BaseException | None] | None = None  # at, v, err
         self._steps_lock = threading.Lock()
@@ -77,12 +78,20 @@ class PlanView:
         return self._fetch((n, rank))
 
     def _fetch_many(self, keys: Sequence[tuple[int, int]]) -> list[Step | None]:
-        by_step: dict[int, list[int]] = {}
-        for n, r in keys:
-            by_step.setdefault(n, []).append(r)
+        # A rank reads its steps in order: with a miss, also read its next published steps
+        # (`read_ahead`), all in the same round trip.
+        pt = self._pt
+        through = pt[1].published_through if pt is not None and pt[1] is not None else -1
+        by_step: dict[int, set[int]] = {}
+        with self._steps_lock:
+            for n, r in keys:
+                by_step.setdefault(n, set()).add(r)
+                for m in range(n + 1, min(n + self.read_ahead, through) + 1):
+                    if (m, r) not in self._steps:
+                        by_step.setdefault(m, set()).add(r)
+        wanted = [(n, sorted(ranks)) for n, ranks in by_step.items()]
         got: dict[tuple[int, int], Step | None] = {}
-        for n, ranks in by_step.items():
-            step = self.state.get_step_for(n, sorted(set(ranks)))
+        for (n, ranks), step in zip(wanted, self.state.get_steps_for(wanted), strict=True):
             for r in ranks:
                 got[(n, r)] = None if step is None else Step(
                     step.epoch, step.step, tuple(b for b in step.batches if b.rank == r),

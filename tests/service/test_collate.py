@@ -62,11 +62,14 @@ def test_truncation_cuts_payload_in_both_layouts():
     assert packed["cu_seqlens"].tolist() == [0, 4, 7]
 
 
-def test_loss_tokens_matches_collated_labels():
-    pieces = [Piece(sample(0, 6, masked=2)), Piece(sample(1, 5), keep=3)]
+def test_loss_tokens_of_the_payload_match_the_plans_measure():
+    samples = [sample(0, 6, masked=2), sample(1, 5), sample(2, 1)]
     for mode in ("padded", "packed"):
-        out = collate(pieces, mode)
-        assert loss_tokens(pieces, mode) == int((out["labels"] != IGNORE_INDEX).sum())
+        out = collate([Piece(s) for s in samples], mode)
+        assert loss_tokens(out) == sum(s.loss_tokens(mode) for s in samples)
+    # Truncated: only the kept tokens' labels count.
+    cut = collate([Piece(samples[1], keep=3)], "padded")
+    assert loss_tokens(cut) == int((samples[1].labels[:3] != IGNORE_INDEX).sum())
 
 
 @pytest.mark.parametrize("pixel_dtype", [np.uint8, np.uint16, np.float32])

@@ -66,7 +66,7 @@ def test_reads_shared_state_once_per_interval_and_step():
 
     got = [view.step_for(0, 0) for _ in range(20)]
     assert all(g == inner.get_step(0) for g in got)
-    assert calls["get_step_for"] == 1  # fetched once, shared
+    assert calls["get_steps_for"] == 1  # fetched once, shared
     assert view.step_for(5, 0) is None  # not published: not cached, never invented
     _publish(inner, _step(1))
     assert view.step_for(1, 0) == inner.get_step(1)
@@ -87,10 +87,10 @@ def test_a_rank_reads_only_its_own_batch_and_concurrent_reads_go_together():
     _publish(inner, *(_step(n, ranks=(0, 1, 2, 3)) for n in range(6)))
 
     class Remote(CountingState):  # a read costs a round trip, as with Redis
-        def get_step_for(self, n, ranks):
-            self.calls["get_step_for"] = self.calls.get("get_step_for", 0) + 1
+        def get_steps_for(self, wanted):
+            self.calls["get_steps_for"] = self.calls.get("get_steps_for", 0) + 1
             time.sleep(0.1)
-            return self.inner.get_step_for(n, ranks)
+            return self.inner.get_steps_for(wanted)
 
     view = PlanView(Remote(inner), cache_size=8)
     calls = view.state.calls
@@ -107,7 +107,7 @@ def test_a_rank_reads_only_its_own_batch_and_concurrent_reads_go_together():
         t.start()
     for t in threads:
         t.join()
-    assert calls["get_step_for"] == 2  # the leader's, then one for all who waited meanwhile
+    assert calls["get_steps_for"] == 2  # the leader's, then one for all who waited meanwhile
     for n in range(6):
         assert view.step_for(n, 1).step == n
     assert len(view._steps) <= 8  # bounded
@@ -214,3 +214,19 @@ def test_exhausted_pool_error_names_the_cause(redis_url):
     finally:
         client.connection_pool.release(held)
         client.close()
+
+
+def test_a_rank_reading_in_order_reads_its_next_published_steps_ahead():
+    inner = MemoryJobState("j", 2)
+    _publish(inner, *(_step(n, ranks=(0, 1)) for n in range(8)))
+    view = PlanView(CountingState(inner), refresh_seconds=60.0, read_ahead=4)
+    calls = view.state.calls
+    assert view.published_through() == 7
+    got = [view.step_for(n, 1) for n in range(8)]
+    assert [[b.rank for b in g.batches] for g in got] == [[1]] * 8
+    assert [g.step for g in got] == list(range(8))
+    assert calls["get_steps_for"] == 2  # steps 0-4, then 5-7: never past the published head
+    assert view.step_for(8, 1) is None  # not published: not cached
+    _publish(inner, _step(8, ranks=(0, 1)))
+    assert view.step_for(8, 1).step == 8
+    assert view.step_for(0, 0).batches[0].rank == 0  # rank 0 read nothing ahead for rank 1
