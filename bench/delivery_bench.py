@@ -336,7 +336,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from pipeline.redis_server import LocalRedis
 
-    steps = 40 if args.quick else 120
+    steps = 40 if args.quick else 360
     budget, max_len = args.budget, 1536
     log = lambda m: print(m, flush=True)  # noqa: E731
     with LocalRedis() as redis:

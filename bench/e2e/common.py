@@ -213,8 +213,10 @@ def train(batches: Callable[[], Iterable[dict]], label: str, log: Callable[[str]
             b = next(it)
         except StopIteration:
             break
+        if hasattr(b, "to_model_inputs"):  # ours: wire dtypes to the model's, as a trainer does
+            b = b.to_model_inputs()
         t1 = time.perf_counter()
-        t = {k: b[k] for k in TENSOR_KEYS}
+        t = {k: b[k] for k in TENSOR_KEYS if k in b}  # position_ids: where the collate has them
         loss, n = model(**t)
         loss.backward()
         opt.step()
