@@ -81,7 +81,7 @@ def _steps(samples: dict[str, ProcessedSample], mode: str) -> list[Step]:
 def batch_infos(step: Step, samples: dict[str, ProcessedSample], mode: str) -> list[BatchInfo]:
     """What the service puts on each rank's batch of `step` (service/job_runtime.py)."""
     pieces = {b.rank: [Piece(samples[s.sample_id]) for s in b.samples] for b in step.batches}
-    loss = {r: loss_tokens(p, mode) for r, p in pieces.items()}
+    loss = {r: loss_tokens(collate(p, mode)) for r, p in pieces.items()}
     # The planner's metadata-only total is the one the payloads give (Guarantee 6's premise).
     assert step.info.step_loss_tokens == sum(loss.values())
     return [BatchInfo(step=step.step, epoch=step.epoch, rank=b.rank, world_size=W,
