@@ -199,13 +199,15 @@ def _raw(messages: list[bytes], per_rank: int) -> dict:
 
 # --- bare gRPC of the same bytes -------------------------------------------------------------
 
+_MESSAGE_LIMITS = [("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                   ("grpc.max_send_message_length", 256 * 1024 * 1024)]
+
+
 def _bare_grpc_client(port: int, start, q) -> None:
     import grpc
 
     start.wait()
-    n = 256 * 1024 * 1024
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
-        ("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)])
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=_MESSAGE_LIMITS)
     call = ch.unary_stream("/bench.Bare/Stream", request_serializer=None,
                            response_deserializer=None)(b"")
     count = nbytes = 0
@@ -229,9 +231,7 @@ def _bare_grpc(messages: list[bytes], per_rank: int) -> dict:
         for i in range(per_rank):
             yield messages[i % len(messages)]
 
-    n = 256 * 1024 * 1024
-    server = grpc.server(futures.ThreadPoolExecutor(RANKS + 2), options=[
-        ("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)])
+    server = grpc.server(futures.ThreadPoolExecutor(RANKS + 2), options=_MESSAGE_LIMITS)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "bench.Bare", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
     port = server.add_insecure_port("127.0.0.1:0")

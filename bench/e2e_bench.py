@@ -42,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from e2e import align, common, scaling, stall, throughput  # noqa: E402
 from e2e.serve import ServiceProcess  # noqa: E402
+from gmt_oracle import gmt_batches  # noqa: E402
 
 PARTS = ("throughput", "stall", "scaling", "align")
 QUICK = {"scale": 16, "n_synth": 400, "n_real": 72, "real_budget": 8192, "buffer": 256,
@@ -96,16 +97,12 @@ def part_throughput(cfg: dict, svc: ServiceProcess) -> dict:
 
 
 def gmt_projection(lengths: list[int], budget: int, runs: dict) -> dict:
-    """The GMT oracle (the whole epoch sorted by length, cut greedily longest-first; offline, so
-    not a loader) on these lengths, and the samples/s it would reach at ours' measured seconds
-    per padded token and per step (the tiny model's CPU step is linear in padded tokens)."""
-    s = sorted(lengths, reverse=True)
-    padded = steps = i = 0
-    while i < len(s):
-        k = max(1, budget // s[i])
-        padded += s[i] * len(s[i:i + k])  # padded collate: the batch's longest sample sets it
-        steps += 1
-        i += k
+    """The GMT oracle's batches (`gmt_oracle`) for these lengths, and the samples/s they would
+    reach at ours' measured seconds per padded token (the tiny model's CPU step is linear in
+    padded tokens)."""
+    batches = gmt_batches(lengths, budget)
+    padded = sum(b[0] * len(b) for b in batches)  # padded collate: the longest sample sets it
+    steps = len(batches)
     ours = runs["ours"]
     per_token = _mean([r["wall_s"] / r["padded_tokens"] for r in ours])
     samples_per_s = len(lengths) / (per_token * padded)

@@ -37,6 +37,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gmt_oracle import gmt_batches  # noqa: E402
+
 from pipeline.planner.plan_report import PlanReport  # noqa: E402
 from pipeline.planner.policy import BatchingPolicy  # noqa: E402
 from pipeline.planner.step_planner import StepPlanner  # noqa: E402
@@ -179,12 +181,7 @@ def standard(lengths: list[int]) -> tuple[list[list[int]], float]:
 
 def gmt(lengths: list[int]) -> tuple[list[list[int]], float]:
     t = _clock()
-    s = sorted(lengths, reverse=True)
-    out, i = [], 0
-    while i < len(s):
-        k = max(1, BUDGET // s[i])
-        out.append(s[i : i + k])
-        i += k
+    out = gmt_batches(lengths, BUDGET)
     return out, _clock() - t
 
 
