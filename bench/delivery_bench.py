@@ -6,8 +6,9 @@ Measured side by side in one run, on loopback:
   1. delivery: MB/s and batches/s to 8 rank processes (BatchStream, decoded to torch) from 1 and
      from 2 replica processes (ranks split between them), against raw TCP carrying the very
      same serialized batch bytes to 8 processes (what loopback can carry) and a bare gRPC
-     server stream of those bytes to 8 clients that only receive them (gRPC's own ceiling);
-     each reference is the median of 3 rounds of ~1 GB;
+     server stream of those bytes to 8 clients that only receive them (gRPC's own ceiling),
+     from a sync and from a `grpc.aio` server; each reference is the median of 3 rounds of
+     ~1 GB;
   2. data stall: 8 trainers consuming at half the measured per-rank rate (1 replica);
   3. CPU per delivered batch of one replica as the world grows (W = 8, 64, 256 simulated ranks,
      threads in 2 consumer processes, the same number of steps each): it must not grow with W.
@@ -242,6 +243,40 @@ def _bare_grpc(messages: list[bytes], per_rank: int) -> dict:
         server.stop(0)
 
 
+def _bare_grpc_aio(messages: list[bytes], per_rank: int) -> dict:
+    """The same bare stream from a `grpc.aio` server (its own event loop in a thread): whether
+    the asyncio stack lifts gRPC's ceiling here."""
+    import asyncio
+
+    import grpc
+
+    ready, box = threading.Event(), {}
+
+    async def serve() -> None:
+        async def stream(_req: bytes, _ctx):
+            for i in range(per_rank):
+                yield messages[i % len(messages)]
+
+        server = grpc.aio.server(options=_MESSAGE_LIMITS)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "bench.Bare", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
+        box["port"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        ready.set()
+        await box["stop"].wait()
+        await server.stop(0)
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
+    ready.wait(30)
+    try:
+        return _run_clients(_bare_grpc_client, box["port"])
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(30)
+
+
 def _run_clients(target, port: int, before_start=None) -> dict:
     ctx = mp.get_context("spawn")
     start, q = ctx.Event(), ctx.Queue()
@@ -298,10 +333,11 @@ def _plot(result: dict, path: Path) -> None:
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.8))
     d = result["delivery"]
-    names = (["raw TCP\n(same bytes)", "bare gRPC\n(same bytes)"]
+    names = (["raw TCP\n(same bytes)", "bare gRPC\n(same bytes)", "bare\ngrpc.aio"]
              + [f"service,\n{r['replicas']} replica(s)" for r in d])
-    a.bar(names, [result["raw"]["mb_per_s"], result["bare_grpc"]["mb_per_s"]]
-          + [r["mb_per_s"] for r in d], color=["#999", "#bbb", "#3a7", "#2a5"])
+    a.bar(names, [result[k]["mb_per_s"] for k in ("raw", "bare_grpc", "bare_grpc_aio")]
+          + [r["mb_per_s"] for r in d], color=["#999", "#bbb", "#ccc", "#3a7", "#2a5"])
+    a.tick_params(axis="x", labelsize=8)
     a.set_ylabel("MB/s to 8 rank processes")
     a.set_title("delivery on loopback")
     s = result["stall"]
@@ -353,9 +389,10 @@ def main() -> int:
         messages = _real_messages(budget, max_len, 64)
         per_rank = max(delivery[0]["batches"] // RANKS,
                        int(1e9 / RANKS / (sum(map(len, messages)) / len(messages))))
-        raw, bare = _median_of_3(_raw, messages, per_rank), _median_of_3(_bare_grpc, messages,
-                                                                          per_rank)
-        log(f"  raw TCP {raw['mb_per_s']:.0f} MB/s, bare gRPC {bare['mb_per_s']:.0f} MB/s")
+        raw, bare, bare_aio = (_median_of_3(f, messages, per_rank)
+                               for f in (_raw, _bare_grpc, _bare_grpc_aio))
+        log(f"  raw TCP {raw['mb_per_s']:.0f} MB/s, bare gRPC {bare['mb_per_s']:.0f} MB/s, "
+            f"bare grpc.aio {bare_aio['mb_per_s']:.0f} MB/s")
         target = delivery[0]["batches_per_s"] / RANKS * 0.5
         log(f"stall at {target:.1f} steps/s per rank ...")
         stall = _deliver(url, "stall", 1, max(10, steps // 2), budget, max_len, 1.0 / target)
@@ -377,6 +414,7 @@ def main() -> int:
         "delivery": delivery, "raw": raw,
         "grpc_vs_raw": [d["mb_per_s"] / raw["mb_per_s"] for d in delivery],
         "bare_grpc": bare, "bare_grpc_vs_raw": bare["mb_per_s"] / raw["mb_per_s"],
+        "bare_grpc_aio": bare_aio, "bare_grpc_aio_vs_raw": bare_aio["mb_per_s"] / raw["mb_per_s"],
         "service_vs_bare_grpc": delivery[0]["mb_per_s"] / bare["mb_per_s"],
         "stall": stall, "cpu_vs_world": cpu,
     }
@@ -387,6 +425,7 @@ def main() -> int:
     print(json.dumps({"mb_per_s": [d["mb_per_s"] for d in delivery],
                       "raw_mb_per_s": raw["mb_per_s"], "grpc_vs_raw": result["grpc_vs_raw"],
                       "bare_grpc_mb_per_s": bare["mb_per_s"],
+                      "bare_grpc_aio_mb_per_s": bare_aio["mb_per_s"],
                       "service_vs_bare_grpc": result["service_vs_bare_grpc"],
                       "stall_after_warmup": stall["stall_fraction_after_warmup"],
                       "cpu_ms_per_batch": {c["world_size"]: c["cpu_ms_per_batch"] for c in cpu}},

@@ -7,6 +7,9 @@ Same data, same `Processor` code, same chunking, side by side in one run, each c
 runs the same epoch again on the already started workers (what every later epoch of a
 long-running service gets; a new Ray Data actor pool is created per dataset, so actors are only
 ever cold). Ray runs on an already started local Ray (2 CPUs, worker niceness 0).
+CPU per sample counts the processes a contender runs on (plain: this process; Pool: + its
+workers; Ray: + its workers, daemons and actors) and is also given against the plain loop and
+the Pool of the same warm round, with the median over the rounds.
 TOKENIZERS_PARALLELISM=false everywhere, so one process = one core of tokenizer work.
 Writes bench/results/preprocess/preprocess_bench.{json,png} (`_text` suffix with
 --image-frac 0).
@@ -20,6 +23,7 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -65,9 +69,37 @@ def tree_cpu() -> dict[int, float]:
     return out
 
 
-def cpu_since(before: dict[int, float]) -> float:
-    """CPU used since `before` by processes alive now (ones that exited meanwhile are lost)."""
-    return sum(c - before.get(pid, 0.0) for pid, c in tree_cpu().items())
+def _role(pid: int) -> str:
+    """What a process of the tree is: this driver, a Pool worker, a Ray worker (task or actor:
+    the Processor's work), one of Ray's own daemons and actors, or other."""
+    if pid == os.getpid():
+        return "driver"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "other"
+    if "multiprocessing.spawn" in cmd:
+        return "pool workers"
+    if cmd.startswith(("ray::IDLE", "ray::MapBatches", "ray::MapWorker")):
+        return "ray workers"
+    return "ray daemons" if "ray" in cmd else "other"
+
+
+# The processes each contender runs on: the others' idle processes are not its cost.
+ROLES = {"plain": ("driver",), "pool": ("driver", "pool workers"),
+         "ray": ("driver", "ray workers", "ray daemons")}
+
+
+def cpu_since(before: dict[int, float], roles: tuple[str, ...]) -> dict[str, float]:
+    """CPU used since `before` by the live processes of `roles`, by role (processes that
+    exited meanwhile are lost)."""
+    out = dict.fromkeys(roles, 0.0)
+    for pid, c in tree_cpu().items():
+        role = _role(pid)
+        if role in out:
+            out[role] += c - before.get(pid, 0.0)
+    return out
 
 
 class Meter:
@@ -85,12 +117,16 @@ class Meter:
             self.samples += 1
             self.tokens += item.num_tokens
 
-    def result(self, name: str, phase: str) -> dict:
+    def result(self, name: str, phase: str, contender: str) -> dict:
         wall = time.perf_counter() - self.t0
-        cpu = cpu_since(self.cpu0)  # actor-pool runs: actors that already exited are not counted
+        by_role = cpu_since(self.cpu0, ROLES[contender])  # exited actors are not counted
+        cpu = sum(by_role.values())
+        per_sample = 1000 / max(1, self.samples)
         return {
             "cpu_s": round(cpu, 2),
-            "cpu_ms_per_sample": round(1000 * cpu / max(1, self.samples), 2),
+            "cpu_ms_per_sample": round(per_sample * cpu, 2),
+            "cpu_ms_per_sample_by_role": {k: round(per_sample * v, 3)
+                                          for k, v in by_role.items()},
             "name": name, "phase": phase, "items": self.n, "samples": self.samples,
             "tokens": self.tokens, "wall_s": round(wall, 3),
             "first_item_s": round((self.t_first or self.t0) - self.t0, 3),
@@ -112,7 +148,7 @@ def _plain_pass(proc, job: JobConfig, phase: str, m: Meter | None = None) -> dic
     for c in _chunks(job):
         for it in proc.process(c.file, read_chunk(c)):
             m.add(it)
-    return m.result("plain (1 process)", phase)
+    return m.result("plain (1 process)", phase, "plain")
 
 
 _worker_proc = None
@@ -136,7 +172,7 @@ def _pool_pass(pool, job: JobConfig, phase: str, m: Meter | None = None) -> dict
     for items in pool.imap(_work, _chunks(job), chunksize=1):
         for it in items:
             m.add(it)
-    return m.result("multiprocessing.Pool(2)", phase)
+    return m.result("multiprocessing.Pool(2)", phase, "pool")
 
 
 def _ray_pass(job: JobConfig, compute: str, phase: str) -> dict:
@@ -145,7 +181,7 @@ def _ray_pass(job: JobConfig, compute: str, phase: str) -> dict:
     m = Meter()
     for it in iter_samples(job, 0, chunk_rows=CHUNK_ROWS, compute=compute, concurrency=2):
         m.add(it)
-    return m.result(f"Ray Data, {'task' if compute == 'tasks' else 'actor'} pool", phase)
+    return m.result(f"Ray Data, {'task' if compute == 'tasks' else 'actor'} pool", phase, "ray")
 
 
 def run_all(job: JobConfig, rounds: int, tmp: Path) -> list[dict]:
@@ -170,8 +206,12 @@ def run_all(job: JobConfig, rounds: int, tmp: Path) -> list[dict]:
             results.append(_ray_pass(job, "tasks", "cold"))
             warm: dict[str, list[dict]] = {}
             for _ in range(rounds):
-                for r in (_plain_pass(proc, job, "warm"), _pool_pass(pool, job, "warm"),
-                          _ray_pass(job, "tasks", "warm")):
+                plain, two = _plain_pass(proc, job, "warm"), _pool_pass(pool, job, "warm")
+                for r in (plain, two, _ray_pass(job, "tasks", "warm")):
+                    # Against the same round's plain loop and Pool (two processes at once, as
+                    # Ray's two workers): this machine's speed drifts between rounds.
+                    r["cpu_vs_plain"] = round(r["cpu_s"] / plain["cpu_s"], 3)
+                    r["cpu_vs_pool2"] = round(r["cpu_s"] / two["cpu_s"], 3)
                     warm.setdefault(r["name"], []).append(r)
             # Actors are new for every dataset (epoch), so they are only ever cold. Last: their
             # workers push the idle task workers over Ray's soft limit and Ray kills those.
@@ -183,6 +223,10 @@ def run_all(job: JobConfig, rounds: int, tmp: Path) -> list[dict]:
         best["phase"] = f"warm, best of {len(runs)}"
         best["all_samples_per_s"] = [r["samples_per_s"] for r in runs]
         best["all_cpu_ms_per_sample"] = [r["cpu_ms_per_sample"] for r in runs]
+        best["all_cpu_vs_plain"] = [r["cpu_vs_plain"] for r in runs]
+        best["median_cpu_vs_plain"] = statistics.median(best["all_cpu_vs_plain"])
+        best["all_cpu_vs_pool2"] = [r["cpu_vs_pool2"] for r in runs]
+        best["median_cpu_vs_pool2"] = statistics.median(best["all_cpu_vs_pool2"])
         results.append(best)
     return results
 
@@ -209,13 +253,13 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="1500 records and 2 warm rounds instead of 4000 and 3")
+                    help="1500 records and 2 warm rounds instead of 4000 and 5")
     ap.add_argument("--n", type=int, default=None)
     ap.add_argument("--image-frac", type=float, default=0.15)
-    ap.add_argument("--rounds", type=int, default=None, help="warm rounds (default 3, quick 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="warm rounds (default 5, quick 2)")
     args = ap.parse_args()
     n = args.n or (1500 if args.quick else 4000)
-    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.rounds = args.rounds or (2 if args.quick else 5)
 
     from pipeline.sample_data.generate import generate, write_jsonl
 
@@ -256,6 +300,13 @@ def main() -> int:
         print(f"| {r['name']} | {r['phase']} | {r['wall_s']} | {r['first_item_s']} | "
               f"{r['samples_per_s']} | {r['tokens_per_s']} | {r['vs_plain']}x | "
               f"{r['vs_pool2']}x | {r['cpu_ms_per_sample']} |")
+    print("\nwarm rounds, CPU against the same round's plain loop and Pool(2) (medians), and "
+          "the best round's CPU ms/sample by process:")
+    for r in results:
+        if "all_cpu_vs_plain" in r:
+            print(f"  {r['name']}: vs plain {r['all_cpu_vs_plain']} (median "
+                  f"{r['median_cpu_vs_plain']}x), vs Pool(2) {r['all_cpu_vs_pool2']} (median "
+                  f"{r['median_cpu_vs_pool2']}x); {r['cpu_ms_per_sample_by_role']}")
     return 0
 
 
