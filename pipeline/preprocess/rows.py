@@ -53,15 +53,33 @@ def _le_bytes(arr: np.ndarray | None, dtype: str | np.dtype) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype).reshape(-1).view(np.uint8)
 
 
-def _binary_column(parts: list[np.ndarray]) -> pa.Array:
-    """One Arrow binary array from byte views with a single copy: `from_pydict` on `bytes`
-    copied every payload twice (`tobytes`, then into Arrow), ~10% of preprocessing CPU with
-    image patches (bench/preprocess_bench.py)."""
+_MAX_CHUNK_BYTES = 2**31 - 1  # a binary array's int32 offsets
+
+
+def _binary_chunk(parts: list[np.ndarray]) -> pa.Array:
     offsets = np.zeros(len(parts) + 1, dtype=np.int32)
-    np.cumsum([p.nbytes for p in parts], out=offsets[1:])  # Arrow raises on int32 overflow
+    np.cumsum([p.nbytes for p in parts], out=offsets[1:])  # < 2 GiB: see _binary_column
     data = np.concatenate(parts) if parts else _EMPTY
     return pa.Array.from_buffers(pa.binary(), len(parts),
                                  [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def _binary_column(parts: list[np.ndarray]) -> pa.ChunkedArray:
+    """One Arrow binary column from byte views with a single copy: `from_pydict` on `bytes`
+    copied every payload twice (`tobytes`, then into Arrow), ~10% of preprocessing CPU with
+    image patches (bench/preprocess_bench.py). Cut into chunks of < 2 GiB each."""
+    chunks, group, size = [], [], 0
+    for part in parts:
+        if part.nbytes > _MAX_CHUNK_BYTES:
+            raise ValueError(f"one payload of {part.nbytes} bytes exceeds Arrow's 2 GiB binary "
+                             "value limit")
+        if size + part.nbytes > _MAX_CHUNK_BYTES:
+            chunks.append(_binary_chunk(group))
+            group, size = [], 0
+        group.append(part)
+        size += part.nbytes
+    chunks.append(_binary_chunk(group))
+    return pa.chunked_array(chunks, type=pa.binary())
 
 
 def to_table(items: Sequence[Item]) -> pa.Table:

@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from pipeline.preprocess import rows
 from pipeline.preprocess.rows import SCHEMA, from_table, to_table
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
 from pipeline.quarantine import QuarantineReason
@@ -46,3 +47,15 @@ def test_blocks_concatenate_and_slice() -> None:
     joined = pa.concat_tables([a.slice(1, 1), b]).combine_chunks()
     assert [s.sample_id for s in from_table(joined)] == ["s.jsonl:1", "s.jsonl:5"]
     assert to_table([]).num_rows == 0
+
+
+def test_binary_columns_split_below_the_int32_offset_limit(monkeypatch) -> None:
+    # A block over 2 GiB of payload must not wrap its int32 offsets: it is cut into chunks.
+    monkeypatch.setattr(rows, "_MAX_CHUNK_BYTES", 64)
+    items = [_sample(i) for i in range(6)]  # 20-40 bytes of ids each
+    table = to_table(items)
+    assert table.column("input_ids").num_chunks > 1
+    assert [s.digest() for s in from_table(table)] == [s.digest() for s in items]
+    big = _sample(0, pixels=np.zeros((1, 65), np.uint8))
+    with pytest.raises(ValueError, match="2 GiB"):
+        to_table([big])
