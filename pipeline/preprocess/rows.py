@@ -65,9 +65,8 @@ def _binary_chunk(parts: list[np.ndarray]) -> pa.Array:
 
 
 def _binary_column(parts: list[np.ndarray]) -> pa.ChunkedArray:
-    """One Arrow binary column from byte views with a single copy: `from_pydict` on `bytes`
-    copied every payload twice (`tobytes`, then into Arrow), ~10% of preprocessing CPU with
-    image patches (bench/preprocess_bench.py). Cut into chunks of < 2 GiB each."""
+    """One Arrow binary column from byte views with a single copy (`from_pydict` on `bytes`
+    copied every payload twice: `tobytes`, then into Arrow). Cut into chunks of < 2 GiB each."""
     chunks, group, size = [], [], 0
     for part in parts:
         if part.nbytes > _MAX_CHUNK_BYTES:
