@@ -221,6 +221,13 @@ def _bare_grpc_client(port: int, start, q) -> None:
     ch.close()
 
 
+def _bare_handler(stream):
+    import grpc
+
+    return grpc.method_handlers_generic_handler(
+        "bench.Bare", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+
+
 def _bare_grpc(messages: list[bytes], per_rank: int) -> dict:
     """gRPC's own ceiling here: a server stream of the same pre-serialized bytes, clients that
     only receive them (no service, no decode)."""
@@ -233,8 +240,7 @@ def _bare_grpc(messages: list[bytes], per_rank: int) -> dict:
             yield messages[i % len(messages)]
 
     server = grpc.server(futures.ThreadPoolExecutor(RANKS + 2), options=_MESSAGE_LIMITS)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "bench.Bare", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
+    server.add_generic_rpc_handlers([_bare_handler(stream)])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -258,8 +264,7 @@ def _bare_grpc_aio(messages: list[bytes], per_rank: int) -> dict:
                 yield messages[i % len(messages)]
 
         server = grpc.aio.server(options=_MESSAGE_LIMITS)
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-            "bench.Bare", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
+        server.add_generic_rpc_handlers([_bare_handler(stream)])
         box["port"] = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()
