@@ -246,15 +246,14 @@ def plot(results: list[dict], path: Path) -> None:
     ax.set_xlabel("samples/s (end to end; cold = incl. worker start-up)")
     ax.invert_yaxis()
     ax.set_title("odb-pipeline preprocessing on a 2-core machine (same Processor code)")
-    for r, color in zip((r for r in results if "all_cpu_vs_plain" in r and
-                         not r["name"].startswith("plain")), ("#58c", "#c63"), strict=False):
+    paired = [r for r in results if "all_cpu_vs_plain" in r and not r["name"].startswith("plain")]
+    for r, color in zip(paired, ("#58c", "#c63"), strict=False):
         ratios = r["all_cpu_vs_plain"]
         cx.plot(range(1, len(ratios) + 1), ratios, "o-", color=color,
                 label=f"{r['name']} (median {r['median_cpu_vs_plain']:.2f}x)")
     cx.axhline(1.1, ls="--", color="k", lw=0.8, label="target 1.1x")
     cx.axhline(1.0, color="#999", lw=0.8)
-    cx.set_xticks(range(1, max(len(r["all_cpu_vs_plain"]) for r in results
-                             if "all_cpu_vs_plain" in r) + 1))
+    cx.set_xticks(range(1, len(paired[0]["all_cpu_vs_plain"]) + 1))
     cx.set_xlabel("warm round")
     cx.set_ylabel("CPU per sample / the same round's plain loop")
     cx.set_title("CPU against the plain loop, paired by round")

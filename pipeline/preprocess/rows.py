@@ -43,7 +43,6 @@ MEASURE_COLUMNS = ["sample_id", "source", "row", "num_tokens", "num_visual_token
 
 
 _EMPTY = np.empty(0, np.uint8)
-_BINARY = ("input_ids", "labels", "pixel_values", "image_grid_thw")
 
 
 def _le_bytes(arr: np.ndarray | None, dtype: str | np.dtype) -> np.ndarray:
@@ -109,7 +108,7 @@ def to_table(items: Sequence[Item]) -> pa.Table:
         cols["image_grid_thw"].append(_le_bytes(it.image_grid_thw, "<i8"))
         cols["quarantine_reason"].append("")
         cols["quarantine_detail"].append("")
-    arrays = [_binary_column(cols[f.name]) if f.name in _BINARY
+    arrays = [_binary_column(cols[f.name]) if pa.types.is_binary(f.type)
               else pa.array(cols[f.name], type=f.type) for f in SCHEMA]
     return pa.Table.from_arrays(arrays, schema=SCHEMA)
 
