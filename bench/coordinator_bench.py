@@ -34,7 +34,7 @@ import redis.connection
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from replica_procs import Replica, array_job, consume_threads  # noqa: E402
+from replica_procs import Replica, StartLine, array_job, consume_threads  # noqa: E402
 
 from pipeline.coordinator import RedisJobState  # noqa: E402
 from pipeline.jobstate import PlannerCheckpoint, Publication  # noqa: E402
@@ -172,19 +172,19 @@ def bench_served(url: str, world_size: int, steps: int, replicas: int, log) -> d
     reps = [Replica(url, job, steps, 31, lease_seconds=LEASE_S, rank_timeout_seconds=600.0)
             for _ in range(replicas)]
     ctx = mp.get_context("spawn")
-    start, q = ctx.Event(), ctx.Queue()
     parts = [list(range(world_size))[i::replicas] for i in range(replicas)]
+    line, q = StartLine(ctx, len(parts)), ctx.Queue()
     procs = [ctx.Process(target=consume_threads, args=(reps[i].address, job["job_id"], p,
-                                                       world_size, start, q))
+                                                       world_size, line, q))
              for i, p in enumerate(parts)]
     for p in procs:
         p.start()
-    time.sleep(8.0)  # consumer processes import grpc and torch
+    line.wait_ready()  # consumer processes import grpc and torch
     mem0 = client.info("memory")["used_memory"]
     cmd0 = commandstats(client)
     cpu0 = [r.cpu() for r in reps]
     t0 = time.perf_counter()
-    start.set()
+    line.go()
     peak, outs = mem0, []
     while len(outs) < len(procs):
         try:

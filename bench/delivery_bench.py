@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from replica_procs import (  # noqa: E402
     Replica,
+    StartLine,
     array_job,
     consume_threads,
     job_samples,
@@ -51,12 +52,13 @@ WARMUP = 8  # batches per rank: the first prefetch windows filling at connect
 
 # --- trainer rank processes ------------------------------------------------------------------
 
-def _rank(address: str, job: str, rank: int, world: int, start, step_time: float, q) -> None:
+def _rank(address: str, job: str, rank: int, world: int, line: StartLine, step_time: float,
+          q) -> None:
     import torch  # noqa: F401  (a trainer has torch loaded: its import is not delivery)
 
     from trainer_client import BatchStream
 
-    start.wait()
+    line.arrive()
     n = nbytes = 0
     waited = warm_waited = 0.0
     first = last = None
@@ -96,14 +98,14 @@ def _deliver(redis_url: str, job_id: str, replicas: int, steps: int, budget: int
     producer = start_producer(redis_url, job, steps, max_len)
     reps = [Replica(redis_url, job, steps, max_len) for _ in range(replicas)]
     ctx = mp.get_context("spawn")
-    start, q = ctx.Event(), ctx.Queue()
+    line, q = StartLine(ctx, RANKS), ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(reps[r % replicas].address, job_id, r, RANKS,
-                                             start, step_time, q)) for r in range(RANKS)]
+                                             line, step_time, q)) for r in range(RANKS)]
     for p in procs:
         p.start()
-    time.sleep(6.0)  # the rank processes import torch and grpc before the clock starts
+    line.wait_ready()  # the rank processes import torch and grpc before the clock starts
     cpu0 = [r.cpu() for r in reps]
-    start.set()
+    line.go()
     res = [q.get(timeout=900) for _ in procs]
     for p in procs:
         p.join(30)
@@ -145,8 +147,8 @@ def _real_messages(budget: int, max_len: int, count: int) -> list[bytes]:
     return out
 
 
-def _raw_client(port: int, start, q) -> None:
-    start.wait()
+def _raw_client(port: int, line: StartLine, q) -> None:
+    line.arrive()
     sock = socket.create_connection(("127.0.0.1", port))
     buf = memoryview(bytearray(256 * 1024 * 1024))
     header = bytearray(8)
@@ -204,10 +206,10 @@ _MESSAGE_LIMITS = [("grpc.max_receive_message_length", 256 * 1024 * 1024),
                    ("grpc.max_send_message_length", 256 * 1024 * 1024)]
 
 
-def _bare_grpc_client(port: int, start, q) -> None:
+def _bare_grpc_client(port: int, line: StartLine, q) -> None:
     import grpc
 
-    start.wait()
+    line.arrive()
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=_MESSAGE_LIMITS)
     call = ch.unary_stream("/bench.Bare/Stream", request_serializer=None,
                            response_deserializer=None)(b"")
@@ -284,12 +286,12 @@ def _bare_grpc_aio(messages: list[bytes], per_rank: int) -> dict:
 
 def _run_clients(target, port: int, before_start=None) -> dict:
     ctx = mp.get_context("spawn")
-    start, q = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=target, args=(port, start, q)) for _ in range(RANKS)]
+    line, q = StartLine(ctx, RANKS), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(port, line, q)) for _ in range(RANKS)]
     for p in procs:
         p.start()
-    time.sleep(3.0)  # the clients import before the clock starts
-    start.set()
+    line.wait_ready()  # the clients import before the clock starts
+    line.go()
     threads = before_start() if before_start else []
     res = [q.get(timeout=600) for _ in procs]
     for t in threads:
@@ -309,15 +311,15 @@ def _cpu_per_batch(redis_url: str, world: int, steps: int, budget: int, max_len:
     producer = start_producer(redis_url, job, steps, max_len)
     rep = Replica(redis_url, job, steps, max_len)
     ctx = mp.get_context("spawn")
-    start, q = ctx.Event(), ctx.Queue()
     groups = [list(range(world))[i::2] for i in range(2)]
+    line, q = StartLine(ctx, len(groups)), ctx.Queue()
     procs = [ctx.Process(target=consume_threads, args=(rep.address, job["job_id"], g, world,
-                                                      start, q)) for g in groups]
+                                                      line, q)) for g in groups]
     for p in procs:
         p.start()
-    time.sleep(6.0)
+    line.wait_ready()
     cpu0, t0 = rep.cpu(), time.perf_counter()
-    start.set()
+    line.go()
     outs = [q.get(timeout=900) for _ in procs]
     got = sum(o["batches"] for o in outs)
     errors = [e for o in outs for e in o["errors"]]

@@ -100,11 +100,34 @@ def start_producer(redis_url: str, job: dict, steps: int, max_len: int) -> Repli
     return producer
 
 
-def consume_threads(address: str, job: str, ranks: list[int], world: int, start, q) -> None:
+class StartLine:
+    """Consumer processes that start the clock together, once every one has done its imports.
+    A fixed sleep is no substitute: on 2 busy cores, 8 processes importing torch can take
+    longer than any guess and then overlap the measured window."""
+
+    def __init__(self, ctx, parties: int) -> None:
+        self.parties = parties
+        self._arrived, self._go = ctx.Queue(), ctx.Event()
+
+    def arrive(self) -> None:
+        """In a consumer: ready; wait for the start."""
+        self._arrived.put(os.getpid())
+        self._go.wait()
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        for _ in range(self.parties):
+            self._arrived.get(timeout=timeout)
+
+    def go(self) -> None:
+        self._go.set()
+
+
+def consume_threads(address: str, job: str, ranks: list[int], world: int, line: StartLine,
+                    q) -> None:
     """Each rank in a thread, reading its stream to the end; puts the batches taken."""
     from trainer_client import BatchStream
 
-    start.wait()
+    line.arrive()
     counts: dict[int, int] = {}
     errors: list[str] = []
 

@@ -385,7 +385,6 @@ class RedisJobState(JobState):
         self._ack(rank, "", 0, step)
 
     def ack_many(self, acks: Sequence[tuple[int, int]]) -> list[Exception | None]:
-        ks = self._ack_keys()
         out: list[Exception | None] = [None] * len(acks)
         todo = []
         bound: int | None = None
@@ -399,24 +398,20 @@ class RedisJobState(JobState):
                 out[i] = ValueError(f"job {self.job_id!r}: rank {rank} outside 0..{bound - 1}")
         if not todo:
             return out
-        for attempt in (0, 1):
-            with unavailable_as_error(self._where):
-                pipe = self.client.pipeline(transaction=False)
-                for i in todo:
-                    rank, step = acks[i]
-                    pipe.evalsha(scripts.ack.sha, len(ks), *ks, self.keys.base, rank, "", 0,
-                                 step, "0")
-                results = pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                # Acks are idempotent (cursor max): reload and redo all.
-                with unavailable_as_error(self._where):
-                    self.client.script_load(scripts.ack.source)
-                continue
-            for i, res in zip(todo, results, strict=True):
-                if isinstance(res, Exception):
-                    out[i] = self._error_for(str(res), acks[i][0]) or res
-            return out
-        raise AssertionError("unreachable")
+        args: list[Any] = [self.keys.base]
+        for i in todo:
+            args += acks[i]
+        try:
+            replies = self._run(scripts.ack_many, [self.keys.meta, self.keys.acked], args)
+        except UnknownJob as exc:  # the job is gone: every ack gets the error
+            replies = [exc] * len(todo)
+        for i, res in zip(todo, replies, strict=True):
+            if isinstance(res, Exception):
+                out[i] = res
+            elif res:
+                msg = res.decode() if isinstance(res, bytes) else str(res)
+                out[i] = self._error_for(msg, acks[i][0]) or RuntimeError(msg)
+        return out
 
     def release_rank(self, rank: int, client_id: str) -> None:
         self._check_rank(rank, self._lease_ranks())

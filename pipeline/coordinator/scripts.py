@@ -212,20 +212,55 @@ end
 return {#new, expect - 1}
 """
 
+# Trimming (`trim()`, run by ACK and ACK_MANY after cursors moved) keeps the plan of the epoch
+# the slowest rank is in and of the one before it, so any step of the current epoch can be
+# replayed (a trainer restored from an old checkpoint): steps before the first step of epoch
+# (E - 1) go, E being the epoch of the slowest rank's next step.
+# Epochs without steps (quota mode can carry a whole epoch over) are skipped both ways: E is the
+# latest epoch with steps that started by that step, and "the one before" the latest epoch with
+# steps before E (the one the slowest rank finished last). `trim_keep` stores that epoch's first
+# step so trimming can catch up over several calls. It reads KEYS[1] meta, KEYS[2] acked and
+# ARGV[1] base.
+_TRIM = """
+local function trim()
+  local m = redis.call('HMGET', KEYS[1], 'trimmed_through', 'trim_epoch', 'epoch', 'trim_keep',
+    'trim_floor')
+  local lo = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  local need = tonumber(lo[2]) + 1
+  local te, top = tonumber(m[2]), tonumber(m[3])
+  local moved = false
+  for e = te + 1, top do  -- usually one HGET: the next epoch has not started for that rank
+    local f = redis.call('HGET', KEYS[1], 'ef:' .. e)
+    if f then
+      if tonumber(f) > need then break end
+      te, moved = e, true
+    end
+  end
+  local keep = tonumber(m[4] or 0)
+  if moved then
+    keep = 0
+    for e = te - 1, 0, -1 do
+      local f = redis.call('HGET', KEYS[1], 'ef:' .. e)
+      if f then keep = tonumber(f) break end
+    end
+    redis.call('HSET', KEYS[1], 'trim_epoch', te, 'trim_keep', keep)
+  end
+  local floor = tonumber(m[5] or -1)
+  if floor >= 0 and keep > floor then keep = floor end  -- steps ranks of an ended world drain
+  local tt = tonumber(m[1])
+  if keep - 1 > tt then
+    local upto = math.min(keep - 1, tt + 64)  -- at most 64 per call: amortized O(1)
+    for n = tt + 1, upto do redis.call('UNLINK', ARGV[1] .. 'step:' .. n) end
+    redis.call('HSET', KEYS[1], 'trimmed_through', upto)
+  end
+end
+"""
 # Heartbeat (lease renew / claim) and ack in one round trip, plus amortized trimming.
 # KEYS: meta, acked, lease_exp, lease, lapsed, counters, claimed
 # ARGV: base, rank, client_id ('' = no lease change), lease_ms, step (< 0 = no ack),
 #       soft ('1': another live holder is not an error, nothing changes, returns -2)
 # Returns {lease_expiry_ms (-1 if no lease change, -2 if soft-refused), now_ms}.
-#
-# Trimming keeps the plan of the epoch the slowest rank is in and of the one before it, so any
-# step of the current epoch can be replayed (a trainer restored from an old checkpoint): steps
-# before the first step of epoch (E - 1) go, E being the epoch of the slowest rank's next step.
-# Epochs without steps (quota mode can carry a whole epoch over) are skipped both ways: E is the
-# latest epoch with steps that started by that step, and "the one before" the latest epoch with
-# steps before E (the one the slowest rank finished last). `trim_keep` stores that epoch's first
-# step so trimming can catch up over several calls.
-ACK = _NOW + """
+ACK = _NOW + _TRIM + """
 local rank, cid = ARGV[2], ARGV[3]
 local step = tonumber(ARGV[5])
 local took_over = false
@@ -249,12 +284,10 @@ if cid ~= '' then
     end
   end
 end
-local m
 if step >= 0 then
-  m = redis.call('HMGET', KEYS[1], 'published_through', 'trimmed_through', 'trim_epoch',
-    'epoch', 'trim_keep', 'trim_floor')
-  if not m[1] then return redis.error_reply('ODB_NOJOB') end
-  if step > tonumber(m[1]) then return redis.error_reply('ODB_AHEAD ' .. step .. ' ' .. m[1]) end
+  local pt = redis.call('HGET', KEYS[1], 'published_through')
+  if not pt then return redis.error_reply('ODB_NOJOB') end
+  if step > tonumber(pt) then return redis.error_reply('ODB_AHEAD ' .. step .. ' ' .. pt) end
 end
 local exp = -1
 if cid ~= '' then
@@ -271,36 +304,34 @@ if cid ~= '' then
 end
 if step >= 0 then
   redis.call('ZADD', KEYS[2], 'GT', step, rank)
-  local lo = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-  local need = tonumber(lo[2]) + 1
-  local te, top = tonumber(m[3]), tonumber(m[4])
-  local moved = false
-  for e = te + 1, top do  -- usually one HGET: the next epoch has not started for that rank
-    local f = redis.call('HGET', KEYS[1], 'ef:' .. e)
-    if f then
-      if tonumber(f) > need then break end
-      te, moved = e, true
-    end
-  end
-  local keep = tonumber(m[5] or 0)
-  if moved then
-    keep = 0
-    for e = te - 1, 0, -1 do
-      local f = redis.call('HGET', KEYS[1], 'ef:' .. e)
-      if f then keep = tonumber(f) break end
-    end
-    redis.call('HSET', KEYS[1], 'trim_epoch', te, 'trim_keep', keep)
-  end
-  local floor = tonumber(m[6] or -1)
-  if floor >= 0 and keep > floor then keep = floor end  -- steps ranks of an ended world drain
-  local tt = tonumber(m[2])
-  if keep - 1 > tt then
-    local upto = math.min(keep - 1, tt + 64)  -- at most 64 per call: amortized O(1)
-    for n = tt + 1, upto do redis.call('UNLINK', ARGV[1] .. 'step:' .. n) end
-    redis.call('HSET', KEYS[1], 'trimmed_through', upto)
-  end
+  trim()
 end
 return {exp, now}
+"""
+
+# Acks of many ranks in one call (a replica's streams, grouped): cursors only, no lease change.
+# KEYS: meta, acked.  ARGV: base, then (rank, step) pairs, steps >= 0.
+# Returns one reply per pair: '' (recorded) or the error code ACK would raise (ODB_RANK,
+# ODB_AHEAD); a pair's error does not stop the others (each pair is checked before it is written).
+ACK_MANY = _TRIM + """
+local m = redis.call('HMGET', KEYS[1], 'world_size', 'published_through')
+if not m[1] then return redis.error_reply('ODB_NOJOB') end
+local bound, through = tonumber(m[1]), tonumber(m[2])
+local out, moved = {}, false
+for i = 2, #ARGV, 2 do
+  local rank, step = ARGV[i], tonumber(ARGV[i + 1])
+  local r = tonumber(rank)
+  if r < 0 or r >= bound then
+    out[#out + 1] = 'ODB_RANK ' .. rank .. ' ' .. bound
+  elseif step > through then
+    out[#out + 1] = 'ODB_AHEAD ' .. step .. ' ' .. through
+  else
+    redis.call('ZADD', KEYS[2], 'GT', step, rank)
+    out[#out + 1], moved = '', true
+  end
+end
+if moved then trim() end
+return out
 """
 
 # KEYS: lease, lease_exp. ARGV: rank, client_id. Only the holder can release.
@@ -589,6 +620,7 @@ producer_renew = Script(PRODUCER_RENEW)
 set_error = Script(SET_ERROR)
 publish = Script(PUBLISH)
 ack = Script(ACK)
+ack_many = Script(ACK_MANY)
 release = Script(RELEASE)
 lapsed = Script(LAPSED)
 health = Script(HEALTH)

@@ -69,6 +69,30 @@ def test_trimming_follows_the_slowest_rank_by_epochs_over_a_long_run(new_state):
                                next_step=plan.next), fence=plan.gen)
 
 
+def test_grouped_acks_trim_as_single_acks_do(new_state):
+    """A replica records its streams' acks in grouped calls (`ack_many`, one script for all of
+    them): the slowest cursor after the whole group decides what is trimmed, and a refused ack
+    in the group (ahead of the plan) changes nothing."""
+    st = new_state(world_size=3)
+    plan = Plan(st, 3)
+    rng = random.Random(11)
+    acked = [-1, -1, -1]
+    for _ in range(30):
+        plan.epoch_of(rng.randint(3, 12))
+        group = []
+        for r in rng.sample(range(3), rng.randint(1, 3)):
+            group.append((r, min(plan.next - 1, acked[r] + rng.randint(0, 12))))
+        out = st.ack_many([*group, (0, plan.next + 5)])
+        assert out[:-1] == [None] * len(group) and "published" in str(out[-1])
+        for r, step in group:
+            acked[r] = max(acked[r], step)
+        assert st.acked_all() == acked
+        tt = st.trimmed_through()
+        assert tt == expected_trimmed(plan.first_steps, min(acked))
+        assert st.get_step(tt + 1) is not None or tt + 1 > plan.next - 1
+    assert st.trimmed_through() > 50
+
+
 def test_an_epoch_without_steps_does_not_stop_trimming(new_state):
     """Quota mode can close an epoch with no step (everything carried over to the next one)."""
     st = new_state(world_size=2)
