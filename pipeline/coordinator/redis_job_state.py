@@ -61,8 +61,9 @@ QUARANTINE_LIST_CAP = 10_000  # records listed per job; the counts stay exact pa
 
 
 def pool_size_for(world_size: int) -> int:
-    """Redis connections one process may use concurrently for a job of `world_size` ranks (an
-    ack reader and a sender per rank stream, the producer, status calls)."""
+    """Redis connections one process may use concurrently for a job of `world_size` ranks: a
+    replica's I/O and handler threads, the producer, status calls, and room for embedders that
+    drive streams from threads (a bound, not a pool allocated up front)."""
     return max(64, 2 * world_size + 16)
 
 

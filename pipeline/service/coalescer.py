@@ -4,12 +4,16 @@ Many rank streams of one replica each want one small thing from a shared backend
 same time (an ack recorded, a step read, a payload reference). `Coalescer` turns those into one
 batched round trip: the first caller becomes the leader and flushes the queue until it is empty;
 the others wait for their own result. Each caller gets its own value or its own exception.
+`AsyncCoalescer` is the same for the coroutines of one event loop: the batched call runs in an
+executor (it blocks), and what is asked meanwhile waits for the next one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
@@ -62,3 +66,46 @@ class Coalescer(Generic[K, V]):
     def idle(self) -> bool:
         with self._lock:
             return not self._flushing and not self._queue
+
+
+class AsyncCoalescer(Generic[K, V]):
+    def __init__(self, call_many: Callable[[Sequence[K]], Sequence[V | BaseException]],
+                 executor: Executor) -> None:
+        """`call_many` as for `Coalescer`; it runs in `executor`, one call at a time."""
+        self._call_many = call_many
+        self._executor = executor
+        self._queue: list[tuple[K, asyncio.Future]] = []
+        self._flushing = False
+        self._task: asyncio.Task | None = None
+
+    async def __call__(self, key: K) -> V:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.append((key, fut))
+        if not self._flushing:
+            self._flushing = True
+            self._task = loop.create_task(self._flush_all())  # (held: tasks are weakly kept)
+        return await fut
+
+    async def _flush_all(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                keys = [k for k, _ in batch]
+                try:
+                    results = await loop.run_in_executor(self._executor, self._call_many, keys)
+                    if len(results) != len(batch):
+                        raise RuntimeError(f"batched call returned {len(results)} results for "
+                                           f"{len(batch)} keys")
+                except Exception as exc:  # the whole round trip failed: every caller gets it
+                    results = [exc] * len(batch)
+                for (_, fut), res in zip(batch, results, strict=True):
+                    if fut.done():  # its caller was cancelled
+                        continue
+                    if isinstance(res, BaseException):
+                        fut.set_exception(res)
+                    else:
+                        fut.set_result(res)
+        finally:  # (cancelled with the loop: nobody waits on what was still queued)
+            self._flushing = False

@@ -1,7 +1,11 @@
-"""The odb.v1 DataService servicer: validation, auth, leases, and one sender per rank stream.
+"""The odb.v1 DataService servicer: validation, auth, leases, and the rank streams.
 
 A rank stream is a `RankCursor` (what to send next) plus credits (batches the client will
-accept). Steps are read only from the job's state (published before anyone can see them);
+accept), served by a coroutine (and its ack reader) on the replica's event loop
+(`loop_server`): no thread per stream and no thread hand-off per message; whatever may block
+(the job's state, Ray payloads) runs in the replica's I/O threads through `stream_io.JobIO`.
+The unary calls (GetJob, Scale, Health) and Refill are plain functions run in the server's
+thread pool. Steps are read only from the job's state (published before anyone can see them);
 batches are built on demand, one at a time, so a replica holds at most one collated batch per
 stream and only payloads of the ranks it serves.
 
@@ -33,11 +37,15 @@ and ends. `Scale` is the authenticated call that asks for a reconfiguration (`sc
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -45,7 +53,7 @@ from pipeline import __version__
 from pipeline.errors import AckAheadOfPlan, RankHeld, StateUnavailable
 from pipeline.planner.types import EpochEnd
 from pipeline.service import scaling
-from pipeline.service.auth import require_token
+from pipeline.service.auth import check_token, require_token
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.rank_cursor import (
     Boundary,
@@ -57,6 +65,7 @@ from pipeline.service.rank_cursor import (
     Send,
 )
 from pipeline.service.refill_server import RefillServicer, add_refill_handler
+from pipeline.service.stream_io import JobIO
 from pipeline.service.wire_codec import wire_version_problem
 from pipeline.service.world_open import RESUME_FROM_CURSOR, OpenRefused, resolve
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -70,7 +79,7 @@ __all__ = ["RESUME_FROM_CURSOR", "DataServicer", "add_servicer"]
 
 @dataclass
 class StreamSession:
-    """The parts of a stream its ack reader and its sender share (guarded by `wake`)."""
+    """The parts of a stream its ack reader and its sender share (one event loop: no lock)."""
 
     rank: int
     client_id: str
@@ -84,6 +93,24 @@ class StreamSession:
     granted: int = -1  # the highest step the rank may be sent (its delivery grant)
     window: int = 1  # grants are raised this many steps at a time: the client's credit window
     left: bool = False  # got END(reconfigure): its world ended, it left
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def poke(self) -> None:
+        """Something the sender may wait for changed (credits, an error, the client closed)."""
+        self._wake.set()
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        self.error = (code, details)
+        self.poke()
+
+    async def wait(self, timeout: float) -> None:
+        """Until `poke()` or `timeout` seconds."""
+        self._wake.clear()
+        # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that
+        # arrives as the event is set, and a vanished client is exactly that.)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
 
 
 def serialize_response(msg: pb.ServerMessage | bytes) -> bytes:
@@ -91,7 +118,7 @@ def serialize_response(msg: pb.ServerMessage | bytes) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-def add_servicer(servicer: DataServicer, server: grpc.Server) -> None:
+def add_servicer(servicer: DataServicer, server: grpc.aio.Server) -> None:
     """Register like the generated `add_DataServiceServicer_to_server`, but with a Stream
     response serializer that passes pre-serialized batches through (and Refill when the
     servicer carries refill jobs)."""
@@ -121,7 +148,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
         replica_id: str = "", lease_seconds: float = 10.0, prefetch_steps: int = 4,
         resume_grace_s: float = 2.0, rank_timeout_seconds: float = 60.0,
         rank_failure_policy: str = "fail", refill: RefillServicer | None = None,
+        executor: Executor,
     ) -> None:
+        """`executor`: the I/O threads the streams' blocking calls run in."""
         if rank_failure_policy not in ("fail", "wait", "shrink"):
             raise ValueError(f"rank_failure_policy must be 'fail', 'wait' or 'shrink', "
                              f"got {rank_failure_policy!r}")
@@ -138,6 +167,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
         self._vanished: dict[tuple[str, int], str] = {}
         self._vanished_lock = threading.Lock()
         self._waiting_logged: set[tuple[str, int]] = set()
+        self.executor = executor
+        self._ios: dict[str, JobIO] = {}
 
     # --- dead ranks (Guarantee 4) ---
     def rank_failure(self, rt: JobRuntime, rank: int | None = None) -> str | None:
@@ -235,34 +266,62 @@ class DataServicer(pb_grpc.DataServiceServicer):
             context.abort(exc.code, exc.message)
         return scaling.scale_reply(rt, res)
 
-    # --- the rank stream ---
-    def Stream(self, request_iterator: Iterator[pb.ClientMessage],
-               context: grpc.ServicerContext) -> Iterator[pb.ServerMessage | bytes]:
-        """Yields End messages and pre-serialized Batch messages (see `serialize_response`)."""
+    # --- the rank stream (a coroutine on the replica's event loop: docs/ARCHITECTURE.md) ---
+    def _job_io(self, rt: JobRuntime) -> JobIO:
+        jio = self._ios.get(rt.job.job_id)
+        if jio is None:  # created on the loop, on first use
+            jio = self._ios[rt.job.job_id] = JobIO(rt, self.executor,
+                                                    asyncio.get_running_loop())
+        return jio
+
+    async def _stream_runtime(self, job_id: str, context: grpc.aio.ServicerContext
+                              ) -> JobRuntime:
+        rt = self.runtimes.get(job_id)
+        if rt is None and self.refill is not None and job_id in self.refill.jobs:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"job {job_id!r} has mode 'refill': its consumers use the Refill "
+                                "RPC (trainer_client.RefillStream), not Stream or Scale")
+        if rt is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"unknown job {job_id!r}; this server serves "
+                                f"{sorted(self.runtimes)}")
+        problem = check_token(self.tokens.get(job_id), context.invocation_metadata(), job_id)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        return rt  # type: ignore[return-value]
+
+    async def Stream(self, request_iterator: AsyncIterator[pb.ClientMessage],
+                     context: grpc.aio.ServicerContext) -> None:
+        """Writes End messages and pre-serialized Batch messages (see `serialize_response`).
+        (A coroutine rather than an async generator: a client that goes away cancels it at
+        its current await, so the cleanup below always runs with the stream's outcome.)"""
+        requests = aiter(request_iterator)
         try:
-            first = next(request_iterator)
-        except StopIteration:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream closed before Open")
+            first = await anext(requests)
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream closed before Open")
         if first.WhichOneof("kind") != "open":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"first message must be Open, got {first.WhichOneof('kind')}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"first message must be Open, got {first.WhichOneof('kind')}")
         op = first.open
         problem = wire_version_problem(op)
         if problem:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        rt = self._runtime(op.job_id, context)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        rt = await self._stream_runtime(op.job_id, context)
+        jio = self._job_io(rt)
         try:
-            start = resolve(op, rt, resume_grace_s=self.resume_grace_s)
+            start = await jio.run(functools.partial(resolve, resume_grace_s=self.resume_grace_s),
+                                  op, rt)
         except OpenRefused as exc:
-            context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message)
         step, epoch = start.pos, start.epoch
         client_id = op.client_id or context.peer()
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
             try:
-                self._claim(rt, op.rank, client_id)
+                await jio.run(self._claim, rt, op.rank, client_id)
             except RankHeld as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{exc}; retry after the lease lapses")
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"{exc}; retry after the lease lapses")
         cursor = RankCursor(op.rank, rt.job.epochs, pos=step, epoch=epoch, last_sent=step - 1,
                             world=start.world, world_size=start.world_size, limit=start.limit,
                             next_world_size=start.next_world_size)
@@ -270,34 +329,28 @@ class DataServicer(pb_grpc.DataServiceServicer):
         session = StreamSession(op.rank, client_id, credits, cursor,
                                 last_heartbeat=time.monotonic(), leased=start.has_work,
                                 granted=step - 1, window=credits)
-        wake = threading.Condition()
-
-        def cancel() -> None:
-            session.cancelled = True
-            with wake:
-                wake.notify_all()
-
-        context.add_callback(cancel)
-        reader = threading.Thread(target=self._read_acks,
-                                  args=(request_iterator, rt, session, wake), daemon=True)
-        reader.start()
+        reader = asyncio.ensure_future(self._read_acks(requests, jio, session))
         conn = rt.ranks[op.rank]
         conn.client_id, conn.connected = client_id, True
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, step, epoch, start.world, start.world_size,
                  extra={"job": op.job_id, "rank": op.rank, "step": step})
         try:
-            yield from self._send(rt, session, wake, context)
+            async for msg in self._send(jio, session, context):
+                await context.write(msg)
             # After the final END, wait (bounded) for the client's final ack and half-close so
             # the last step is recorded as consumed. (After END(reconfigure) there is nothing to
             # record: end at once, the rank is about to open its stream in the new world.)
             deadline = time.monotonic() + (0.0 if session.left else self.lease_seconds)
-            with wake:
-                while not (session.client_closed or session.cancelled):
-                    if time.monotonic() >= deadline:
-                        break
-                    wake.wait(0.1)
+            while not (session.client_closed or session.cancelled):
+                if time.monotonic() >= deadline:
+                    break
+                await session.wait(0.1)
+        except asyncio.CancelledError:  # the client went away (or the server stops)
+            session.cancelled = True
+            raise
         finally:
+            reader.cancel()
             if conn.client_id == client_id:
                 conn.connected = False
             # A client whose stream went away before its final END keeps its lease until it
@@ -313,37 +366,35 @@ class DataServicer(pb_grpc.DataServiceServicer):
                          extra={"job": op.job_id, "rank": op.rank, "step": cursor.last_sent})
             elif session.leased:
                 try:
-                    rt.state.release_rank(op.rank, client_id)
+                    await jio.run(rt.state.release_rank, op.rank, client_id)
                 except Exception:
                     log.warning("job %s rank %d: release failed", op.job_id, op.rank,
                                 exc_info=True)
-            cancel()
+            session.cancelled = True
 
-    def _read_acks(self, requests: Iterator[pb.ClientMessage], rt: JobRuntime,
-                   session: StreamSession, wake: threading.Condition) -> None:
+    async def _read_acks(self, requests: AsyncIterator[pb.ClientMessage], jio: JobIO,
+                         session: StreamSession) -> None:
+        rt = jio.rt
         try:
-            for msg in requests:
+            async for msg in requests:
                 if msg.WhichOneof("kind") != "ack":
                     continue
+                # Credits first: the sender may go on while the ack is recorded.
+                session.credits += max(0, msg.ack.credits)
+                session.poke()
                 step = msg.ack.consumed_step
                 if step >= 0:  # -1: nothing consumed yet
-                    problem = self._record_ack(rt, session, step)
+                    problem = await self._record_ack(jio, session, step)
                     if problem is not None:
-                        with wake:
-                            session.error = (grpc.StatusCode.INVALID_ARGUMENT, problem)
-                            wake.notify_all()
+                        session.fail(grpc.StatusCode.INVALID_ARGUMENT, problem)
                         return
-                    with wake:
-                        target = session.cursor.end_ack_due(step)
+                    target = session.cursor.end_ack_due(step)
                     if target is not None:
-                        self._ack(rt, session, target)
-                    rt.notify()
-                with wake:
-                    session.credits += max(0, msg.ack.credits)
-                    wake.notify_all()
-            with wake:
-                session.client_closed = True
-                wake.notify_all()
+                        await self._ack(jio, session, target)
+            session.client_closed = True
+            session.poke()
+        except asyncio.CancelledError:
+            raise
         except grpc.RpcError:
             pass  # the stream ended; the sender sees the cancellation
         except Exception as exc:  # e.g. StateUnavailable: end the stream, the client resumes
@@ -351,39 +402,39 @@ class DataServicer(pb_grpc.DataServiceServicer):
                         session.rank, type(exc).__name__, exc,
                         exc_info=not isinstance(exc, StateUnavailable),
                         extra={"job": rt.job.job_id, "rank": session.rank})
-            with wake:
-                session.error = (grpc.StatusCode.UNAVAILABLE,
-                                 f"job {rt.job.job_id!r}: recording acks failed "
-                                 f"({type(exc).__name__}: {exc}); reconnect and resume")
-                wake.notify_all()
+            session.fail(grpc.StatusCode.UNAVAILABLE,
+                         f"job {rt.job.job_id!r}: recording acks failed "
+                         f"({type(exc).__name__}: {exc}); reconnect and resume")
 
     @staticmethod
-    def _ack(rt: JobRuntime, session: StreamSession, step: int) -> None:
-        """`rt.ack` for the rank of a current world's stream. Cursors are the current world's:
+    async def _ack(jio: JobIO, session: StreamSession, step: int) -> None:
+        """`jio.ack` for the rank of a current world's stream. Cursors are the current world's:
         the acks of a rank whose world ended do not move them (nor fail the stream when the
         rank is beyond the new world)."""
         if session.cursor.limit is not None:
             return
         try:
-            rt.ack(session.rank, step)
+            await jio.ack(session.rank, step)
         except ValueError:
-            if rt.plan.fresh_head().generation == session.cursor.world:
+            head = await jio.run(jio.rt.plan.fresh_head)
+            if head.generation == session.cursor.world:
                 raise
 
     @classmethod
-    def _record_ack(cls, rt: JobRuntime, session: StreamSession, step: int) -> str | None:
+    async def _record_ack(cls, jio: JobIO, session: StreamSession, step: int) -> str | None:
         """Record the ack; the INVALID_ARGUMENT message if it acknowledges an unsent step."""
         if step <= session.cursor.last_sent and session.cursor.limit is not None:
             return None  # a rank of an ended world: it was sent, nothing to record
-        through = rt.plan.published_through()
+        rt = jio.rt
+        through = (await jio.head()).published_through
         if step > through:  # the cache may lag by its refresh interval
-            through = rt.plan.fresh_published_through()
+            through = await jio.run(rt.plan.fresh_published_through)
         try:
             if step > through:
                 raise AckAheadOfPlan(f"ack of step {step} by rank {session.rank} of job "
                                      f"{rt.job.job_id!r}, but only steps through {through} "
                                      "are published")
-            cls._ack(rt, session, step)
+            await cls._ack(jio, session, step)
         except AckAheadOfPlan as exc:
             if step <= session.cursor.last_sent:
                 # We sent it, so it was published: the state lost it (a Redis crash without
@@ -395,85 +446,97 @@ class DataServicer(pb_grpc.DataServiceServicer):
             return f"{exc}: a step can only be acked after it was delivered"
         return None
 
-    def _check_abort(self, rt: JobRuntime, s: StreamSession,
-                     context: grpc.ServicerContext) -> None:
+    async def _check_abort(self, jio: JobIO, s: StreamSession,
+                           context: grpc.aio.ServicerContext) -> None:
+        """Abort the stream if its ack reader failed, the producer failed, or a peer rank is
+        gone under policy `fail`; renew the rank's lease when due. No I/O while the cached
+        checks are fresh (`JobIO.refresh_checks`)."""
+        rt = jio.rt
         if s.error is not None:
-            context.abort(*s.error)
-        failure = self.rank_failure(rt, s.rank)
+            await context.abort(*s.error)
+        await jio.refresh_checks(self.rank_timeout_seconds)
+        error = rt.error(refresh=False)
+        if error:
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"job {rt.job.job_id!r} producer failed: {error}")
+        failure = await self._rank_failure_of(jio, s.rank)
         if failure is not None:
             log.warning("job %s rank %d: aborting stream: %s", rt.job.job_id, s.rank, failure,
                         extra={"job": rt.job.job_id, "rank": s.rank,
                                "step": s.cursor.last_sent})
-            context.abort(grpc.StatusCode.ABORTED, failure)
-
-    def _heartbeat(self, rt: JobRuntime, s: StreamSession) -> None:
+            await context.abort(grpc.StatusCode.ABORTED, failure)
         now = time.monotonic()
         if s.leased and now - s.last_heartbeat >= self.lease_seconds / 3:
-            rt.state.heartbeat(s.rank, s.client_id, self.lease_seconds)
             s.last_heartbeat = now
+            await jio.run(rt.state.heartbeat, s.rank, s.client_id, self.lease_seconds)
 
-    def _send(self, rt: JobRuntime, s: StreamSession, wake: threading.Condition,
-              context: grpc.ServicerContext) -> Iterator[pb.ServerMessage | bytes]:
+    async def _rank_failure_of(self, jio: JobIO, rank: int) -> str | None:
+        """`rank_failure` from the fresh cached lapses (its policy's own I/O, a shrink, only
+        when some rank is gone)."""
+        dead = jio.rt.dead_ranks(self.rank_timeout_seconds, refresh=False)
+        if not any(r != rank for r in dead):
+            return None
+        return await jio.run(self.rank_failure, jio.rt, rank)
+
+    async def _send(self, jio: JobIO, s: StreamSession, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[pb.ServerMessage | bytes]:
+        rt = jio.rt
         missing_since = 0.0
         while not s.cancelled:
             if s.client_closed:  # closed early on purpose: every ack it sent is recorded
                 return
             if rt.stopping:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; reconnect")
-            error = rt.error()
-            if error:
-                context.abort(grpc.StatusCode.INTERNAL,
-                              f"job {rt.job.job_id!r} producer failed: {error}")
-            self._check_abort(rt, s, context)
-            self._heartbeat(rt, s)
-            action = s.cursor.next(rt.plan)
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "server is shutting down; reconnect")
+            await self._check_abort(jio, s, context)
+            action = await jio.next_action(s.cursor)
             if isinstance(action, Finished):
                 return
             if isinstance(action, Boundary):  # the world ended: learn this rank's last step
-                self._grant(rt, s, s.cursor.pos)
+                await self._grant(jio, s, s.cursor.pos)
                 continue
             if isinstance(action, Reconfigure):
-                yield self._reconfigure_message(rt, s, action)
+                yield await self._reconfigure_message(jio, s, action)
                 return
             if isinstance(action, Missing):
                 missing_since = missing_since or time.monotonic()
                 if time.monotonic() - missing_since > 1.0:
-                    context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                  f"step {action.step} of job {rt.job.job_id!r} is no longer in "
-                                  "the plan (an epoch every rank finished); resume from a later "
-                                  "checkpoint")
-                rt.wait(0.02)
+                    await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                        f"step {action.step} of job {rt.job.job_id!r} is no "
+                                        "longer in the plan (an epoch every rank finished); "
+                                        "resume from a later checkpoint")
+                await jio.tick()
                 continue
             missing_since = 0.0
             if isinstance(action, End):
-                yield self._end_message(rt, s, action.end, wake)
+                yield await self._end_message(jio, s, action.end)
                 continue
             if isinstance(action, Send):
-                with wake:
-                    while s.credits <= 0 and not s.cancelled and s.error is None:
-                        wake.wait(0.5)
-                        self._heartbeat(rt, s)
-                        if self.rank_failure(rt, s.rank) is not None:
-                            break
-                if s.cancelled:
+                while (s.credits <= 0 and not (s.cancelled or s.client_closed)
+                       and s.error is None):
+                    await s.wait(0.5)
+                    await self._check_abort(jio, s, context)
+                if s.cancelled or s.client_closed:
                     return
-                self._check_abort(rt, s, context)
+                if s.error is not None:
+                    await context.abort(*s.error)
                 n = action.step.step
-                if n > s.granted and not self._grant(rt, s, n + s.window - 1, n):
+                if n > s.granted and not await self._grant(jio, s, n + s.window - 1, n):
                     continue  # its world ended before this step, or the state is behind
-                msg = rt.build_message(action.step, s.rank, s.cursor.world_size)
+                msg = await jio.build(action.step, s.rank, s.cursor.world_size)
                 s.credits -= 1
                 s.cursor.sent(action.step)
                 rt.ranks[s.rank].delivered = n
                 yield msg
                 continue
-            rt.wait(0.02)  # Wait: nothing published for this rank yet
+            await jio.tick()  # Wait: nothing published for this rank yet
 
     @staticmethod
-    def _grant(rt: JobRuntime, s: StreamSession, through: int, need: int | None = None) -> bool:
+    async def _grant(jio: JobIO, s: StreamSession, through: int, need: int | None = None
+                     ) -> bool:
         """Raise the rank's delivery grant towards `through`; True if step `need` may be sent.
         An ended world answers with the rank's last step instead (the cursor's limit)."""
-        g = rt.grant(s.cursor.world, s.rank, through)
+        g = await jio.grant(s.cursor.world, s.rank, through)
         if g.ended:  # it may be sent everything through its last step, no more
             s.cursor.limit, s.cursor.next_world_size = g.through, g.next_world_size
             s.granted = max(s.granted, g.through)
@@ -481,15 +544,17 @@ class DataServicer(pb_grpc.DataServiceServicer):
         s.granted = max(s.granted, g.through)
         if need is None or s.granted >= need:
             return True
-        rt.wait(0.02)  # the state holds less of the plan than we read (it lost writes)
+        await jio.tick()  # the state holds less of the plan than we read (it lost writes)
         return False
 
-    def _reconfigure_message(self, rt: JobRuntime, s: StreamSession,
-                             action: Reconfigure) -> pb.ServerMessage:
+    @staticmethod
+    async def _reconfigure_message(jio: JobIO, s: StreamSession,
+                                   action: Reconfigure) -> pb.ServerMessage:
         """This rank ran its ended world's last step: it leaves (its lease is released now, so
         the rank's stream in the new world is not held up), then gets END(reconfigure)."""
+        rt = jio.rt
         try:
-            rt.state.rank_left(s.cursor.world, s.rank, s.client_id)
+            await jio.run(rt.state.rank_left, s.cursor.world, s.rank, s.client_id)
         except Exception:  # the lease then lapses; the switch completes all the same
             log.warning("job %s rank %d: recording its exit from world %d failed",
                         rt.job.job_id, s.rank, s.cursor.world, exc_info=True)
@@ -502,19 +567,19 @@ class DataServicer(pb_grpc.DataServiceServicer):
             epoch_steps=0, job_done=False, reason=pb.END_REASON_RECONFIGURE,
             world_size=action.world_size))
 
-    def _end_message(self, rt: JobRuntime, s: StreamSession, end: EpochEnd,
-                     wake: threading.Condition) -> pb.ServerMessage:
-        with wake:
-            s.cursor.ended(end)
+    async def _end_message(self, jio: JobIO, s: StreamSession, end: EpochEnd
+                           ) -> pb.ServerMessage:
+        rt = jio.rt
+        s.cursor.ended(end)
         # Ack it through the epoch's last step now if it acked everything it was sent (a rank
-        # with no batch at all acked "everything"); else its next ack triggers it. (A rank of
-        # an ended world has no cursor to move.)
+        # with no batch at all acked "everything"); else its next ack triggers it (whichever
+        # of the two sees the ack first takes the entry). (A rank of an ended world has no
+        # cursor to move.)
         if s.cursor.limit is None:
-            acked = -1 if s.cursor.last_sent < 0 else rt.state.acked(s.rank)
-            with wake:
-                target = s.cursor.end_ack_due(acked)
+            acked = -1 if s.cursor.last_sent < 0 else await jio.run(rt.state.acked, s.rank)
+            target = s.cursor.end_ack_due(acked)
             if target is not None:
-                self._ack(rt, s, target)
+                await self._ack(jio, s, target)
         final = end.final_step[s.rank]
         return pb.ServerMessage(end=pb.End(
             epoch=end.epoch, final_step=-1 if final is None else final, mode=_MODE[rt.mode],

@@ -1,15 +1,15 @@
 """One job as one serving replica sees it: the parts its rank streams share, wired together.
 
 - `plan` (`PlanView`): the published plan, read cheaply and only per served rank;
-- `ack` (a `Coalescer` over `JobState.ack_many`): acks of all streams in grouped round trips;
-- `grant` (a `Coalescer` over `JobState.grant`): delivery grants of all streams, the same way
-  (a stream raises its rank's grant before sending past it: docs/elastic.md);
 - `payloads` (`PayloadSource`): the payloads of a rank's batch, by reference;
 - `build_message`: a rank's batch as wire bytes (`batch_builder`);
 - `dead_ranks`: lapsed ranks for the failure policy, one query per ~0.25 s for all streams;
 - `host`: where the job's producer runs (`producer.hosting`), started with the runtime;
 - `ranks`: what this replica knows of its own connections (for GetJob and status, labelled
-  per replica).
+  per replica);
+- `notify`/`wait`: "the plan may have changed" (a reconfiguration, a stop) for the threads and
+  the event-loop waiters (`add_waker`) that poll it.
+Acks and delivery grants are written by the streams' event loop (`stream_io.JobIO`).
 Everything job-wide (plan, cursors, counters, errors) lives in the `JobState`; a replica holds
 caches only, so any replica serves any rank and a replica can die without losing anything.
 """
@@ -21,15 +21,15 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.config import JobConfig
 from pipeline.jobstate.interface import JobState
-from pipeline.jobstate.worlds import Grant, PlanHead
+from pipeline.jobstate.worlds import PlanHead
 from pipeline.planner.types import Step
 from pipeline.producer.hosting import ProducerHost
 from pipeline.service.batch_builder import batch_message
-from pipeline.service.coalescer import Coalescer
 from pipeline.service.payloads import PayloadSource
 from pipeline.service.plan_view import PlanView
 from pipeline.service.rank_cursor import epoch_last_step
@@ -67,8 +67,7 @@ class JobRuntime:
         self.mode = state.mode
         self.collate = job.batching.collate
         self.plan = PlanView(state, refresh_seconds=refresh_seconds)
-        self._acks = Coalescer(state.ack_many)
-        self._grants = Coalescer(state.grant)
+        self._wakers: list[Callable[[], None]] = []
         # By rank id (a reconfiguration changes the world size, the ids are reused).
         self.ranks: defaultdict[int, RankConnection] = defaultdict(RankConnection)
         self.started_at = time.monotonic()
@@ -99,43 +98,47 @@ class JobRuntime:
     def notify(self) -> None:
         with self._changed:
             self._changed.notify_all()
+            wakers = list(self._wakers)
+        for wake in wakers:
+            wake()
+
+    def add_waker(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` (from any thread) on every `notify`."""
+        with self._changed:
+            self._wakers.append(wake)
 
     def wait(self, timeout: float) -> None:
         with self._changed:
             self._changed.wait(timeout)
 
-    # --- shared reads and writes ---
-    def ack(self, rank: int, step: int) -> None:
-        """`state.ack`, grouped with the acks other streams make meanwhile."""
-        if step >= 0:
-            self._acks((rank, step))
-
-    def grant(self, world: int, rank: int, through: int) -> Grant:
-        """`state.grant` for one stream, grouped with the other streams' grants."""
-        return self._grants((world, rank, through))
-
-    def error(self) -> str | None:
-        """The producer's recorded failure (read at most every second)."""
+    # --- shared reads ---
+    def error(self, refresh: bool = True) -> str | None:
+        """The producer's recorded failure (read at most every second; `refresh=False`: the
+        last value read, without I/O)."""
         now = time.monotonic()
         with self._error_lock:
             at, value = self._error
-            if now - at >= 1.0:
+            if refresh and now - at >= 1.0:
                 # An unreachable state: streams learn it from their own reads.
                 with contextlib.suppress(Exception):
                     value = self.state.error()
                 self._error = (now, value)
             return value
 
-    def dead_ranks(self, rank_timeout_seconds: float) -> dict[int, float]:
+    def dead_ranks(self, rank_timeout_seconds: float, refresh: bool = True) -> dict[int, float]:
         """rank -> seconds its lease has been lapsed, for ranks lapsed (held before, no live
         holder, not re-claimed) longer than the timeout (Guarantee 4). A freshly started
         replica does not count lapse time from before it was up longer than its own uptime:
-        after a restart every rank gets the full timeout to reconnect. Cached ~0.25 s."""
+        after a restart every rank gets the full timeout to reconnect. Cached ~0.25 s
+        (`refresh=False`: the last value read, without I/O)."""
         now = time.monotonic()
         with self._dead_lock:
             c = self._dead_cache
-            if c is not None and c[1] == rank_timeout_seconds and now - c[0] < 0.25:
+            if c is not None and c[1] == rank_timeout_seconds and (
+                    now - c[0] < 0.25 or not refresh):
                 return c[2]
+            if not refresh:
+                return {}
         uptime = now - self.started_at
         out: dict[int, float] = {}
         if uptime > rank_timeout_seconds:

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class PayloadSource(Protocol):
+    blocking: bool  # fetch may wait on I/O (an event loop calls it in a thread then)
+
     def fetch(self, step: Step, rank: int) -> list[ProcessedSample]: ...
 
     def fetched_by_rank(self) -> dict[int, int]:
@@ -76,6 +78,8 @@ class _Counting:
 
 
 class ArrayPayloads(_Counting):
+    blocking = False
+
     def __init__(self, source: ArraySource) -> None:
         super().__init__()
         self.source = source
@@ -91,6 +95,8 @@ class ArrayPayloads(_Counting):
 
 
 class RayPayloads(_Counting):
+    blocking = True
+
     def __init__(self, job: JobConfig, state: JobState, local: LocalFeed | None = None) -> None:
         super().__init__()
         self.job = job

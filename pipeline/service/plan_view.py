@@ -57,6 +57,31 @@ class PlanView:
     def published_through(self) -> int:
         return self.head().published_through
 
+    # --- without I/O: what the cache holds now (an event loop must not block on the state) ---
+    def cached_head(self) -> PlanHead | None:
+        """The head if read less than `refresh_seconds` ago (None: stale, failed or never
+        read; `head()` reads it)."""
+        c = self._pt
+        if c is None or c[1] is None or time.monotonic() - c[0] >= self.refresh_seconds:
+            return None
+        return c[1]
+
+    def cached_step(self, n: int, rank: int) -> Step | None:
+        with self._steps_lock:
+            return self._steps.get((n, rank))
+
+    def cached_epoch_end(self, epoch: int) -> tuple[bool, EpochEnd | None]:
+        """(known, END): known when the END is cached or its absence was read less than
+        `refresh_seconds` ago; else `epoch_end(epoch)` reads it."""
+        with self._ends_lock:
+            hit = self._ends.get(epoch)
+            fresh = time.monotonic() - self._ends_at < self.refresh_seconds
+            return hit is not None or fresh, hit
+
+    def fetch_steps(self, keys: Sequence[tuple[int, int]]) -> list[Step | None]:
+        """`step_for` of several (step, rank) keys in one round trip (with read-ahead)."""
+        return self._fetch_many(keys)
+
     def fresh_head(self) -> PlanHead:
         """Read the state now (before refusing a request that a stale value would refuse)."""
         v = self.state.head()

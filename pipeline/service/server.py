@@ -19,10 +19,8 @@ import socket
 import threading
 import uuid
 from collections.abc import Mapping
-from concurrent import futures
 from dataclasses import dataclass, field
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -36,6 +34,7 @@ from pipeline.producer.producer import ProducerSettings
 from pipeline.service.auth import server_credentials
 from pipeline.service.data_server import DataServicer, add_servicer
 from pipeline.service.job_runtime import JobRuntime
+from pipeline.service.loop_server import LoopServer
 from pipeline.service.payloads import ArrayPayloads, PayloadSource, RayPayloads
 from pipeline.service.refill_server import RefillJob, RefillServicer
 from pipeline.service.state_factory import make_job_state
@@ -57,7 +56,7 @@ def new_replica_id() -> str:
 
 @dataclass
 class RunningService:
-    server: grpc.Server
+    server: LoopServer
     port: int
     runtimes: dict[str, JobRuntime]
     health: health.HealthServicer
@@ -75,12 +74,9 @@ class RunningService:
             fn()
         for rt in self.runtimes.values():
             rt.stop()
-        self.server.stop(grace).wait(grace + 1.0)
+        self.server.stop(grace).wait(grace + 5.0)
         for rt in self.runtimes.values():
             rt.state.close()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.server.wait_for_termination(timeout)
 
 
 def producer_settings(config: ServiceConfig, pool_steps: int | None = None) -> ProducerSettings:
@@ -122,7 +118,6 @@ def start_service(
     sample_sources: Mapping[str, ArraySource] | None = None,
     tokens: Mapping[str, str | None] | None = None,
     resume_grace_s: float | None = None,
-    max_workers: int | None = None,
     pool_steps: int | None = None,
     replica_id: str | None = None,
     ray_ready: threading.Event | None = None,
@@ -151,14 +146,13 @@ def start_service(
         runtimes[job.job_id] = JobRuntime(job, state, payloads, host)
         toks[job.job_id] = tokens[job.job_id] if tokens and job.job_id in tokens else job.token()
 
-    # One pool thread per live stream (+ unary calls): size it for every rank of every job, in
-    # the largest world it may be reconfigured to plus the ranks draining from the previous one
-    # (threads are started on demand, so the bound costs nothing until used).
-    # (A refill job's consumers hold one thread each too: room for 32 per job.)
-    workers = max_workers or max(16, sum(j.world_size_cap() for j in config.jobs
-                                         if j.mode != "refill") * 2 + 8 + 32 * len(refill_jobs))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="odb"),
-                         options=grpc_options(config.grpc.max_message_mb))
+    # Rank streams are coroutines of the server's loop; threads serve the unary calls, health
+    # watches and Refill (a refill consumer holds one: room for 32 per job), and the streams'
+    # blocking reads and writes (grouped: a few threads serve any number of streams).
+    # (Threads are started on demand, so the bounds cost nothing until used.)
+    server = LoopServer(grpc_options(config.grpc.max_message_mb),
+                        handler_threads=16 + 32 * len(refill_jobs),
+                        io_threads=8)
     servicer = DataServicer(runtimes, toks, replica_id=replica_id,
                             lease_seconds=config.lease_seconds,
                             prefetch_steps=config.grpc.prefetch_steps,
@@ -166,7 +160,8 @@ def start_service(
                                             if resume_grace_s is None else resume_grace_s),
                             rank_timeout_seconds=config.rank_timeout_seconds,
                             rank_failure_policy=config.rank_failure_policy,
-                            refill=_refill_servicer(refill_jobs, toks, runtimes))
+                            refill=_refill_servicer(refill_jobs, toks, runtimes),
+                            executor=server.io)
     add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

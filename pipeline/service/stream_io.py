@@ -1,0 +1,162 @@
+"""What a job's rank streams ask of it from the replica's event loop, without blocking the loop.
+
+A replica's rank streams are coroutines on one event loop (`loop_server`): no thread per stream
+and no thread hand-off per message. The job's state (Redis) and payloads (Ray) answer with
+blocking calls, so `JobIO`, the loop's side of a `JobRuntime`, runs every call that may block in
+the replica's I/O threads, and groups the frequent ones (`AsyncCoalescer`): the streams asking at
+the same time share one round trip for their acks, delivery grants, plan steps, the plan's head
+and the failure checks. `CachedPlan` lets a `RankCursor` decide from what the `PlanView` holds; a
+read it would have to make raises `PlanMiss`, and `JobIO.next_action` makes it off the loop and
+asks the cursor again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+from pipeline.jobstate.worlds import Grant, PlanHead
+from pipeline.planner.types import EpochEnd, Step
+from pipeline.service.coalescer import AsyncCoalescer
+from pipeline.service.job_runtime import JobRuntime
+from pipeline.service.plan_view import PlanView
+from pipeline.service.rank_cursor import Action, RankCursor
+
+T = TypeVar("T")
+CHECK_SECONDS = 0.25  # how stale the producer error and the lapsed ranks may be
+
+
+class PlanMiss(Exception):
+    """The cursor needs a read the cache cannot answer: ("head",), ("step", n, rank) or
+    ("end", epoch)."""
+
+    def __init__(self, key: tuple) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class CachedPlan:
+    """A `PlanReader` over what the `PlanView` holds; `filled` answers the misses read since
+    (None included: a step not in the state is an answer too)."""
+
+    def __init__(self, plan: PlanView) -> None:
+        self.plan = plan
+        self.filled: dict[tuple, Any] = {}
+
+    def _filled(self, key: tuple) -> Any:
+        if key not in self.filled:
+            raise PlanMiss(key)
+        return self.filled[key]
+
+    def head(self) -> PlanHead:
+        h = self.plan.cached_head()
+        return h if h is not None else self._filled(("head",))
+
+    def step_for(self, n: int, rank: int) -> Step | None:
+        hit = self.plan.cached_step(n, rank)
+        return hit if hit is not None else self._filled(("step", n, rank))
+
+    def epoch_end(self, epoch: int) -> EpochEnd | None:
+        known, end = self.plan.cached_epoch_end(epoch)
+        return end if known else self._filled(("end", epoch))
+
+
+class JobIO:
+    def __init__(self, rt: JobRuntime, executor: Executor,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.rt = rt
+        self.executor = executor
+        self.loop = loop
+        self._acks: AsyncCoalescer[tuple[int, int], None] = AsyncCoalescer(
+            rt.state.ack_many, executor)
+        self._grants: AsyncCoalescer[tuple[int, int, int], Grant] = AsyncCoalescer(
+            rt.state.grant, executor)
+        self._steps: AsyncCoalescer[tuple[int, int], Step | None] = AsyncCoalescer(
+            rt.plan.fetch_steps, executor)
+        self._heads: AsyncCoalescer[None, PlanHead] = AsyncCoalescer(
+            lambda keys: [rt.plan.head()] * len(keys), executor)
+        self._checks: AsyncCoalescer[float, None] = AsyncCoalescer(self._read_checks, executor)
+        self._checked_at = -1.0
+        self._tick: asyncio.Future | None = None
+        rt.add_waker(lambda: loop.call_soon_threadsafe(self._wake))
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in an I/O thread."""
+        return await self.loop.run_in_executor(self.executor, functools.partial(fn, *args))
+
+    # --- the plan ---
+    async def next_action(self, cursor: RankCursor) -> Action:
+        plan = CachedPlan(self.rt.plan)
+        while True:
+            try:
+                return cursor.next(plan)
+            except PlanMiss as miss:
+                plan.filled[miss.key] = await self._read(miss.key)
+
+    async def _read(self, key: tuple) -> Any:
+        if key[0] == "head":
+            return await self._heads(None)
+        if key[0] == "step":
+            return await self._steps((key[1], key[2]))
+        return await self.run(self.rt.plan.epoch_end, key[1])
+
+    async def head(self) -> PlanHead:
+        """The plan's head, at most `refresh_seconds` stale."""
+        return self.rt.plan.cached_head() or await self._heads(None)
+
+    async def tick(self) -> None:
+        """Wait until the plan may have changed: the plan's refresh interval, or sooner on
+        `JobRuntime.notify`. Every stream waiting meanwhile shares one timer."""
+        if self._tick is None or self._tick.done():
+            self._tick = self.loop.create_future()
+            self.loop.call_later(self.rt.plan.refresh_seconds, _resolve, self._tick)
+        await asyncio.shield(self._tick)  # a cancelled waiter leaves the others' tick alone
+
+    def _wake(self) -> None:
+        if self._tick is not None:
+            _resolve(self._tick)
+
+    # --- writes ---
+    async def ack(self, rank: int, step: int) -> None:
+        """`state.ack`, grouped with the other streams' acks."""
+        if step >= 0:
+            await self._acks((rank, step))
+
+    async def grant(self, world: int, rank: int, through: int) -> Grant:
+        """`state.grant`, grouped with the other streams' grants."""
+        return await self._grants((world, rank, through))
+
+    # --- checks ---
+    async def refresh_checks(self, rank_timeout_seconds: float) -> None:
+        """Make `rt.error()` and `rt.dead_ranks()` fresh (read at most every CHECK_SECONDS),
+        so the stream reads them without I/O (`refresh=False`)."""
+        if time.monotonic() - self._checked_at >= CHECK_SECONDS:
+            await self._checks(rank_timeout_seconds)
+
+    def _read_checks(self, timeouts: Sequence[float]) -> list[None]:
+        for t in set(timeouts):
+            self.rt.dead_ranks(t)
+        self.rt.error()
+        self._checked_at = time.monotonic()
+        return [None] * len(timeouts)
+
+    # --- payloads ---
+    async def build(self, step: Step, rank: int, world_size: int) -> bytes:
+        """The rank's batch as wire bytes; built on the loop unless its payloads need I/O."""
+        if self.rt.payloads.blocking:
+            return await self.run(self.rt.build_message, step, rank, world_size)
+        return self.rt.build_message(step, rank, world_size)
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def job_ios(runtimes: dict[str, JobRuntime], executor: Executor,
+            loop: asyncio.AbstractEventLoop) -> dict[Hashable, JobIO]:
+    return {job: JobIO(rt, executor, loop) for job, rt in runtimes.items()}
