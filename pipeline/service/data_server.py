@@ -335,9 +335,15 @@ class DataServicer(pb_grpc.DataServiceServicer):
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, step, epoch, start.world, start.world_size,
                  extra={"job": op.job_id, "rank": op.rank, "step": step})
+        writing: asyncio.Future | None = None
         try:
+            # One write in flight per call; the next message is prepared while it goes out.
             async for msg in self._send(jio, session, context):
-                await context.write(msg)
+                if writing is not None:
+                    await writing
+                writing = asyncio.ensure_future(context.write(msg))
+            if writing is not None:
+                await writing
             # After the final END, wait (bounded) for the client's final ack and half-close so
             # the last step is recorded as consumed. (After END(reconfigure) there is nothing to
             # record: end at once, the rank is about to open its stream in the new world.)
@@ -351,6 +357,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
             raise
         finally:
             reader.cancel()
+            if writing is not None and not writing.done():
+                writing.cancel()
             if conn.client_id == client_id:
                 conn.connected = False
             # A client whose stream went away before its final END keeps its lease until it

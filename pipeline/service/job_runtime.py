@@ -66,7 +66,9 @@ class JobRuntime:
         self.pad_id = pad_id
         self.mode = state.mode
         self.collate = job.batching.collate
-        self.plan = PlanView(state, refresh_seconds=refresh_seconds)
+        # Room for every rank's read-ahead and credit window in the largest world.
+        self.plan = PlanView(state, refresh_seconds=refresh_seconds,
+                             cache_size=max(4096, 16 * job.world_size_cap()))
         self._wakers: list[Callable[[], None]] = []
         # By rank id (a reconfiguration changes the world size, the ids are reused).
         self.ranks: defaultdict[int, RankConnection] = defaultdict(RankConnection)

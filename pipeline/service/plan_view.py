@@ -24,7 +24,7 @@ from pipeline.service.coalescer import Coalescer
 
 class PlanView:
     def __init__(self, state: JobState, *, refresh_seconds: float = 0.025,
-                 cache_size: int = 4096, read_ahead: int = 4) -> None:
+                 cache_size: int = 4096, read_ahead: int = 8) -> None:
         self.state = state
         self.refresh_seconds = refresh_seconds
         self.read_ahead = read_ahead
@@ -58,6 +58,11 @@ class PlanView:
         return self.head().published_through
 
     # --- without I/O: what the cache holds now (an event loop must not block on the state) ---
+    def head_age(self) -> float:
+        """Seconds since the head was read (inf: never, or the read failed)."""
+        c = self._pt
+        return float("inf") if c is None or c[1] is None else time.monotonic() - c[0]
+
     def cached_head(self) -> PlanHead | None:
         """The head if read less than `refresh_seconds` ago (None: stale, failed or never
         read; `head()` reads it)."""

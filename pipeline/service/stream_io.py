@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
@@ -82,6 +82,8 @@ class JobIO:
         self._checks: AsyncCoalescer[float, None] = AsyncCoalescer(self._read_checks, executor)
         self._checked_at = -1.0
         self._tick: asyncio.Future | None = None
+        self._pending_head: asyncio.Task | None = None
+        self._pending_steps: dict[int, asyncio.Task] = {}  # by rank
         rt.add_waker(lambda: loop.call_soon_threadsafe(self._wake))
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -93,9 +95,47 @@ class JobIO:
         plan = CachedPlan(self.rt.plan)
         while True:
             try:
-                return cursor.next(plan)
+                action = cursor.next(plan)
+                break
             except PlanMiss as miss:
                 plan.filled[miss.key] = await self._read(miss.key)
+        self._read_ahead(cursor)
+        return action
+
+    def _read_ahead(self, cursor: RankCursor) -> None:
+        """Keep the reads a stream will make next off its path: the head is re-read once it
+        is half its refresh interval old, and a rank's next published steps once the step
+        half a read-ahead away is not cached (both in the background, grouped as ever)."""
+        plan = self.rt.plan
+        if plan.head_age() >= plan.refresh_seconds / 2 and self._pending_head is None:
+            self._pending_head = self._background(self._heads(None), self._head_read)
+        head = plan.cached_head()
+        if head is None or cursor.rank in self._pending_steps:
+            return
+        ahead = min(cursor.pos + plan.read_ahead // 2, head.published_through)
+        if ahead >= cursor.pos and plan.cached_step(ahead, cursor.rank) is None:
+            first = next(n for n in range(cursor.pos, ahead + 1)
+                         if plan.cached_step(n, cursor.rank) is None)
+            rank = cursor.rank
+            self._pending_steps[rank] = self._background(
+                self._steps((first, rank)), lambda: self._pending_steps.pop(rank, None))
+
+    def _head_read(self) -> None:
+        self._pending_head = None
+
+    def _background(self, read: Coroutine[Any, Any, Any], finished: Callable[[], object]
+                    ) -> asyncio.Task:
+        """Run `read` for the cache; `finished()` once it ended. (Its value and its failure
+        are the business of the next read a stream waits on.)"""
+        task = self.loop.create_task(read)
+
+        def done(t: asyncio.Task) -> None:
+            finished()
+            if not t.cancelled():
+                t.exception()  # retrieved, so asyncio does not log it
+
+        task.add_done_callback(done)
+        return task
 
     async def _read(self, key: tuple) -> Any:
         if key[0] == "head":
