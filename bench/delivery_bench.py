@@ -26,6 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import socket
 import struct
 import sys
@@ -52,6 +53,17 @@ WARMUP = 8  # batches per rank: the first prefetch windows filling at connect
 
 # --- trainer rank processes ------------------------------------------------------------------
 
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + sys) of another process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rank(address: str, job: str, rank: int, world: int, line: StartLine, step_time: float,
           q) -> None:
     import torch  # noqa: F401  (a trainer has torch loaded: its import is not delivery)
@@ -59,6 +71,7 @@ def _rank(address: str, job: str, rank: int, world: int, line: StartLine, step_t
     from trainer_client import BatchStream
 
     line.arrive()
+    cpu0 = _cpu_s()
     n = nbytes = 0
     waited = warm_waited = 0.0
     first = last = None
@@ -89,11 +102,13 @@ def _rank(address: str, job: str, rank: int, world: int, line: StartLine, step_t
     end = time.perf_counter()
     q.put({"rank": rank, "batches": n, "bytes": nbytes, "first": first, "last": last,
            "waited": waited, "wall": end - t_start, "warm_waited": warm_waited,
-           "warm_wall": end - (warm_at or t_start)})
+           "warm_wall": end - (warm_at or t_start), "cpu_s": _cpu_s() - cpu0})
 
 
-def _deliver(redis_url: str, job_id: str, replicas: int, steps: int, budget: int,
-             max_len: int, step_time: float = 0.0) -> dict:
+def _deliver(redis_url: str, redis_pid: int, job_id: str, replicas: int, steps: int,
+             budget: int, max_len: int, step_time: float = 0.0) -> dict:
+    """One delivery run; `cpu_ms_per_batch` splits the machine's CPU over the run by role
+    (the replicas, the 8 rank processes, the producer, Redis): on 2 cores they all compete."""
     job = array_job(job_id, RANKS, budget)
     producer = start_producer(redis_url, job, steps, max_len)
     reps = [Replica(redis_url, job, steps, max_len) for _ in range(replicas)]
@@ -105,17 +120,22 @@ def _deliver(redis_url: str, job_id: str, replicas: int, steps: int, budget: int
         p.start()
     line.wait_ready()  # the rank processes import torch and grpc before the clock starts
     cpu0 = [r.cpu() for r in reps]
+    producer0, redis0 = producer.cpu(), _proc_cpu_s(redis_pid)
     line.go()
     res = [q.get(timeout=900) for _ in procs]
+    cpu = [r.cpu() - c for r, c in zip(reps, cpu0, strict=True)]
+    producer_cpu, redis_cpu = producer.cpu() - producer0, _proc_cpu_s(redis_pid) - redis0
     for p in procs:
         p.join(30)
-    cpu = [r.cpu() - c for r, c in zip(reps, cpu0, strict=True)]
     stops = [r.stop() for r in reps]
     producer.stop()
     t0, t1 = min(r["first"] for r in res), max(r["last"] for r in res)
     batches, nbytes = sum(r["batches"] for r in res), sum(r["bytes"] for r in res)
     served = [sorted(s["fetched_by_rank"]) for s in stops]
+    per_batch = {"replicas": sum(cpu), "ranks": sum(r["cpu_s"] for r in res),
+                 "producer": producer_cpu, "redis": redis_cpu}
     return {"replicas": replicas, "batches": batches, "bytes": nbytes, "seconds": t1 - t0,
+            "cpu_ms_per_batch": {k: v / batches * 1e3 for k, v in per_batch.items()},
             "batches_per_s": batches / (t1 - t0), "mb_per_s": nbytes / (t1 - t0) / 1e6,
             "replica_cpu_s": cpu, "ranks_served": served,
             "stall_fraction": sum(r["waited"] for r in res) / sum(r["wall"] for r in res),
@@ -338,7 +358,7 @@ def _plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, (a, e, b, c) = plt.subplots(1, 4, figsize=(17, 3.8))
     d = result["delivery"]
     names = (["raw TCP\n(same bytes)", "bare gRPC\n(same bytes)", "bare\ngrpc.aio"]
              + [f"service,\n{r['replicas']} replica(s)" for r in d])
@@ -347,6 +367,14 @@ def _plot(result: dict, path: Path) -> None:
     a.tick_params(axis="x", labelsize=8)
     a.set_ylabel("MB/s to 8 rank processes")
     a.set_title("delivery on loopback")
+    split = d[0]["cpu_ms_per_batch"]
+    bottom = 0.0
+    for (role, ms), color in zip(split.items(), ["#2a5", "#c63", "#69c", "#999"], strict=False):
+        e.bar(["1 replica"], [ms], bottom=bottom, color=color, label=f"{role} {ms:.2f}")
+        bottom += ms
+    e.set_ylabel("CPU ms per delivered batch")
+    e.set_title("where the 2 cores go")
+    e.legend(fontsize=8)
     s = result["stall"]
     b.bar(["stall (all)", "after warm-up"],
           [s["stall_fraction"] * 100, s["stall_fraction_after_warmup"] * 100],
@@ -383,13 +411,21 @@ def main() -> int:
     budget, max_len = args.budget, 1536
     log = lambda m: print(m, flush=True)  # noqa: E731
     with LocalRedis() as redis:
-        url = redis.url
+        url, redis_pid = redis.url, redis.proc.pid
         delivery = []
-        for n in (1, 2):
+        # One replica three times (the median round is the figure: runs on 2 shared cores
+        # vary by +-15%), then two replicas once.
+        for i, n in enumerate((1, 1, 1, 2)):
             log(f"delivery: {n} replica(s), {RANKS} ranks, {steps} steps ...")
-            delivery.append(_deliver(url, f"deliver-{n}", n, steps, budget, max_len))
+            delivery.append(_deliver(url, redis_pid, f"deliver-{i}", n, steps, budget,
+                                     max_len))
+            cpu = delivery[-1]["cpu_ms_per_batch"]
             log(f"  {delivery[-1]['mb_per_s']:.0f} MB/s, "
-                f"{delivery[-1]['batches_per_s']:.0f} batches/s")
+                f"{delivery[-1]['batches_per_s']:.0f} batches/s; CPU ms per batch: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+        one = sorted(delivery[:3], key=lambda r: r["mb_per_s"])
+        delivery = [{**one[1], "rounds_mb_per_s": [r["mb_per_s"] for r in delivery[:3]]},
+                    delivery[3]]
         log("raw TCP of the same bytes ...")
         # Loopback moves these bytes in a fraction of a second: each of 3 rounds carries at
         # least ~1 GB (so the clock is not noise), and the median round is the reference.
@@ -402,7 +438,8 @@ def main() -> int:
             f"bare grpc.aio {bare_aio['mb_per_s']:.0f} MB/s")
         target = delivery[0]["batches_per_s"] / RANKS * 0.5
         log(f"stall at {target:.1f} steps/s per rank ...")
-        stall = _deliver(url, "stall", 1, max(10, steps // 2), budget, max_len, 1.0 / target)
+        stall = _deliver(url, redis_pid, "stall", 1, max(10, steps // 2), budget, max_len,
+                         1.0 / target)
         stall["target_steps_per_s"] = target
         log(f"  stall {stall['stall_fraction']:.2%} "
             f"(after warm-up {stall['stall_fraction_after_warmup']:.2%})")
@@ -434,6 +471,7 @@ def main() -> int:
                       "bare_grpc_mb_per_s": bare["mb_per_s"],
                       "bare_grpc_aio_mb_per_s": bare_aio["mb_per_s"],
                       "service_vs_bare_grpc": result["service_vs_bare_grpc"],
+                      "cpu_ms_per_batch_1_replica": delivery[0]["cpu_ms_per_batch"],
                       "stall_after_warmup": stall["stall_fraction_after_warmup"],
                       "cpu_ms_per_batch": {c["world_size"]: c["cpu_ms_per_batch"] for c in cpu}},
                      indent=2))

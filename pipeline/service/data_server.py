@@ -359,6 +359,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
             reader.cancel()
             if writing is not None and not writing.done():
                 writing.cancel()
+            elif writing is not None and not writing.cancelled():
+                writing.exception()  # retrieved: the stream's outcome is decided above
             if conn.client_id == client_id:
                 conn.connected = False
             # A client whose stream went away before its final END keeps its lease until it
