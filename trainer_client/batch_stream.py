@@ -21,8 +21,13 @@ Position: `next_step` (the global step after the last yielded batch) and `epoch`
 epoch whose END the trainer has not seen). A background thread keeps at most `prefetch`
 undelivered batches (credits: the server sends only as many as the client has granted).
 Batches are torch tensors when torch is installed, numpy arrays otherwise (`tensors=`).
-Acks: taking batch k+1 (or the END) acknowledges batch k, so a crash redelivers at most the
-step in progress. Connection failures reconnect with backoff and resume from what was received.
+Acks: taking batch k+1 (or the END) acknowledges batch k. The ack and the freed credits go out
+together once fewer than half of `prefetch` batches are left queued (at once when the trainer
+outpaces the service; every few steps when it waits on its model): one message per few steps,
+never a starved queue. The service's acknowledged position thus trails the trainer by less
+than `prefetch` steps: a trainer restarted without its `state_dict` may get those again (with
+it, it resumes exactly); `ack()` and `close()` send it at once. Connection failures reconnect
+with backoff and resume from what was received.
 
 Endpoint: any gRPC target (`host:port`, `dns:///svc:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`);
 the channel fails over between the addresses it resolves with gRPC's own load-balancing policy
@@ -184,8 +189,8 @@ class BatchStream:
         self._done = False
         self._last_yielded = -1
         # Until a state is loaded or a batch arrives, the service picks the position: the rank's
-        # first unacknowledged step (a restarted trainer without a checkpoint goes on, exactly
-        # once, instead of starting over).
+        # first unacknowledged step (a restarted trainer without a checkpoint goes on instead of
+        # starting over, repeating at most the steps whose ack had not gone out).
         self._positioned = False
         self.last_end: EpochEndInfo | None = None
         self._reconfigured = 0  # the new world's size once this stream's world ended
@@ -193,6 +198,7 @@ class BatchStream:
         # Receiver side.
         self._items: queue.Queue = queue.Queue()
         self._queued_batches = 0
+        self._unsent_credits = 0  # freed queue slots not yet granted to the service
 
     # --- checkpointing ---
     def state_dict(self) -> dict[str, Any]:
@@ -284,11 +290,14 @@ class BatchStream:
             yield item
 
     def ack(self) -> None:
-        """Acknowledge the last yielded batch now (it is also acked when the next is taken)."""
-        self._send(pb.Ack(consumed_step=self._last_yielded, credits=0))
+        """Acknowledge the last yielded batch now (and grant the freed queue slots)."""
+        with self._link.lock:
+            self._send_ack_locked()
 
     def close(self) -> None:
         if self._finalizer.alive:
+            if self._last_yielded >= 0:
+                self.ack()  # what the trainer consumed is recorded before the call ends
             self._link.stop(drain_s=2.0)  # acks in flight are recorded before the call ends
             self._finalizer()
 
@@ -316,21 +325,21 @@ class BatchStream:
         if isinstance(item, StreamError):
             raise item
         with self._link.lock:
-            is_batch = isinstance(item, StreamBatch)
-            if is_batch:
+            # Taking the next item means the previous batch is done: ack it, free its slot
+            # (sent with the others once the queue runs low; an END's ack goes at once).
+            if isinstance(item, StreamBatch):
                 self._queued_batches -= 1
-            # Taking the next item means the previous batch is done: ack it, free its slot.
-            self._send_locked(pb.Ack(consumed_step=self._last_yielded,
-                                     credits=1 if is_batch else 0))
+                self._unsent_credits += 1
+                if self._queued_batches >= max(1, self.prefetch // 2):
+                    return item
+            self._send_ack_locked()
         return item
 
-    def _send(self, ack: pb.Ack) -> None:
-        with self._link.lock:
-            self._send_locked(ack)
-
-    def _send_locked(self, ack: pb.Ack) -> None:
+    def _send_ack_locked(self) -> None:
         if self._link.reqs is not None:
-            self._link.reqs.put(pb.ClientMessage(ack=ack))
+            self._link.reqs.put(pb.ClientMessage(ack=pb.Ack(
+                consumed_step=self._last_yielded, credits=self._unsent_credits)))
+            self._unsent_credits = 0
 
     def _ensure_receiver(self) -> None:
         if not self._finalizer.alive:
@@ -340,6 +349,7 @@ class BatchStream:
             link.closing = False
             self._items = queue.Queue()
             self._queued_batches = 0
+            self._unsent_credits = 0
             link.thread = threading.Thread(target=self._receive, name=f"odb-rank{self.rank}",
                                            daemon=True)
             link.thread.start()
@@ -355,6 +365,7 @@ class BatchStream:
             reqs: queue.SimpleQueue = queue.SimpleQueue()
             with link.lock:
                 credits = max(1, self.prefetch - self._queued_batches)
+                self._unsent_credits = 0  # this Open grants every free slot
                 reqs.put(pb.ClientMessage(open=pb.Open(
                     job_id=self.job, rank=self.rank, world_size=self.world_size,
                     resume_step=pos, resume_epoch=epoch, client_id=self.client_id,
