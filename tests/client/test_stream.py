@@ -250,3 +250,19 @@ def test_a_version_1_state_learns_where_its_epoch_starts_from_the_job():
             second_epoch = list(s)
             assert s.last_end.first_step == len(first_epoch)
     assert ids_of(second_epoch) == ALL_IDS
+
+
+def test_a_slow_trainer_acks_every_few_steps_never_far_behind_and_close_records_the_rest():
+    with served() as svc:
+        s = BatchStream(svc.address, "j", 0, 1, prefetch=4)
+        it = iter(s)
+        lags = []
+        for _ in range(8):
+            batch = next(it)
+            time.sleep(0.3)  # a trainer busy with its model: the queue stays full
+            lags.append(batch.info.step - s.job_status().ranks[0].acked_step)
+        # Grouped (not one message per batch), and less than the prefetch window behind.
+        assert 2 <= max(lags) < 4
+        s.close()  # sends the ack of the last batch taken
+        with BatchStream(svc.address, "j", 0, 1) as probe:
+            assert probe.job_status().ranks[0].acked_step == batch.info.step
