@@ -9,7 +9,9 @@ completions between threads). Handlers that are plain functions (the unary calls
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -17,23 +19,33 @@ from typing import Any, TypeVar
 import grpc
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class LoopServer:
     def __init__(self, options: Sequence[tuple[str, Any]], *, handler_threads: int,
                  io_threads: int) -> None:
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopping: threading.Thread | None = None
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="odb-io")
         self._handlers = ThreadPoolExecutor(handler_threads, thread_name_prefix="odb")
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(self._unhandled)
         self._thread = threading.Thread(target=self.loop.run_forever, name="odb-grpc-loop",
                                         daemon=True)
         self._thread.start()
-        self._stopped = threading.Event()
 
         async def make() -> grpc.aio.Server:
             return grpc.aio.server(migration_thread_pool=self._handlers, options=list(options))
 
         self.server = self.call(make())
+
+    def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        # Calls cut by the stop fail inside gRPC with nobody left to read the error.
+        if self._stopping is not None and "ExecuteBatchError" in repr(context.get("exception")):
+            return
+        loop.default_exception_handler(context)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30.0) -> T:
         """Run `coro` on the loop and wait for its result."""
@@ -64,33 +76,43 @@ class LoopServer:
     def stop(self, grace: float | None) -> threading.Event:
         """Stop accepting calls, give the live ones `grace` seconds, then close the loop; the
         returned event is set once everything is down (like `grpc.Server.stop`)."""
-        if self._stopped.is_set() or self.loop.is_closed():
-            return self._stopped
-
-        async def stop() -> None:
-            try:
-                await self.server.stop(grace)
-                rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-                for t in rest:
-                    t.cancel()
-                await asyncio.gather(*rest, return_exceptions=True)
-            finally:
-                self.loop.call_soon(self.loop.stop)
-
-        fut = asyncio.run_coroutine_threadsafe(stop(), self.loop)
-
-        def finished(_f: object) -> None:
-            threading.Thread(target=self._close, daemon=True).start()
-
-        fut.add_done_callback(finished)
+        with self._stop_lock:
+            if self._stopping is None:
+                self._stopping = threading.Thread(target=self._shut, args=(grace,),
+                                                  name="odb-grpc-stop", daemon=True)
+                self._stopping.start()
         return self._stopped
 
-    def _close(self) -> None:
+    def _shut(self, grace: float | None) -> None:
+        try:
+            self.call(self.server.stop(grace), timeout=(grace or 0) + 30)
+        except Exception:  # a loop already gone: close what is left
+            log.debug("grpc server stop failed", exc_info=True)
+        # Plain handlers read their requests through the loop: let them see their calls end
+        # while it still runs (a handler thread left waiting on a stopped loop would hold the
+        # interpreter's exit forever).
+        self._handlers.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + 10.0
+        for t in list(self._handlers._threads):  # (the executor's own list of its threads)
+            t.join(max(0.0, deadline - time.monotonic()))
+
+        async def cancel_the_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            self.call(cancel_the_rest(), timeout=10)
+        except Exception:
+            log.debug("cancelling the loop's tasks failed", exc_info=True)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10.0)
         if not self._thread.is_alive():
             self.loop.close()
-        self._handlers.shutdown(wait=False, cancel_futures=True)
         self.io.shutdown(wait=False, cancel_futures=True)
+        for t in list(self.io._threads):  # each ends with its current (bounded) call
+            t.join(max(0.0, deadline + 10.0 - time.monotonic()))
         self._stopped.set()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:

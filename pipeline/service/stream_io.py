@@ -13,6 +13,7 @@ asks the cursor again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Coroutine, Hashable, Sequence
@@ -84,7 +85,7 @@ class JobIO:
         self._tick: asyncio.Future | None = None
         self._pending_head: asyncio.Task | None = None
         self._pending_steps: dict[int, asyncio.Task] = {}  # by rank
-        rt.add_waker(lambda: loop.call_soon_threadsafe(self._wake))
+        rt.add_waker(self._wake_from_any_thread)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in an I/O thread."""
@@ -155,6 +156,10 @@ class JobIO:
             self._tick = self.loop.create_future()
             self.loop.call_later(self.rt.plan.refresh_seconds, _resolve, self._tick)
         await asyncio.shield(self._tick)  # a cancelled waiter leaves the others' tick alone
+
+    def _wake_from_any_thread(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: a runtime outlives it
+            self.loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
         if self._tick is not None:

@@ -334,3 +334,21 @@ def test_input_ids_travel_as_raw_int32(served):
         while not got:
             got = s.refill(3000)
     assert got[0].input_ids.dtype == np.int32 and got[0].input_ids.ndim == 1
+
+
+def test_stopping_with_a_consumer_and_a_rank_still_connected_leaves_no_thread_behind(served):
+    """Refill runs in the server's handler threads and reads its requests through the event
+    loop the rank streams run on: a stop must end both kinds of call before the loop goes, or
+    a handler thread would wait on it forever (and hold the interpreter's exit)."""
+    svc, _ = served
+    channel = grpc.insecure_channel(svc.address)
+    refill = channel.stream_stream("/odb.v1.DataService/Refill")(iter(lambda: None, 0))
+    rank = BatchStream(svc.address, "train", 0, 1, prefetch=1)
+    next(iter(rank))
+    time.sleep(0.5)  # the Refill handler now waits for its first request
+    assert svc.server.stop(grace=0.2).wait(20)
+    assert not [t.name for t in threading.enumerate()
+                if t.name.startswith(("odb_", "odb-io", "odb-grpc"))]
+    rank.close()
+    refill.cancel()
+    channel.close()
