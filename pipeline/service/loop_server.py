@@ -88,14 +88,25 @@ class LoopServer:
             self.call(self.server.stop(grace), timeout=(grace or 0) + 30)
         except Exception:  # a loop already gone: close what is left
             log.debug("grpc server stop failed", exc_info=True)
-        # Plain handlers read their requests through the loop: let them see their calls end
-        # while it still runs (a handler thread left waiting on a stopped loop would hold the
-        # interpreter's exit forever).
+        # Plain handlers (Refill) read their requests through the loop: cancelling the loop's
+        # tasks ends those reads, so the handler threads end too, while the loop still runs.
+        # (A handler thread left waiting on a stopped loop would hold the interpreter's exit.)
+        self._cancel_tasks()
         self._handlers.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + 10.0
         for t in list(self._handlers._threads):  # (the executor's own list of its threads)
             t.join(max(0.0, deadline - time.monotonic()))
+        self._cancel_tasks()  # whatever the handlers started meanwhile
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
+        if not self._thread.is_alive():
+            self.loop.close()
+        self.io.shutdown(wait=False, cancel_futures=True)
+        for t in list(self.io._threads):  # each ends with its current (bounded) call
+            t.join(max(0.0, deadline + 10.0 - time.monotonic()))
+        self._stopped.set()
 
+    def _cancel_tasks(self) -> None:
         async def cancel_the_rest() -> None:
             rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in rest:
@@ -106,14 +117,6 @@ class LoopServer:
             self.call(cancel_the_rest(), timeout=10)
         except Exception:
             log.debug("cancelling the loop's tasks failed", exc_info=True)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10.0)
-        if not self._thread.is_alive():
-            self.loop.close()
-        self.io.shutdown(wait=False, cancel_futures=True)
-        for t in list(self.io._threads):  # each ends with its current (bounded) call
-            t.join(max(0.0, deadline + 10.0 - time.monotonic()))
-        self._stopped.set()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         """True once stopped (False: `timeout` passed first)."""
