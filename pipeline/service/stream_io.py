@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Coroutine, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
@@ -201,7 +201,3 @@ def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
 
-
-def job_ios(runtimes: dict[str, JobRuntime], executor: Executor,
-            loop: asyncio.AbstractEventLoop) -> dict[Hashable, JobIO]:
-    return {job: JobIO(rt, executor, loop) for job, rt in runtimes.items()}
