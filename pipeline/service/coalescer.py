@@ -20,6 +20,19 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 
+def _call_grouped(call_many: Callable[[Sequence[K]], Sequence[V | BaseException]],
+                  keys: Sequence[K]) -> Sequence[V | BaseException]:
+    """One result per key; a failed round trip is every caller's exception."""
+    try:
+        results = call_many(keys)
+        if len(results) != len(keys):
+            raise RuntimeError(f"batched call returned {len(results)} results for "
+                               f"{len(keys)} keys")
+        return results
+    except BaseException as exc:
+        return [exc] * len(keys)
+
+
 class Coalescer(Generic[K, V]):
     def __init__(self, call_many: Callable[[Sequence[K]], Sequence[V | BaseException]]) -> None:
         """`call_many(keys)` returns one result per key, in order: a value or an exception."""
@@ -48,13 +61,7 @@ class Coalescer(Generic[K, V]):
         return slot[0]
 
     def _flush(self, batch: list[tuple[K, list]]) -> None:
-        try:
-            results = self._call_many([k for k, _ in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"batched call returned {len(results)} results for "
-                                   f"{len(batch)} keys")
-        except BaseException as exc:  # the whole round trip failed: every caller gets it
-            results = [exc] * len(batch)
+        results = _call_grouped(self._call_many, [k for k, _ in batch])
         for (_, slot), res in zip(batch, results, strict=True):
             if isinstance(res, BaseException):
                 slot[1] = res
@@ -92,14 +99,8 @@ class AsyncCoalescer(Generic[K, V]):
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
-                keys = [k for k, _ in batch]
-                try:
-                    results = await loop.run_in_executor(self._executor, self._call_many, keys)
-                    if len(results) != len(batch):
-                        raise RuntimeError(f"batched call returned {len(results)} results for "
-                                           f"{len(batch)} keys")
-                except Exception as exc:  # the whole round trip failed: every caller gets it
-                    results = [exc] * len(batch)
+                results = await loop.run_in_executor(self._executor, _call_grouped,
+                                                     self._call_many, [k for k, _ in batch])
                 for (_, fut), res in zip(batch, results, strict=True):
                     if fut.done():  # its caller was cancelled
                         continue
