@@ -170,6 +170,14 @@ def _numpy_inputs(batch: StreamBatch, dtype: Any) -> dict[str, Any]:
 def _torch_dtypes() -> dict[int, Any]:
     import torch
 
+    # torch warns, once per process, that a tensor over read-only bytes is read-only: it is,
+    # by design (the module docstring). Have that warning now, silenced, and not around each
+    # decode: `catch_warnings` swaps process-wide state, which the stream's receiver thread
+    # must not do while the trainer's own threads run (their warnings would be lost, or their
+    # filters replaced).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
     return {k: torch.bfloat16 if k == pb.BFLOAT16 else torch.from_numpy(np.empty(0, v)).dtype
             for k, v in NUMPY_DTYPES.items()}
 
@@ -177,9 +185,11 @@ def _torch_dtypes() -> dict[int, Any]:
 def resolve_tensor_kind(kind: TensorKind) -> Literal["torch", "numpy"]:
     """"auto" -> "torch" when torch is importable, else "numpy"."""
     if kind == "auto":
-        return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+        kind = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
     if kind not in ("torch", "numpy"):
         raise ValueError(f"tensors must be 'auto', 'torch' or 'numpy', got {kind!r}")
+    if kind == "torch":
+        _torch_dtypes()  # on the caller's thread, before any receiver thread decodes
     return kind
 
 
@@ -196,9 +206,7 @@ def tensor_from_wire(t: pb.Tensor, kind: Literal["torch", "numpy"] = "torch") ->
     dtype = _torch_dtypes()[t.dtype]
     if not data:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": by design
-        return torch.frombuffer(data, dtype=dtype).reshape(shape)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def decode_batch(b: pb.Batch, kind: Literal["torch", "numpy"] = "torch") -> StreamBatch:
