@@ -53,7 +53,7 @@ from pipeline import __version__
 from pipeline.errors import AckAheadOfPlan, RankHeld, StateUnavailable
 from pipeline.planner.types import EpochEnd
 from pipeline.service import scaling
-from pipeline.service.auth import check_token, require_token
+from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.rank_cursor import (
     Boundary,
@@ -213,17 +213,27 @@ class DataServicer(pb_grpc.DataServiceServicer):
         rt.state.claim_rank(rank, client_id, self.lease_seconds)
 
     # --- common checks ---
-    def _runtime(self, job_id: str, context: grpc.ServicerContext) -> JobRuntime:
+    def _lookup(self, job_id: str, metadata: object
+                ) -> tuple[JobRuntime | None, tuple[grpc.StatusCode, str] | None]:
+        """The job's runtime, or why a call for it is refused (status code and message)."""
         rt = self.runtimes.get(job_id)
         if rt is None and self.refill is not None and job_id in self.refill.jobs:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            return None, (grpc.StatusCode.FAILED_PRECONDITION,
                           f"job {job_id!r} has mode 'refill': its consumers use the Refill RPC "
                           "(trainer_client.RefillStream), not Stream or Scale")
         if rt is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
+            return None, (grpc.StatusCode.NOT_FOUND,
                           f"unknown job {job_id!r}; this server serves {sorted(self.runtimes)}")
-        require_token(self.tokens.get(job_id), context, job_id)
-        return rt
+        problem = check_token(self.tokens.get(job_id), metadata, job_id)
+        if problem is not None:
+            return None, (grpc.StatusCode.UNAUTHENTICATED, problem)
+        return rt, None
+
+    def _runtime(self, job_id: str, context: grpc.ServicerContext) -> JobRuntime:
+        rt, refusal = self._lookup(job_id, context.invocation_metadata())
+        if refusal is not None:
+            context.abort(*refusal)
+        return rt  # type: ignore[return-value]
 
     # --- unary ---
     def Health(self, request: pb.Ping, context: grpc.ServicerContext) -> pb.Pong:
@@ -276,18 +286,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
 
     async def _stream_runtime(self, job_id: str, context: grpc.aio.ServicerContext
                               ) -> JobRuntime:
-        rt = self.runtimes.get(job_id)
-        if rt is None and self.refill is not None and job_id in self.refill.jobs:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"job {job_id!r} has mode 'refill': its consumers use the Refill "
-                                "RPC (trainer_client.RefillStream), not Stream or Scale")
-        if rt is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"unknown job {job_id!r}; this server serves "
-                                f"{sorted(self.runtimes)}")
-        problem = check_token(self.tokens.get(job_id), context.invocation_metadata(), job_id)
-        if problem is not None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        rt, refusal = self._lookup(job_id, context.invocation_metadata())
+        if refusal is not None:
+            await context.abort(*refusal)
         return rt  # type: ignore[return-value]
 
     async def Stream(self, request_iterator: AsyncIterator[pb.ClientMessage],

@@ -129,16 +129,22 @@ def test_failed_refresh_is_reraised_within_interval():
     assert st.calls["head"] == 1
 
 
-def test_coalescer_groups_calls_and_keeps_errors_per_caller():
-    seen: list[list[int]] = []
-    gate = threading.Event()
+def gated_call_many(seen: list[list[int]], gate: threading.Event):
+    """A grouped call for coalescer tests: records each group, holds until `gate` is set, and
+    answers key k with k * 10 (key 5 with its own ValueError)."""
 
     def call_many(keys):
         seen.append(list(keys))
         gate.wait(2)
         return [ValueError(k) if k == 5 else k * 10 for k in keys]
 
-    c = Coalescer(call_many)
+    return call_many
+
+
+def test_coalescer_groups_calls_and_keeps_errors_per_caller():
+    seen: list[list[int]] = []
+    gate = threading.Event()
+    c = Coalescer(gated_call_many(seen, gate))
     out: dict[int, object] = {}
 
     def call(k: int) -> None:

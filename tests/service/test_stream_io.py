@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from service_helpers import job_dict
-from test_plan_view import CountingState, _publish, _step
+from test_plan_view import CountingState, _publish, _step, gated_call_many
 
 from pipeline.config import JobConfig
 from pipeline.jobstate import MemoryJobState
@@ -35,13 +35,8 @@ def test_async_coalescer_groups_waiting_calls_and_keeps_errors_per_caller(io_thr
     seen: list[list[int]] = []
     gate = threading.Event()
 
-    def call_many(keys):
-        seen.append(list(keys))
-        gate.wait(2)
-        return [ValueError(k) if k == 5 else k * 10 for k in keys]
-
     async def main() -> dict[int, object]:
-        c = AsyncCoalescer(call_many, io_threads)
+        c = AsyncCoalescer(gated_call_many(seen, gate), io_threads)
 
         async def call(k: int) -> object:
             try:
