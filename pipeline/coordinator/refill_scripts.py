@@ -42,11 +42,13 @@ local function release(consumer, keep)
   if n > 0 then redis.call('HINCRBY', K_CNT, 'readmitted', n) end
   return n
 end
+-- An expired consumer's last reply stays on record: an ask it retries after a long outage
+-- must get that reply again (its finished ids were recorded; applied afresh they would come
+-- back neither completed nor stale). Its next ask or open replaces or drops it.
 local function expire(t)
   for _, c in ipairs(redis.call('ZRANGEBYSCORE', K_CONS, '-inf', t)) do
     release(c, {})
     redis.call('ZREM', K_CONS, c)
-    redis.call('HDEL', base .. 'refill:calls', c)
   end
 end
 """

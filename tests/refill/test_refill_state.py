@@ -132,6 +132,19 @@ def test_a_retried_ask_gets_the_same_admission_and_applies_nothing_twice(redis_c
     assert state.refill("c", 0, ["s:0"], 8).completed == done.completed == ["s:0"]
 
 
+def test_an_ask_retried_after_the_lease_lapsed_still_confirms_what_it_finished(redis_client):
+    # A replica restart outlasting the lease: the ask was applied, its reply lost.
+    state = filled(redis_client, [(10, 10)] * 4, lease_seconds=0.3)
+    state.refill("c", 40, [], 1)                      # s:0, s:1
+    first = state.refill("c", 0, ["s:0", "s:1"], 2)   # the reply is lost
+    time.sleep(0.4)
+    state.refill("other", 0, [], 1)                   # any call expires the lapsed consumer
+    state.open("c", [], retry_seq=2)
+    again = state.refill("c", 0, ["s:0", "s:1"], 2)
+    assert again.completed == first.completed == ["s:0", "s:1"] and not again.stale
+    assert state.counts().completed == 2
+
+
 def test_reopening_keeps_what_is_held_and_the_retried_asks_admission(redis_client):
     state = filled(redis_client, [(10, 10)] * 6)
     state.refill("c", 40, [], 1)                 # s:0, s:1, known to the consumer
