@@ -16,7 +16,8 @@ exits so the launcher restarts the group at the new size.
 
 Environment: PIPELINE_ENDPOINT, PIPELINE_JOB, PIPELINE_TOKEN (optional) as in train_example.py;
 RANK/WORLD_SIZE/LOCAL_RANK and TORCHELASTIC_RESTART_COUNT from torchrun. CPU/gloo or CUDA/nccl.
-`--record` appends one JSON line per trained batch (tests check exactly-once from it).
+`--record` appends one JSON line per batch as its step starts (tests check exactly-once
+from it, up to the checkpoint).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from example_setup import exit_skipping_finalization
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -58,7 +59,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--record", type=Path, default=None, help="JSON line per trained batch")
+    p.add_argument("--record", type=Path, default=None,
+                   help="JSON line per batch, as its step starts")
     return p.parse_args()
 
 
@@ -99,6 +101,14 @@ def main() -> int:
         while not stream.done:
             with Join([ddp]):  # join mode: a rank that ends its epoch first shadows the rest
                 for batch in stream:
+                    if log is not None:
+                        # Written before the step: its gradients are all-reduced inside
+                        # backward(), so the peers (and rank 0's next checkpoint) may count the
+                        # step done before this rank got past it.
+                        log.write(json.dumps({"restart": restart, "world": world, "rank": rank,
+                                              "step": batch.info.step,
+                                              "ids": list(batch.info.sample_ids)}) + "\n")
+                        log.flush()
                     inputs = batch.to_model_inputs(device)
                     labels = inputs["labels"]
                     labels = torch.where(labels >= 0, labels % args.vocab, labels)
@@ -107,11 +117,6 @@ def main() -> int:
                     loss.backward()
                     opt.step()
                     steps += 1
-                    if log is not None:
-                        log.write(json.dumps({"restart": restart, "world": world, "rank": rank,
-                                              "step": batch.info.step,
-                                              "ids": list(batch.info.sample_ids)}) + "\n")
-                        log.flush()
                     if batch.info.step % args.save_every == 0:
                         save()
             end = stream.last_end
@@ -128,4 +133,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_skipping_finalization(main())

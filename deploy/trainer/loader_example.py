@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from example_setup import causal_lm, open_stream, parser, rank_and_world
+from example_setup import causal_lm, exit_skipping_finalization, open_stream, parser, rank_and_world
 
 
 def main() -> int:
@@ -68,4 +68,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_skipping_finalization(main())

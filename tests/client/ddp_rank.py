@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy" / "trainer"))
 
+from example_setup import exit_skipping_finalization
 from tiny_lm import build_model, flat_grad
 
 from trainer_client import BatchStream, StreamLoader, causal_lm_loss
@@ -171,4 +173,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_skipping_finalization(main())

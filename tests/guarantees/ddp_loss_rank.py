@@ -62,4 +62,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy" / "trainer"))
+    from example_setup import exit_skipping_finalization
+
     main()
+    exit_skipping_finalization(0)
