@@ -57,7 +57,7 @@ def exit_skipping_finalization(code: int) -> NoReturn:
     destroy_process_group. A worker still releasing the last collective's tensor when the
     interpreter finalizes must take the GIL; a finalizing interpreter ends such a thread inside a
     C++ destructor and the process aborts (SIGABRT, "terminate called without an active
-    exception") after a clean run: 3 of 80 runs of train_example.py on a busy 2-core machine.
+    exception") after a clean run: 3 of 80 two-rank runs of train_example.py on a 2-core machine.
     Call this once the streams, files and the process group are closed.
     """
     sys.stdout.flush()
