@@ -69,13 +69,18 @@ def run(args: argparse.Namespace) -> int:
             svc = start_service(config, ray_ready=ray_up.ready)
         except OSError as exc:
             raise UserError(str(exc)) from None
+        metrics_port = None
+        if config.metrics_port is not None:
+            # Bound before a private Ray starts: its processes take ports of their own.
+            try:
+                _, metrics_port = start_metrics_server(config.metrics_port, svc,
+                                                       host=config.grpc.host)
+            except OSError as exc:
+                svc.stop(grace=0)
+                raise UserError(f"metrics port {config.metrics_port}: {exc.strerror}") from None
         if not config.ray.address and svc.runtimes:  # (refill jobs need no Ray)
             ray_up.start(lambda: all(rt.state.published_through() >= 0 or rt.state.is_done()
                                      for rt in svc.runtimes.values()))
-        metrics_port = None
-        if config.metrics_port is not None:
-            _, metrics_port = start_metrics_server(config.metrics_port, svc,
-                                                   host=config.grpc.host)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +44,20 @@ def test_serve_names_a_missing_token_variable(tmp_path, capsys, monkeypatch):
     path = _config(tmp_path, token_env="ODB_TEST_MISSING_TOKEN")
     assert cli.main(["serve", "--config", str(path)]) == 2
     assert "ODB_TEST_MISSING_TOKEN is unset or empty" in capsys.readouterr().err
+
+
+def test_a_taken_metrics_port_is_a_one_line_error(tmp_path, capsys):
+    path = _config(tmp_path)
+    cfg = json.loads(path.read_text())
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        cfg["metrics_port"] = taken.getsockname()[1]
+        path.write_text(json.dumps(cfg))
+        assert cli.main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"metrics port {cfg['metrics_port']}: Address already in use" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow
