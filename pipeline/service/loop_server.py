@@ -42,8 +42,10 @@ class LoopServer:
         self.server = self.call(make())
 
     def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        # Calls cut by the stop fail inside gRPC with nobody left to read the error.
-        if self._stopping is not None and "ExecuteBatchError" in repr(context.get("exception")):
+        # Calls cut by the stop fail (or are cancelled) inside gRPC with nobody left to read it.
+        exc = context.get("exception")
+        if self._stopping is not None and (isinstance(exc, asyncio.CancelledError)
+                                           or "ExecuteBatchError" in repr(exc)):
             return
         loop.default_exception_handler(context)
 

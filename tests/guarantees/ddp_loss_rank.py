@@ -61,7 +61,7 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # (imports here: the test imports this module too)
     import sys
     from pathlib import Path
 
