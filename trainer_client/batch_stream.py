@@ -143,12 +143,14 @@ class _Link:
         self.reqs = None
         return thread is None or not thread.is_alive()
 
-    def shut(self, collect: bool = True) -> None:
-        self.stop()
+    def shut(self, drain_s: float = 0.0, collect: bool = True) -> None:
+        """Stop, then close the channel. `collect`: run a full garbage collection (always
+        done when the receiver did not end)."""
+        ended = self.stop(drain_s)
         with self.lock:
             self.call = None
         self.channel.close()
-        if collect:
+        if collect or not ended:
             # At interpreter exit this runs from atexit, while daemon threads still run: collect
             # any call left in a reference cycle now, not in the final GC (see _receive).
             gc.collect()
@@ -301,12 +303,11 @@ class BatchStream:
         if self._finalizer.alive:
             if self._last_yielded >= 0:
                 self.ack()  # what the trainer consumed is recorded before the call ends
-            ended = self._link.stop(drain_s=2.0)  # acks in flight are recorded first
             self._finalizer.detach()
-            # With the receiver joined, no thread of this stream is left for the final GC to
-            # trip on: no full collection (75 ms of CPU in a process with torch loaded, at
-            # every close, a reconfiguration's included).
-            self._link.shut(collect=not ended)
+            # Acks in flight are recorded first (drain). Once the receiver is joined, no thread
+            # of this stream is left for the final GC to trip on: no full collection (75 ms of
+            # CPU in a process with torch loaded, at every close, a reconfiguration's included).
+            self._link.shut(drain_s=2.0, collect=False)
 
     def __enter__(self) -> BatchStream:
         return self
