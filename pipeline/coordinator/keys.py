@@ -112,7 +112,7 @@ class JobKeys:
                 self.quarantine_ids, self.quarantine, self.worlds, self.grants, self.draining,
                 self.world_times]
 
-    # --- refill jobs (docs/refill.md): written by the scripts of coordinator/refill_scripts.py ---
+    # --- refill jobs (docs/refill.md): written by the scripts coordinator/lua/refill_*.lua ---
     @property
     def refill_meta(self) -> str:  # hash: producer lease, source cursor, exhausted flag
         return self.base + "refill:meta"

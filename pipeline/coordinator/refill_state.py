@@ -1,7 +1,7 @@
 """A refill job's shared state in Redis: the queue, the leases, completions and counters.
 
 Owns the `refill:*` keys of one job (keys.py, docs/redis-schema.md); every change that touches
-more than one key is a script of `refill_scripts.py`, so a replica or consumer that dies between
+more than one key is a script of `lua/refill_*.lua`, so a replica or consumer that dies between
 two calls leaves no half-made change. Any replica answers any consumer from here; the producer
 (the replica holding the job's refill producer lease) fills the queue through `enqueue`.
 Imports nothing of the service.

@@ -1,6 +1,6 @@
 """Admission under a consumer's free token capacity: longest-waiting first, within the budget.
 
-The rule, which the Redis script (`coordinator/refill_scripts.py` ADMIT) implements too:
+The rule, which the Redis script (`coordinator/lua/refill_refill.lua`) implements too:
 walk the waiting requests by arrival order (lowest `seq` first: a re-admitted request keeps
 its original seq, so it goes before everything that arrived after it); admit each one whose cost
 fits the capacity still free, skip one that does not (a smaller one behind it may fit: the

@@ -1,0 +1,71 @@
+-- ARGV: base, consumer, lease_ms, free_tokens, scan, call_seq, n_finished, finished ids...
+-- Reply: {'ok', admitted ids (array), completed ids, stale ids} or
+--        {'rejected', unknown ids, twice ids} (nothing applied) or
+--        a retried call (same call_seq): the very reply of the first time, from the record.
+--! include now
+--! include refill_helpers
+local consumer, lease = ARGV[2], tonumber(ARGV[3])
+local free, scan, call = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local nf = tonumber(ARGV[7])
+local prev = redis.call('HGET', base .. 'refill:calls', consumer)
+if prev then
+  local rec = cjson.decode(prev)
+  if rec[1] == call then
+    redis.call('ZADD', K_CONS, now + lease, consumer)
+    return {'ok', rec[2], rec[3], rec[4]}
+  end
+end
+local unknown, twice, seen = {}, {}, {}
+for i = 8, 7 + nf do
+  local id = ARGV[i]
+  if redis.call('HEXISTS', K_INFO, id) == 0 then unknown[#unknown + 1] = id
+  elseif seen[id] then twice[#twice + 1] = id end
+  seen[id] = true
+end
+if #unknown > 0 or #twice > 0 then return {'rejected', unknown, twice} end
+expire(now)
+local completed, stale = {}, {}
+for i = 8, 7 + nf do
+  local id = ARGV[i]
+  local by = redis.call('HGET', K_DONE, id)
+  local owner = redis.call('HGET', K_OWNER, id)
+  if by then
+    if by ~= consumer then stale[#stale + 1] = id end
+  elseif owner and owner ~= consumer then
+    stale[#stale + 1] = id
+  else
+    if owner then
+      redis.call('HDEL', K_OWNER, id)
+      redis.call('SREM', base .. 'refill:held:' .. owner, id)
+    end
+    redis.call('ZREM', K_WAIT, id)
+    redis.call('HSET', K_DONE, id, consumer)
+    completed[#completed + 1] = id
+  end
+end
+redis.call('ZADD', K_CONS, now + lease, consumer)
+local held = base .. 'refill:held:' .. consumer
+local idle = redis.call('SCARD', held) == 0
+local admitted = {}
+if free > 0 then
+  local left = free
+  for _, id in ipairs(redis.call('ZRANGE', K_WAIT, 0, scan - 1)) do
+    if left <= 0 then break end
+    local cost, _, over = info_of(id)
+    if over then
+      if idle and #admitted == 0 then admitted = {id}; break end
+    elseif cost <= left then
+      admitted[#admitted + 1] = id
+      left = left - cost
+    end
+  end
+  for _, id in ipairs(admitted) do
+    redis.call('ZREM', K_WAIT, id)
+    redis.call('HSET', K_OWNER, id, consumer)
+    redis.call('SADD', held, id)
+  end
+  if #admitted > 0 then redis.call('HINCRBY', K_CNT, 'admitted', #admitted) end
+end
+redis.call('HSET', base .. 'refill:calls', consumer,
+  cjson.encode({call, admitted, completed, stale}))
+return {'ok', admitted, completed, stale}
