@@ -8,10 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from support.waiting import wait_for
 
 from pipeline.demo.report import figure
 from pipeline.sample_data import sample_chats_path
@@ -137,14 +137,6 @@ def _running(pids: set[int]) -> set[int]:
     return {p for p in pids if (st := _proc_stat(p)) is not None and st[0] != "Z"}
 
 
-def _wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _interrupt_and_check(proc: subprocess.Popen, kids: set[int]) -> str:
     """SIGINT the demo: it exits 130 (KeyboardInterrupt) and everything it started is gone."""
     proc.send_signal(signal.SIGINT)
@@ -153,7 +145,7 @@ def _interrupt_and_check(proc: subprocess.Popen, kids: set[int]) -> str:
     assert "interrupted" in err
     # Orphans are reaped by init; wait for that with a deadline, then name any survivor.
     try:
-        _wait_until(lambda: not _running(kids), 30, "the demo's processes to end")
+        wait_for(lambda: not _running(kids), 30, "the demo's processes to end")
     except AssertionError:
         alive = {p: _cmdline(p)[:120] for p in _running(kids)}
         raise AssertionError(f"left running after Ctrl-C: {alive}\n{err[-2000:]}") from None
@@ -175,12 +167,12 @@ def _start_with_frozen_ranks(run_dir: Path) -> tuple[subprocess.Popen, set[int]]
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             return len(ranks) == 2
 
-        _wait_until(ranks_started, 300, "the demo's trainer ranks")
+        wait_for(ranks_started, 300, "the demo's trainer ranks")
         for r in ranks:
             os.kill(r, signal.SIGSTOP)
         # The stop takes effect when the kernel next runs the rank: wait for it to show.
         states = lambda: [(_proc_stat(r) or ("Z",))[0] for r in ranks]  # noqa: E731
-        _wait_until(lambda: all(st in "TZX" for st in states()), 30, "the ranks to stop")
+        wait_for(lambda: all(st in "TZX" for st in states()), 30, "the ranks to stop")
         if all(st == "T" for st in states()):
             return proc, kids
     except BaseException:
@@ -238,7 +230,7 @@ def test_ctrl_c_during_start_up_stops_everything(tmp_path):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             return any(_comm(k) == "gcs_server" for k in kids)
 
-        _wait_until(gcs_started, 300, "Ray's GCS")
+        wait_for(gcs_started, 300, "Ray's GCS")
         _interrupt_and_check(proc, kids | _descendants(proc.pid))
     finally:
         if proc.poll() is None:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_process import REPO, ServeProcess
+from support.serve_process import REPO, ServeProcess
 
 from pipeline.redis_server import free_port
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pipeline.config import JobConfig
@@ -255,15 +255,6 @@ class ProducerInstance:
         if self.thread.is_alive():
             self.stop()
         self.client_state.close()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def quarantine_entry(sample_id: str) -> QuarantineEntry:

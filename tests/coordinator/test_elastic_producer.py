@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 import pytest
+from support.waiting import wait_for
 
 from pipeline.config import JobConfig
 from pipeline.coordinator import RedisJobState
@@ -28,15 +29,6 @@ def job(job_id: str, world_size: int = 3) -> JobConfig:
     return JobConfig.model_validate({
         "job_id": job_id, "world_size": world_size, "seed": 5, "source": {"paths": ["arrays"]},
         "batching": {"token_budget": 1024, "max_window_samples": 32, "pool_steps": 2}})
-
-
-def wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Run:

@@ -21,8 +21,8 @@ from elastic_helpers import (
     samples,
     scale_cli,
     served,
-    wait_for,
 )
+from support.waiting import wait_for
 
 from pipeline.coordinator import RedisJobState
 from pipeline.jobstate import ScaleReason

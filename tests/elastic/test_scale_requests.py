@@ -10,7 +10,8 @@ import threading
 
 import grpc
 import pytest
-from elastic_helpers import samples, served, wait_for
+from elastic_helpers import samples, served
+from support.waiting import wait_for
 
 from pipeline.cli import main
 from pipeline.coordinator import RedisJobState

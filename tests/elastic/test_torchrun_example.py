@@ -15,7 +15,8 @@ import sys
 
 import psutil
 import pytest
-from elastic_helpers import ENV, ROOT, assert_exactly_once, samples, served, wait_for
+from elastic_helpers import ENV, ROOT, assert_exactly_once, samples, served
+from support.waiting import wait_for
 
 from pipeline.coordinator import RedisJobState
 from pipeline.jobstate import ScaleReason

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,6 @@ def job_dict(job_id: str = "j", world_size: int = 3, **kw: Any) -> dict:
                 **kw.pop("batching", {})}
     return {"job_id": job_id, "world_size": world_size, "source": {"paths": ["arrays"]},
             "batching": batching, **kw}
-
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 # ------------------------------------------------------------------ processes

@@ -19,8 +19,8 @@ from fault_helpers import (
     job_dict,
     rank_proc,
     read_log,
-    wait_for,
 )
+from support.waiting import wait_for
 
 from pipeline.config import ServiceConfig
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from fault_helpers import RankThread, assert_join_coverage, job_dict, wait_for
+from fault_helpers import RankThread, assert_join_coverage, job_dict
+from support.waiting import wait_for
 
 from pipeline.config import ServiceConfig
 from pipeline.coordinator import RedisJobState

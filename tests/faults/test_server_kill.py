@@ -16,8 +16,8 @@ from fault_helpers import (
     ids_by_epoch,
     job_dict,
     unique_steps,
-    wait_for,
 )
+from support.waiting import wait_for
 
 from pipeline.coordinator import RedisJobState
 from pipeline.redis_server import free_port

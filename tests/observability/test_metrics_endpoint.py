@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import urllib.request
 
-from obs_helpers import JOB, Rank, samples, served, wait_for
+from obs_helpers import JOB, Rank, samples, served
 from prometheus_client.parser import text_string_to_metric_families
+from support.waiting import wait_for
 
 from pipeline.observability.metrics import metric_names
 

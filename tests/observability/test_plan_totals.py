@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from obs_helpers import JOB, Rank, served, wait_for
+from obs_helpers import JOB, Rank, served
+from support.waiting import wait_for
 
 from pipeline.jobstate import MemoryJobState, PlannerCheckpoint, Publication
 from pipeline.observability import status_view

@@ -14,9 +14,9 @@ from obs_helpers import (
     ranks_stopped_at_known_steps,
     samples,
     served,
-    wait_for,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from support.waiting import wait_for
 
 from pipeline.cli import main
 from pipeline.preprocess.array_source import synthetic_samples

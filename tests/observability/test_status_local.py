@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from serve_process import REPO, ServeProcess
+from support.serve_process import REPO, ServeProcess
 
 from pipeline.cli import main
 from pipeline.sample_data import sample_chats_path

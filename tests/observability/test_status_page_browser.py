@@ -9,8 +9,9 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from obs_helpers import JOB, ranks_stopped_at_known_steps, served, wait_for
+from obs_helpers import JOB, ranks_stopped_at_known_steps, served
 from PIL import Image
+from support.waiting import wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

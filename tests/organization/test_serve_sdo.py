@@ -22,7 +22,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "scaleout"))
 sys.path.insert(0, str(HERE.parent / "faults"))
 from fault_helpers import RankThread, ids_by_epoch  # noqa: E402
-from replica_procs import ReplicaProc, service_config, wait_for  # noqa: E402
+from replica_procs import ReplicaProc, service_config  # noqa: E402
+from support.waiting import wait_for  # noqa: E402
 
 from pipeline.coordinator import RedisJobState, keys  # noqa: E402
 from pipeline.coordinator.redis_ledger_store import RedisLedgerStore  # noqa: E402

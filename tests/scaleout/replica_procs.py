@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -90,13 +89,4 @@ class ReplicaProc:
                 self.kill()
 
 
-def wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-__all__ = ["CHATS", "ReplicaProc", "free_port", "service_config", "wait_for"]
+__all__ = ["CHATS", "ReplicaProc", "free_port", "service_config"]

@@ -10,7 +10,8 @@ import signal
 
 import pytest
 import ray
-from replica_procs import CHATS, ReplicaProc, free_port, service_config, wait_for
+from replica_procs import CHATS, ReplicaProc, free_port, service_config
+from support.waiting import wait_for
 
 from pipeline.coordinator import RedisJobState
 from pipeline.producer.actor import find_producer, stop_producer

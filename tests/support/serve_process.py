@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"listening on \S+:(\d+) .*?(?:metrics on :(\d+))?$")
 
 

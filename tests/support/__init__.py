@@ -1,0 +1,1 @@
+"""Helpers shared by test folders: waiting on conditions, a `serve` process, ..."""
