@@ -16,6 +16,7 @@
         │   ├── PlanningComplete  every epoch is planned: nothing left to move
         │   └── RanksLive         (implicit switch) ranks of the current world still hold leases
         └── StateUnavailable the state could not be reached (Redis down after retries)
+            └── DurabilityTimeout  a write not confirmed on disk in time (fsync_publish)
 
 Every refusal leaves the state as it was (the Redis scripts check before their first write), so a
 caller may retry or give up without repairing anything.
@@ -102,3 +103,8 @@ class RanksLive(ScaleRefused):
 
 class StateUnavailable(StateError):
     """The job state could not be reached after bounded retries (e.g. Redis restarting)."""
+
+
+class DurabilityTimeout(StateUnavailable):
+    """With fsync_publish, Redis did not confirm within its timeout that a write reached its
+    disk (WAITAOF): the write may be applied but is not vouched for; retry it."""

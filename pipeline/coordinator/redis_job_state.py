@@ -37,6 +37,7 @@ from pipeline.jobstate.interface import (
     JobCounters,
     JobState,
     PlannerCheckpoint,
+    ProducerFailure,
     ProducerLease,
     Publication,
     QuarantineEntry,
@@ -348,12 +349,42 @@ class RedisJobState(JobState):
             return None
         return ProducerLease(int(gen), (holder or b"").decode(), int(exp or 0) / 1000.0)
 
-    def set_error(self, message: str, *, fence: int) -> None:
-        self._run(scripts.set_error, [self.keys.meta], [fence, message])
+    def set_error(self, message: str, *, fence: int, cause: str = "internal",
+                  transient: bool = False) -> None:
+        self._run(scripts.set_error, [self.keys.meta],
+                  [fence, message, cause, "1" if transient else "0"])
 
     def error(self) -> str | None:
         (v,) = self._meta("error")
         return v.decode() if v else None
+
+    _FAILURE = ("error", "error_cause", "error_ms", "trouble", "trouble_cause", "trouble_ms",
+                "trouble_attempts")
+
+    @staticmethod
+    def _failure(raw: list[bytes | None]) -> ProducerFailure | None:
+        """(error, error_cause, error_ms, trouble, ...) as read: the permanent failure if any,
+        else the transient one."""
+        msg, cause, ms, t_msg, t_cause, t_ms, t_n = raw
+        if msg:
+            return ProducerFailure(msg.decode(), (cause or b"internal").decode(), True,
+                                   int(ms or 0) / 1000.0)
+        if t_msg:
+            return ProducerFailure(t_msg.decode(), (t_cause or b"internal").decode(), False,
+                                   int(t_ms or 0) / 1000.0, int(t_n or 1))
+        return None
+
+    def producer_failure(self) -> ProducerFailure | None:
+        return self._failure(self._meta(*self._FAILURE))
+
+    def clear_error(self) -> ProducerFailure | None:
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(self.keys.meta, list(self._FAILURE))
+            pipe.hdel(self.keys.meta, "error", "error_cause", "error_ms")
+            raw, _ = pipe.execute()
+        cleared = self._failure(raw)
+        return cleared if cleared is not None and cleared.permanent else None
 
     # --------------------------------------------------- ranks: leases, cursors
     def _ack_keys(self) -> list[str]:

@@ -27,6 +27,7 @@ from pipeline.jobstate.interface import (
     JobCounters,
     JobState,
     PlannerCheckpoint,
+    ProducerFailure,
     ProducerLease,
     Publication,
     QuarantineEntry,
@@ -66,7 +67,8 @@ class MemoryJobState(JobState):
         self._checkpoint: PlannerCheckpoint | None = None
         self._producer: ProducerLease | None = None
         self._generation = 0
-        self._error: str | None = None
+        self._error: ProducerFailure | None = None  # permanent
+        self._trouble: ProducerFailure | None = None  # transient (cleared by a publication)
         self._leases: dict[int, RankLease] = {}
         self._heartbeats: dict[int, float] = {}
         self._lapsed: set[int] = set()
@@ -155,6 +157,7 @@ class MemoryJobState(JobState):
                 self._timings[world.generation] = replace(
                     self._timings[world.generation], adopted_at=self._clock())
             self._done = self._done or publication.done
+            self._trouble = None
             if not retry:
                 self._counts["samples_in"] += publication.samples_in
                 for q in publication.quarantined:
@@ -226,14 +229,31 @@ class MemoryJobState(JobState):
         with self._lock:
             return self._producer
 
-    def set_error(self, message: str, *, fence: int) -> None:
+    def set_error(self, message: str, *, fence: int, cause: str = "internal",
+                  transient: bool = False) -> None:
+        now = self._clock()
         with self._lock:
             self._check_fence(fence)
-            self._error = message
+            if not transient:
+                self._error = ProducerFailure(message, cause, True, now)
+                self._trouble = None
+                return
+            t = self._trouble
+            self._trouble = ProducerFailure(message, cause, False, t.since if t else now,
+                                            t.attempts + 1 if t else 1)
 
     def error(self) -> str | None:
         with self._lock:
-            return self._error
+            return self._error.message if self._error else None
+
+    def producer_failure(self) -> ProducerFailure | None:
+        with self._lock:
+            return self._error or self._trouble
+
+    def clear_error(self) -> ProducerFailure | None:
+        with self._lock:
+            cleared, self._error = self._error, None
+            return cleared
 
     # --- ranks ---
     def _check_rank(self, rank: int) -> None:

@@ -4,7 +4,7 @@
 --       quarantine_cap,
 --       n_steps, ckpt_world, [epoch, step, header, samples, tokens, n_batches, (rank, blob)*]*,
 --       n_ends, [epoch, blob]*, n_quarantined, [sample_id, reason, record]*
--- Returns {new_steps, published_through}. The checkpoint's world must be the current one (a
+-- Returns {new_steps, published_through}. A publication clears the producer's transient failure. The checkpoint's world must be the current one (a
 -- producer that planned for a world a reconfiguration ended gets ODB_WORLD); the first
 -- publication for a new world adopts it.
 --! include now
@@ -107,6 +107,7 @@ end
 redis.call('HSET', KEYS[1], 'published_through', expect - 1, 'epoch', epoch,
   'ckpt_next_step', cn, 'ckpt_epoch', ce, 'ckpt_rows', cr)
 redis.call('SET', KEYS[4], ARGV[6])
+redis.call('HDEL', KEYS[1], 'trouble', 'trouble_cause', 'trouble_ms', 'trouble_attempts')
 if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'state', 'done') end
 if m[11] == '1' then
   redis.call('HSET', KEYS[1], 'adopting', 0)
