@@ -154,6 +154,14 @@ class JobState(ABC):
         of new steps. A publication clears the producer's transient failure."""
 
     @abstractmethod
+    def reveal(self, *, fence: int) -> int:
+        """Make every publication visible once it is durable: where publications are held
+        until confirmed on disk (`fsync_publish`), the current producer calls this when it
+        starts or finds the visible plan behind what it published (a crash between a
+        publication and its reveal); elsewhere publications are visible at once and this
+        changes nothing. `Fenced` for an old generation. Returns `published_through`."""
+
+    @abstractmethod
     def get_step(self, step: int) -> Step | None:
         """The published step, None if not published (or trimmed)."""
 

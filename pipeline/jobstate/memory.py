@@ -166,6 +166,14 @@ class MemoryJobState(JobState):
                         self._counts[f"q:{q.reason}"] += 1
             return len(new)
 
+    def reveal(self, *, fence: int) -> int:
+        with self._lock:  # visible at once: nothing is held
+            p = self._producer
+            if p is None or p.generation != fence:
+                raise Fenced(f"job {self.job_id!r}: producer generation {fence} is not the "
+                             f"current one ({p.generation if p else None})")
+            return self._through
+
     def get_step(self, step: int) -> Step | None:
         with self._lock:
             return self._steps.get(step)

@@ -264,6 +264,7 @@ class Producer:
         policy = self.job.batching.policy()
         pool = (self.settings.pool_steps if self.settings.pool_steps is not None
                 else self.job.batching.pool_steps)
+        self.state.reveal(fence=self.generation)  # a predecessor's held publication, if any
         cp = self.state.load_checkpoint()
         self._last_published = self.state.published_through()
         self._enter_world()
@@ -409,11 +410,17 @@ class Producer:
         last, since = None, time.monotonic()
         while any(self._unacked) and not self._stop.is_set():
             try:
-                if self.state.head().generation != self._world_gen:
+                head = self.state.head()
+                if head.generation != self._world_gen:
                     if not self.state.is_done():
                         return True  # the payloads stay for the draining ranks (_enter_world)
                     break  # a new world with nothing to plan: this one's payloads go
+                if head.published_through < self._last_published:  # Redis lost the reveal
+                    self.state.reveal(fence=self.generation)
                 acked = self.state.acked_all()
+            except Fenced:  # a successor holds the lease: its payloads are its own
+                self._fenced.set()
+                break
             except StateUnavailable:
                 acked = last or [-1] * self._world
             self._release_acked(acked)

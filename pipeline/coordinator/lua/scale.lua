@@ -15,9 +15,11 @@
 -- change, else {1, ended world record, new world record}.
 --! include now
 local m = redis.call('HMGET', KEYS[1], 'published_through', 'state', 'world_gen', 'world_size',
-  'world_first', 'adopting', 'created_ms')
+  'world_first', 'adopting', 'created_ms', 'planned_through')
 if not m[1] then return redis.error_reply('ODB_NOJOB') end
-local P, gen, w, first = tonumber(m[1]), tonumber(m[3] or 0), tonumber(m[4]), tonumber(m[5] or 0)
+-- P: the plan's end, visible or held (fsync_publish): a held step is the old world's too.
+local P, gen, w, first = tonumber(m[8] or m[1]), tonumber(m[3] or 0), tonumber(m[4]),
+  tonumber(m[5] or 0)
 local n, expect = tonumber(ARGV[2]), tonumber(ARGV[6])
 if (expect >= 0 and expect ~= gen) or n == w then return {0, gen} end
 if m[2] == 'done' then return redis.error_reply('ODB_PLANNED ' .. w) end
