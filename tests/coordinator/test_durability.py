@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from jobstate.builders import make_step, publication, steps
+from jobstate.builders import publication, steps
 from support.valkey_server import valkey, valkey_binary
 from support.waiting import wait_for
 
