@@ -275,39 +275,64 @@ class RedisJobState(JobState):
         return int(self._run(scripts.reveal, [k.meta, k.ends, k.pending_ends], [fence]))
 
     # --------------------------------------------------------- durability
-    def _durably(self, script: scripts.Script, keys_: Sequence[str], args: Sequence[Any],
-                 rank: int | None = None) -> Any:
-        """`script`'s reply once Redis has fsynced everything up to it (fsync_publish): one
-        round trip of [EVALSHA, a write, WAITAOF] on one connection. The write (a counter)
-        makes WAITAOF cover whatever the script read even when the script wrote nothing (WAITAOF
-        waits for the connection's own last write). DurabilityTimeout if not confirmed: the
-        script's effect may be applied, but nobody may act on it yet."""
+    def _durably(self, script: scripts.Script | None, keys_: Sequence[str] = (),
+                 args: Sequence[Any] = (), rank: int | None = None) -> Any:
+        """`script`'s reply (None: no script) once Redis fsynced everything up to it
+        (fsync_publish). On one connection: [EVALSHA, a write] in one round trip, then WAITAOF in
+        a second. The write (a counter) makes WAITAOF cover whatever the script read even when
+        it wrote nothing (WAITAOF waits for the connection's own last write). WAITAOF goes on
+        its own: pipelined behind the writes it would wait for the server's next timer tick
+        (100 ms at the default `hz 10`), on its own it finds them fsynced (~0.1 ms here).
+        DurabilityTimeout if not confirmed: the script's effect may be applied, but nobody may
+        act on it yet."""
+        cmds: list[tuple] = [("INCR", self.keys.fsyncs)]
+        if script is not None:
+            cmds.insert(0, ("EVALSHA", script.sha, len(keys_), *keys_, *args))
         for attempt in (0, 1):
             with unavailable_as_error(self._where):
-                pipe = self.client.pipeline(transaction=False)
-                pipe.evalsha(script.sha, len(keys_), *keys_, *args)
-                pipe.incr(self.keys.fsyncs)
-                pipe.execute_command("WAITAOF", 1, 0, self._waitaof_ms)
-                res, _, waited = pipe.execute(raise_on_error=False)
+                replies = self._on_one_connection(cmds)
+            res, waited = replies[0], replies[-1]
             if isinstance(res, NoScriptError) and attempt == 0:
                 with unavailable_as_error(self._where):
                     self.client.script_load(script.source)
                 continue
-            if isinstance(res, Exception):
+            if script is not None and isinstance(res, Exception):
                 self._raise_mapped(str(res), rank)
                 raise res
             self._check_fsynced(waited)
-            return res
+            return res if script is not None else None
         raise AssertionError("unreachable")
+
+    def _on_one_connection(self, cmds: Sequence[tuple]) -> list[Any]:
+        """The replies of `cmds` (one round trip) and of a WAITAOF sent after them (a second),
+        all on one pooled connection; error replies are returned, not raised. A connection
+        that fails is dropped and the exchange tried once more on a fresh one."""
+        pool = self.client.connection_pool
+        for attempt in (0, 1):
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command(conn.pack_commands(cmds))
+                replies = [self._reply(conn) for _ in cmds]
+                conn.send_command("WAITAOF", 1, 0, self._waitaof_ms)
+                return [*replies, self._reply(conn)]
+            except (redis.ConnectionError, redis.TimeoutError):
+                conn.disconnect()
+                if attempt:
+                    raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _reply(conn: Any) -> Any:
+        try:
+            return conn.read_response()
+        except redis.ResponseError as exc:
+            return exc
 
     def _fsync(self) -> None:
         """Wait until Redis fsynced every write made so far (by any client)."""
-        with unavailable_as_error(self._where):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.incr(self.keys.fsyncs)
-            pipe.execute_command("WAITAOF", 1, 0, self._waitaof_ms)
-            _, waited = pipe.execute(raise_on_error=False)
-        self._check_fsynced(waited)
+        self._durably(None)
 
     def _check_fsynced(self, waited: Any) -> None:
         if isinstance(waited, Exception) or int(waited[0]) < 1:
