@@ -198,8 +198,11 @@ class RedisJobState(JobState):
         if code == "ODB_RANK":
             return ValueError(f"job {job!r}: rank {rest[0]} outside 0..{int(rest[1]) - 1}")
         if code == "ODB_PLANNED":
-            return PlanningComplete(f"job {job!r} is fully planned: its remaining steps are "
-                                    f"fixed for {rest[0]} ranks")
+            holders = [int(r) for r in rest[1].split(",")] if len(rest) > 1 else []
+            return PlanningComplete(f"job {job!r} is fully planned and its final END may have "
+                                    f"reached ranks {holders} (they were sent their last batch):"
+                                    " the unconsumed batches of the gone ranks cannot move onto "
+                                    "a new world")
         if code == "ODB_SCALING":
             if rest[0] == "adopting":
                 return ScaleInProgress(f"job {job!r}: the switch to world {rest[1]} "
@@ -659,7 +662,8 @@ class RedisJobState(JobState):
         k = self.keys
         res = self._call(scripts.scale,
                          [k.meta, k.acked, k.lease_exp, k.lease, k.grants, k.draining, k.worlds,
-                          k.world_times, k.ends, k.counters, k.lapsed, k.claimed],
+                          k.world_times, k.ends, k.counters, k.lapsed, k.claimed,
+                          k.pending_ends],
                          [k.base, n, ScaleReason(request.reason).value,
                           -1 if request.position is None else request.position,
                           "1" if request.require_gone else "0",

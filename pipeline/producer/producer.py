@@ -282,7 +282,7 @@ class Producer:
         self._adoption = None
         if planned_for != self._world_gen:
             self._adoption = adopt(planner, planned_for, worlds[:self._world_gen + 1],
-                                   self.state, pool)
+                                   self.state, pool, self.job.epochs)
             log.info("job %s: plan moved onto world %d (%d ranks from step %d)",
                      self.job.job_id, self._world_gen, self._world, self._world_first,
                      extra={"job": self.job.job_id})
@@ -337,7 +337,9 @@ class Producer:
             # The last epoch closes the job: quota mode's remainder forms one aligned step.
             self._take(pending, planner.end_epoch(last_epoch=last))
             self._publish(pending, planner, epoch + 1, 0, done=last)
-        if not self.state.is_done():  # an empty job (zero epochs to run) still finishes
+        if planner.epoch < epochs:  # a reopened last epoch (its input all read): close it
+            self._take(pending, planner.end_epoch(last_epoch=True))
+        if not self.state.is_done():  # (an empty job, zero epochs to run, finishes too)
             self._publish(pending, planner, epochs, 0, done=True)
         return Outcome.DONE
 
