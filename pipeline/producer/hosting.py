@@ -4,8 +4,9 @@ Every replica serving a job starts one host for it; the job's producer lease dec
 producer actually publishes, so starting many hosts is safe.
 - `ActorHost` (jobs preprocessed by Ray Data): a supervisor thread that, while the job needs a
   producer (`needs_producer`: not fully planned, no permanent failure, no live producer lease),
-  makes sure the job's producer actor exists (`actor.ensure_producer`). The actor outlives this
-  replica.
+  makes sure the job's producer actor exists (`actor.ensure_producer`), and has Ray restart one
+  that is stuck (frozen, hung, cut off from Redis) so that a successor takes the lease over. The
+  actor outlives this replica.
 - `ThreadHost` (in-memory sources): a producer thread in this process; replicas that lose the
   race for the lease wait in `Producer._claim` and take over when the holder goes away. It runs
   a new producer whenever the job needs one again: after it was fenced (it waits for the lease),
@@ -140,6 +141,7 @@ class ActorHost:
         self.job, self.state, self.redis_url = job, state, redis_url
         self.settings, self.fsync_publish = settings, fsync_publish
         self.check_seconds = check_seconds
+        self._free_since: float | None = None  # the job needed a producer and had none since
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise,
                                         name=f"producer-host-{job.job_id}", daemon=True)
@@ -155,12 +157,36 @@ class ActorHost:
 
     def ensure(self) -> bool:
         """Create the producer actor when the job needs one (`needs_producer`); True if a
-        creation was requested."""
-        from pipeline.producer.actor import ensure_producer
-
+        creation (or a restart) was requested. An actor that exists while the lease stays free
+        for `lease_seconds` is stuck if it does not answer (frozen, hung) or answers without
+        taking the lease (cut off from Redis): Ray restarts it, so a successor takes over
+        (the old process, fenced by the new generation, can never publish)."""
         if not needs_producer(self.state):
+            self._free_since = None
             return False
-        ensure_producer(self.job, self.redis_url, self.settings, self.fsync_publish)
+        from pipeline.producer.actor import (
+            ensure_producer,
+            find_producer,
+            restart_producer,
+            stuck_producer,
+        )
+
+        handle = find_producer(self.job.job_id)
+        if handle is None:
+            ensure_producer(self.job, self.redis_url, self.settings, self.fsync_publish)
+            return True
+        now = time.monotonic()
+        if self._free_since is None:
+            self._free_since = now
+        if now - self._free_since < self.settings.lease_seconds:
+            return False  # a working actor takes the lease within a second
+        why = stuck_producer(handle, ping_seconds=self.check_seconds)
+        if why is None:
+            return False
+        log.warning("job %s: its producer actor is stuck: %s; Ray restarts it",
+                    self.job.job_id, why, extra={"job": self.job.job_id})
+        restart_producer(handle)
+        self._free_since = time.monotonic()  # give the new process a lease period
         return True
 
     def _supervise(self) -> None:
