@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator_bench import make_step, pct  # noqa: E402
+from coordinator_bench import make_step, pct, strip  # noqa: E402
 
 from pipeline.config import ServiceConfig  # noqa: E402
 from pipeline.coordinator import RedisJobState  # noqa: E402
@@ -184,14 +184,6 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title("served: replica + rank threads, one process")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def strip(obj):
-    if isinstance(obj, dict):
-        return {k: strip(v) for k, v in obj.items() if not k.startswith("_")}
-    if isinstance(obj, list):
-        return [strip(v) for v in obj]
-    return obj
 
 
 def main() -> None:

@@ -13,7 +13,7 @@
         ├── WorldChanged     a publication for a world that a reconfiguration ended
         ├── ScaleRefused     a reconfiguration the state cannot make now
         │   ├── ScaleInProgress   the previous one is not complete yet
-        │   ├── PlanningComplete  every epoch is planned: nothing left to move
+        │   ├── PlanningComplete  fully planned, and a live rank may hold the final END
         │   └── RanksLive         (implicit switch) ranks of the current world still hold leases
         └── StateUnavailable the state could not be reached (Redis down after retries)
             └── DurabilityTimeout  a write not confirmed on disk in time (fsync_publish)
@@ -93,7 +93,8 @@ class ScaleInProgress(ScaleRefused):
 
 
 class PlanningComplete(ScaleRefused):
-    """Every epoch of the job is planned: its remaining steps are fixed for the current world."""
+    """Every epoch of the job is planned and a live rank may already hold the job's final END
+    (it was sent its last batch): batches of gone ranks cannot move onto a new world."""
 
 
 class RanksLive(ScaleRefused):

@@ -313,8 +313,12 @@ class JobState(ABC):
         at `published_through + 1` with every cursor there and no grants; the leases of the
         ranks that were not live and the lapse history are dropped (the new world's ranks reuse
         the ids). No change for the
-        current size, or when `expect_generation` is no longer current. Refused, changing
-        nothing: `PlanningComplete` when the job is done, `ScaleInProgress` while the producer
+        current size, or when `expect_generation` is no longer current. A fully planned job
+        (done): when no live rank was granted its last step of the last epoch, that epoch's END
+        is no bound, it is voided and the job planned again (its producer re-plans the epoch's
+        rest); else a switch that returns nothing is made with nothing to plan (adopted at
+        once). Refused, changing nothing: `PlanningComplete` when a done job would return
+        batches while a live rank may hold its final END, `ScaleInProgress` while the producer
         has not adopted the previous switch or a rank of the world it ended still drains (holds
         its lease), `RanksLive` with `require_gone` while a current rank holds a live lease;
         ValueError for a size < 1."""

@@ -366,7 +366,7 @@ class Producer:
             self.state.publish(pub, fence=self.generation)
         except Fenced:
             # An expired lease nobody took over yet is still ours: renew and retry once.
-            self.state.renew_producer(self.generation, self.settings.lease_seconds)
+            self._renew_once()
             self.state.publish(pub, fence=self.generation)
         pending.clear()
         self._failing_since = None  # published: a streak of transient failures is over
