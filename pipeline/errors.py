@@ -13,9 +13,10 @@
         ├── WorldChanged     a publication for a world that a reconfiguration ended
         ├── ScaleRefused     a reconfiguration the state cannot make now
         │   ├── ScaleInProgress   the previous one is not complete yet
-        │   ├── PlanningComplete  every epoch is planned: nothing left to move
+        │   ├── PlanningComplete  fully planned, and a live rank may hold the final END
         │   └── RanksLive         (implicit switch) ranks of the current world still hold leases
         └── StateUnavailable the state could not be reached (Redis down after retries)
+            └── DurabilityTimeout  a write not confirmed on disk in time (fsync_publish)
 
 Every refusal leaves the state as it was (the Redis scripts check before their first write), so a
 caller may retry or give up without repairing anything.
@@ -92,7 +93,8 @@ class ScaleInProgress(ScaleRefused):
 
 
 class PlanningComplete(ScaleRefused):
-    """Every epoch of the job is planned: its remaining steps are fixed for the current world."""
+    """Every epoch of the job is planned and a live rank may already hold the job's final END
+    (it was sent its last batch): batches of gone ranks cannot move onto a new world."""
 
 
 class RanksLive(ScaleRefused):
@@ -102,3 +104,8 @@ class RanksLive(ScaleRefused):
 
 class StateUnavailable(StateError):
     """The job state could not be reached after bounded retries (e.g. Redis restarting)."""
+
+
+class DurabilityTimeout(StateUnavailable):
+    """With fsync_publish, Redis did not confirm within its timeout that a write reached its
+    disk (WAITAOF): the write may be applied but is not vouched for; retry it."""

@@ -104,13 +104,21 @@ class JobKeys:
     def world_times(self) -> str:  # hash: "<g>:requested|adopted", "<g>:first|left:<r>" -> ms
         return self.base + "world_times"
 
+    @property
+    def pending_ends(self) -> str:  # hash: epoch -> encoded EpochEnd held until revealed
+        return self.base + "pending_ends"
+
+    @property
+    def fsyncs(self) -> str:  # string: a counter a durable call writes before its WAITAOF
+        return self.base + "fsyncs"
+
     def fixed(self) -> list[str]:
         """Every job's keys except the per-step ones (those are found from meta's step range)
         and the SDO ones (`organization_keys`)."""
         return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
                 self.lease_exp, self.lease, self.lapsed, self.claimed, self.counters,
                 self.quarantine_ids, self.quarantine, self.worlds, self.grants, self.draining,
-                self.world_times]
+                self.world_times, self.pending_ends, self.fsyncs]
 
     # --- refill jobs (docs/refill.md): written by the scripts coordinator/lua/refill_*.lua ---
     @property

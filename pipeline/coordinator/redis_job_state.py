@@ -22,6 +22,7 @@ from pipeline.coordinator.connection import open_client, unavailable_as_error
 from pipeline.errors import (
     AckAheadOfPlan,
     CheckpointConflict,
+    DurabilityTimeout,
     DurabilityUnavailable,
     Fenced,
     PlanningComplete,
@@ -37,6 +38,7 @@ from pipeline.jobstate.interface import (
     JobCounters,
     JobState,
     PlannerCheckpoint,
+    ProducerFailure,
     ProducerLease,
     Publication,
     QuarantineEntry,
@@ -75,9 +77,12 @@ class RedisJobState(JobState):
     """One job's state in Redis. Constructing it registers the job (or verifies the resume).
 
     `client_or_url`: a redis-py client or a URL (`redis://user:pass@host:port/db`, `rediss://`
-    for TLS). `fsync_publish`: each publication waits until Redis fsynced it (WAITAOF), so a
-    step a rank can see survives a Redis crash even with `appendfsync everysec`. Raises
-    JobMismatch, SchemaMismatch, DurabilityUnavailable, StateUnavailable.
+    for TLS). `fsync_publish`: nothing a replica or producer acts on is answered before Redis
+    fsynced it (WAITAOF), even with `appendfsync everysec`: a publication is held invisible
+    until it is on disk (then revealed), and claims, grants, world switches and a drained
+    rank's exit answer once durable; so nothing a rank received can be lost by a Redis crash
+    (docs/redis-schema.md, "Durability"). Raises JobMismatch, SchemaMismatch,
+    DurabilityUnavailable, StateUnavailable.
     """
 
     def __init__(self, client_or_url: redis.Redis | str, job_id: str, *, config_hash: str,
@@ -92,6 +97,8 @@ class RedisJobState(JobState):
         self.mode = str(getattr(mode, "value", mode))
         self.keys = keys.JobKeys(job_id)
         self.fsync_publish = fsync_publish
+        # WAITAOF gives up before the socket does (a stalled disk is DurabilityTimeout).
+        self._waitaof_ms = max(100, min(5000, int(socket_timeout * 800)))
         with unavailable_as_error(self._where):
             if fsync_publish:
                 self._waitaof()  # fail at start, not at the first publish
@@ -99,7 +106,8 @@ class RedisJobState(JobState):
                 self.client, job_id, config_hash=config_hash, world_size=world_size,
                 mode=self.mode, seed=seed)
 
-    def _waitaof(self, timeout_ms: int = 5000) -> None:
+    def _waitaof(self) -> None:
+        timeout_ms = self._waitaof_ms
         try:
             local, _ = self.client.execute_command("WAITAOF", 1, 0, timeout_ms)
         except redis.ResponseError as exc:
@@ -190,8 +198,11 @@ class RedisJobState(JobState):
         if code == "ODB_RANK":
             return ValueError(f"job {job!r}: rank {rest[0]} outside 0..{int(rest[1]) - 1}")
         if code == "ODB_PLANNED":
-            return PlanningComplete(f"job {job!r} is fully planned: its remaining steps are "
-                                    f"fixed for {rest[0]} ranks")
+            holders = [int(r) for r in rest[1].split(",")] if len(rest) > 1 else []
+            return PlanningComplete(f"job {job!r} is fully planned and its final END may have "
+                                    f"reached ranks {holders} (they were sent their last batch):"
+                                    " the unconsumed batches of the gone ranks cannot move onto "
+                                    "a new world")
         if code == "ODB_SCALING":
             if rest[0] == "adopting":
                 return ScaleInProgress(f"job {job!r}: the switch to world {rest[1]} "
@@ -236,7 +247,8 @@ class RedisJobState(JobState):
         args: list[Any] = [self.keys.base, fence, cp.epoch, cp.samples_consumed, cp.next_step,
                            step_codec.encode_checkpoint(cp), "1" if publication.done else "0",
                            publication.samples_in, QUARANTINE_LIST_CAP,
-                           len(publication.steps), cp.world]
+                           len(publication.steps), cp.world,
+                           "1" if self.fsync_publish else "0"]  # held until durable
         for step in publication.steps:
             header, blobs = step_codec.encode_step(step)  # ranks are checked in the script
             args += [step.epoch, step.step, header, step.info.step_samples,
@@ -251,29 +263,93 @@ class RedisJobState(JobState):
             args += [q.sample_id, q.reason, step_codec.encode_quarantine(q)]
         k = self.keys
         ks = [k.meta, k.digests, k.ends, k.checkpoint, k.counters, k.quarantine_ids,
-              k.quarantine, k.world_times]
+              k.quarantine, k.world_times, k.pending_ends]
         if not self.fsync_publish:
             new, _ = self._run(scripts.publish, ks, args)
             return int(new)
-        # WAITAOF covers the writes of its own connection: send both in one pipeline.
+        new, _ = self._durably(scripts.publish, ks, args)
+        self._run(scripts.reveal, [k.meta, k.ends, k.pending_ends], [fence])
+        return int(new)
+
+    def reveal(self, *, fence: int) -> int:
+        if self.fsync_publish:
+            self._fsync()
+        k = self.keys
+        return int(self._run(scripts.reveal, [k.meta, k.ends, k.pending_ends], [fence]))
+
+    # --------------------------------------------------------- durability
+    def _durably(self, script: scripts.Script | None, keys_: Sequence[str] = (),
+                 args: Sequence[Any] = (), rank: int | None = None) -> Any:
+        """`script`'s reply (None: no script) once Redis fsynced everything up to it
+        (fsync_publish). On one connection: [EVALSHA, a write] in one round trip, then WAITAOF in
+        a second. The write (a counter) makes WAITAOF cover whatever the script read even when
+        it wrote nothing (WAITAOF waits for the connection's own last write). WAITAOF goes on
+        its own: pipelined behind the writes it would wait for the server's next timer tick
+        (100 ms at the default `hz 10`), on its own it finds them fsynced (~0.1 ms here).
+        DurabilityTimeout if not confirmed: the script's effect may be applied, but nobody may
+        act on it yet."""
+        cmds: list[tuple] = [("INCR", self.keys.fsyncs)]
+        if script is not None:
+            cmds.insert(0, ("EVALSHA", script.sha, len(keys_), *keys_, *args))
         for attempt in (0, 1):
             with unavailable_as_error(self._where):
-                pipe = self.client.pipeline(transaction=False)
-                pipe.evalsha(scripts.publish.sha, len(ks), *ks, *args)
-                pipe.execute_command("WAITAOF", 1, 0, 5000)
-                res, waited = pipe.execute(raise_on_error=False)
+                replies = self._on_one_connection(cmds)
+            res, waited = replies[0], replies[-1]
             if isinstance(res, NoScriptError) and attempt == 0:
                 with unavailable_as_error(self._where):
-                    self.client.script_load(scripts.publish.source)
+                    self.client.script_load(script.source)
                 continue
-            if isinstance(res, Exception):
-                self._raise_mapped(str(res))
+            if script is not None and isinstance(res, Exception):
+                self._raise_mapped(str(res), rank)
                 raise res
-            if isinstance(waited, Exception) or int(waited[0]) < 1:
-                raise DurabilityUnavailable(
-                    f"job {self.job_id!r}: publish not confirmed fsynced (WAITAOF: {waited})")
-            return int(res[0])
+            self._check_fsynced(waited)
+            return res if script is not None else None
         raise AssertionError("unreachable")
+
+    def _on_one_connection(self, cmds: Sequence[tuple]) -> list[Any]:
+        """The replies of `cmds` (one round trip) and of a WAITAOF sent after them (a second),
+        all on one pooled connection; error replies are returned, not raised. A connection
+        that fails is dropped and the exchange tried once more on a fresh one."""
+        pool = self.client.connection_pool
+        for attempt in (0, 1):
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command(conn.pack_commands(cmds))
+                replies = [self._reply(conn) for _ in cmds]
+                conn.send_command("WAITAOF", 1, 0, self._waitaof_ms)
+                return [*replies, self._reply(conn)]
+            except (redis.ConnectionError, redis.TimeoutError):
+                conn.disconnect()
+                if attempt:
+                    raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _reply(conn: Any) -> Any:
+        try:
+            return conn.read_response()
+        except redis.ResponseError as exc:
+            return exc
+
+    def _fsync(self) -> None:
+        """Wait until Redis fsynced every write made so far (by any client)."""
+        self._durably(None)
+
+    def _check_fsynced(self, waited: Any) -> None:
+        if isinstance(waited, Exception) or int(waited[0]) < 1:
+            raise DurabilityTimeout(
+                f"job {self.job_id!r}: Redis at {self._where} did not confirm within "
+                f"{self._waitaof_ms} ms that the write is on disk (WAITAOF: {waited})")
+
+    def _call(self, script: scripts.Script, keys_: Sequence[str], args: Sequence[Any],
+              rank: int | None = None) -> Any:
+        """A call whose answer is acted on outside Redis (a grant, a world switch, the
+        producer lease): with fsync_publish it is answered only once durable (`_durably`)."""
+        if self.fsync_publish:
+            return self._durably(script, keys_, args, rank)
+        return self._run(script, keys_, args, rank)
 
     def get_step(self, step: int) -> Step | None:
         with unavailable_as_error(self._where):
@@ -332,7 +408,7 @@ class RedisJobState(JobState):
     def claim_producer(self, holder: str, lease_seconds: float) -> int | None:
         if not holder:
             raise ValueError("holder must be non-empty")
-        res = self._run(scripts.producer_claim, [self.keys.meta], [holder, _ms(lease_seconds)])
+        res = self._call(scripts.producer_claim, [self.keys.meta], [holder, _ms(lease_seconds)])
         return None if isinstance(res, list) else int(res)
 
     def renew_producer(self, generation: int, lease_seconds: float) -> None:
@@ -348,12 +424,42 @@ class RedisJobState(JobState):
             return None
         return ProducerLease(int(gen), (holder or b"").decode(), int(exp or 0) / 1000.0)
 
-    def set_error(self, message: str, *, fence: int) -> None:
-        self._run(scripts.set_error, [self.keys.meta], [fence, message])
+    def set_error(self, message: str, *, fence: int, cause: str = "internal",
+                  transient: bool = False) -> None:
+        self._run(scripts.set_error, [self.keys.meta],
+                  [fence, message, cause, "1" if transient else "0"])
 
     def error(self) -> str | None:
         (v,) = self._meta("error")
         return v.decode() if v else None
+
+    _FAILURE = ("error", "error_cause", "error_ms", "trouble", "trouble_cause", "trouble_ms",
+                "trouble_attempts")
+
+    @staticmethod
+    def _failure(raw: list[bytes | None]) -> ProducerFailure | None:
+        """(error, error_cause, error_ms, trouble, ...) as read: the permanent failure if any,
+        else the transient one."""
+        msg, cause, ms, t_msg, t_cause, t_ms, t_n = raw
+        if msg:
+            return ProducerFailure(msg.decode(), (cause or b"internal").decode(), True,
+                                   int(ms or 0) / 1000.0)
+        if t_msg:
+            return ProducerFailure(t_msg.decode(), (t_cause or b"internal").decode(), False,
+                                   int(t_ms or 0) / 1000.0, int(t_n or 1))
+        return None
+
+    def producer_failure(self) -> ProducerFailure | None:
+        return self._failure(self._meta(*self._FAILURE))
+
+    def clear_error(self) -> ProducerFailure | None:
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(self.keys.meta, list(self._FAILURE))
+            pipe.hdel(self.keys.meta, "error", "error_cause", "error_ms")
+            raw, _ = pipe.execute()
+        cleared = self._failure(raw)
+        return cleared if cleared is not None and cleared.permanent else None
 
     # --------------------------------------------------- ranks: leases, cursors
     def _ack_keys(self) -> list[str]:
@@ -537,7 +643,7 @@ class RedisJobState(JobState):
         for gen, rank, through in requests:
             args += [gen, rank, through]
         k = self.keys
-        rows = self._run(scripts.grant, [k.meta, k.grants, k.worlds, k.world_times], args)
+        rows = self._call(scripts.grant, [k.meta, k.grants, k.worlds, k.world_times], args)
         out: list[Grant | Exception] = []
         for (gen, rank, _), (through, kind, extra) in zip(requests, rows, strict=True):
             if kind == -1:
@@ -554,13 +660,14 @@ class RedisJobState(JobState):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {n!r}")
         k = self.keys
-        res = self._run(scripts.scale,
-                        [k.meta, k.acked, k.lease_exp, k.lease, k.grants, k.draining, k.worlds,
-                         k.world_times, k.ends, k.counters, k.lapsed, k.claimed],
-                        [k.base, n, ScaleReason(request.reason).value,
-                         -1 if request.position is None else request.position,
-                         "1" if request.require_gone else "0",
-                         -1 if request.expect_generation is None else request.expect_generation])
+        res = self._call(scripts.scale,
+                         [k.meta, k.acked, k.lease_exp, k.lease, k.grants, k.draining, k.worlds,
+                          k.world_times, k.ends, k.counters, k.lapsed, k.claimed,
+                          k.pending_ends],
+                         [k.base, n, ScaleReason(request.reason).value,
+                          -1 if request.position is None else request.position,
+                          "1" if request.require_gone else "0",
+                          -1 if request.expect_generation is None else request.expect_generation])
         if int(res[0]) == 0:
             return ScaleResult(False, self.worlds()[-1])
         return ScaleResult(True, step_codec.decode_world(res[2]),
@@ -568,8 +675,8 @@ class RedisJobState(JobState):
 
     def rank_left(self, generation: int, rank: int, client_id: str) -> None:
         k = self.keys
-        self._run(scripts.left, [k.lease, k.lease_exp, k.draining, k.world_times, k.meta],
-                  [generation, rank, client_id])
+        self._call(scripts.left, [k.lease, k.lease_exp, k.draining, k.world_times, k.meta],
+                   [generation, rank, client_id])
 
     def world_timings(self, generation: int) -> WorldTimings | None:
         if generation < 1:

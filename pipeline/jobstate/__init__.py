@@ -4,6 +4,7 @@ from pipeline.jobstate.interface import (
     JobCounters,
     JobState,
     PlannerCheckpoint,
+    ProducerFailure,
     ProducerLease,
     Publication,
     QuarantineEntry,
@@ -22,5 +23,5 @@ from pipeline.jobstate.worlds import (
 )
 
 __all__ = ["Grant", "JobCounters", "JobState", "MemoryJobState", "PlanHead", "PlannerCheckpoint",
-           "ProducerLease", "Publication", "QuarantineEntry", "RankHealth", "RankLease",
-           "ScaleReason", "ScaleRequest", "ScaleResult", "World", "WorldTimings"]
+           "ProducerFailure", "ProducerLease", "Publication", "QuarantineEntry", "RankHealth",
+           "RankLease", "ScaleReason", "ScaleRequest", "ScaleResult", "World", "WorldTimings"]

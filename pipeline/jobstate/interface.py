@@ -62,6 +62,23 @@ class ProducerLease:
 
 
 @dataclass(frozen=True)
+class ProducerFailure:
+    """What the job's producer failed on (`cause`: a label of `pipeline.producer.failures.Cause`).
+
+    Permanent: it does not heal by retrying. Every stream ends with it and no replica re-creates
+    the producer until one starts again (`clear_error`: the operator's act). Transient
+    ("trouble"): the producer retries with backoff and streams keep waiting; the producer's next
+    publication clears it. `since` (state clock) is when it was recorded (a transient streak:
+    its first failure), `attempts` how many failures the streak has had."""
+
+    message: str
+    cause: str
+    permanent: bool
+    since: float
+    attempts: int = 1
+
+
+@dataclass(frozen=True)
 class PlannerCheckpoint:
     """Where planning continues after a restart: the input position (`epoch`, source rows of it
     already fed) and the planner's own state (window, pool, carry: JSON bytes)."""
@@ -134,7 +151,15 @@ class JobState(ABC):
         (else `WorldChanged`: a reconfiguration ended the world it planned for); the first
         publication for a new world adopts it (`scale` is refused until then). A batch for a
         rank outside the current world, or two for one rank, is a ValueError. Returns the number
-        of new steps."""
+        of new steps. A publication clears the producer's transient failure."""
+
+    @abstractmethod
+    def reveal(self, *, fence: int) -> int:
+        """Make every publication visible once it is durable: where publications are held
+        until confirmed on disk (`fsync_publish`), the current producer calls this when it
+        starts or finds the visible plan behind what it published (a crash between a
+        publication and its reveal); elsewhere publications are visible at once and this
+        changes nothing. `Fenced` for an old generation. Returns `published_through`."""
 
     @abstractmethod
     def get_step(self, step: int) -> Step | None:
@@ -187,11 +212,25 @@ class JobState(ABC):
     def producer_lease(self) -> ProducerLease | None: ...
 
     @abstractmethod
-    def set_error(self, message: str, *, fence: int) -> None:
-        """The producer failed for good: every replica reports `message` to the ranks."""
+    def set_error(self, message: str, *, fence: int, cause: str = "internal",
+                  transient: bool = False) -> None:
+        """Record a producer failure (`ProducerFailure`), fenced like a publish. Permanent (the
+        default): every replica reports `message` to the ranks, and a transient record goes.
+        `transient`: the producer retries; a repeat of the streak counts an attempt and keeps
+        its first time; the next publication clears it."""
 
     @abstractmethod
-    def error(self) -> str | None: ...
+    def error(self) -> str | None:
+        """The permanent failure's message (what streams end with), None if there is none."""
+
+    @abstractmethod
+    def producer_failure(self) -> ProducerFailure | None:
+        """The permanent failure if any, else the transient one, else None."""
+
+    @abstractmethod
+    def clear_error(self) -> ProducerFailure | None:
+        """Forget a permanent failure (a replica starting: the operator's act, so the job's
+        producer gets one more try); returns what was cleared. Needs no fence."""
 
     # --- ranks: leases, cursors ---
     # Cursors, health and lapses are the current world's ranks. Leases also cover the ranks of
@@ -274,8 +313,12 @@ class JobState(ABC):
         at `published_through + 1` with every cursor there and no grants; the leases of the
         ranks that were not live and the lapse history are dropped (the new world's ranks reuse
         the ids). No change for the
-        current size, or when `expect_generation` is no longer current. Refused, changing
-        nothing: `PlanningComplete` when the job is done, `ScaleInProgress` while the producer
+        current size, or when `expect_generation` is no longer current. A fully planned job
+        (done): when no live rank was granted its last step of the last epoch, that epoch's END
+        is no bound, it is voided and the job planned again (its producer re-plans the epoch's
+        rest); else a switch that returns nothing is made with nothing to plan (adopted at
+        once). Refused, changing nothing: `PlanningComplete` when a done job would return
+        batches while a live rank may hold its final END, `ScaleInProgress` while the producer
         has not adopted the previous switch or a rank of the world it ended still drains (holds
         its lease), `RanksLive` with `require_gone` while a current rank holds a live lease;
         ValueError for a size < 1."""

@@ -27,6 +27,7 @@ from pipeline.jobstate.interface import (
     JobCounters,
     JobState,
     PlannerCheckpoint,
+    ProducerFailure,
     ProducerLease,
     Publication,
     QuarantineEntry,
@@ -66,7 +67,8 @@ class MemoryJobState(JobState):
         self._checkpoint: PlannerCheckpoint | None = None
         self._producer: ProducerLease | None = None
         self._generation = 0
-        self._error: str | None = None
+        self._error: ProducerFailure | None = None  # permanent
+        self._trouble: ProducerFailure | None = None  # transient (cleared by a publication)
         self._leases: dict[int, RankLease] = {}
         self._heartbeats: dict[int, float] = {}
         self._lapsed: set[int] = set()
@@ -155,6 +157,7 @@ class MemoryJobState(JobState):
                 self._timings[world.generation] = replace(
                     self._timings[world.generation], adopted_at=self._clock())
             self._done = self._done or publication.done
+            self._trouble = None
             if not retry:
                 self._counts["samples_in"] += publication.samples_in
                 for q in publication.quarantined:
@@ -162,6 +165,14 @@ class MemoryJobState(JobState):
                         self._quarantine[q.sample_id] = q
                         self._counts[f"q:{q.reason}"] += 1
             return len(new)
+
+    def reveal(self, *, fence: int) -> int:
+        with self._lock:  # visible at once: nothing is held
+            p = self._producer
+            if p is None or p.generation != fence:
+                raise Fenced(f"job {self.job_id!r}: producer generation {fence} is not the "
+                             f"current one ({p.generation if p else None})")
+            return self._through
 
     def get_step(self, step: int) -> Step | None:
         with self._lock:
@@ -226,14 +237,31 @@ class MemoryJobState(JobState):
         with self._lock:
             return self._producer
 
-    def set_error(self, message: str, *, fence: int) -> None:
+    def set_error(self, message: str, *, fence: int, cause: str = "internal",
+                  transient: bool = False) -> None:
+        now = self._clock()
         with self._lock:
             self._check_fence(fence)
-            self._error = message
+            if not transient:
+                self._error = ProducerFailure(message, cause, True, now)
+                self._trouble = None
+                return
+            t = self._trouble
+            self._trouble = ProducerFailure(message, cause, False, t.since if t else now,
+                                            t.attempts + 1 if t else 1)
 
     def error(self) -> str | None:
         with self._lock:
-            return self._error
+            return self._error.message if self._error else None
+
+    def producer_failure(self) -> ProducerFailure | None:
+        with self._lock:
+            return self._error or self._trouble
+
+    def clear_error(self) -> ProducerFailure | None:
+        with self._lock:
+            cleared, self._error = self._error, None
+            return cleared
 
     # --- ranks ---
     def _check_rank(self, rank: int) -> None:
@@ -398,9 +426,6 @@ class MemoryJobState(JobState):
             cur = self._worlds[-1]
             if request.expect_generation not in (None, cur.generation) or n == cur.world_size:
                 return ScaleResult(False, cur)
-            if self._done:
-                raise PlanningComplete(f"job {self.job_id!r} is fully planned: its remaining "
-                                       f"steps are fixed for {cur.world_size} ranks")
             if self._adopting:
                 raise ScaleInProgress(f"job {self.job_id!r}: the switch to world {cur.generation}"
                                       f" ({cur.world_size} ranks) is not planned yet")
@@ -416,17 +441,33 @@ class MemoryJobState(JobState):
             if request.require_gone and any(live):
                 raise RanksLive(f"job {self.job_id!r}: ranks {[r for r in range(w) if live[r]]}"
                                 f" of the current world ({w} ranks) hold live leases")
-            last = choose_boundary(
-                first_step=cur.first_step, published_through=self._through,
-                last_end_step=max((e.last_step for e in self._ends.values()), default=-1),
-                grants=[self._grants.get(r, cur.first_step - 1) for r in range(w)],
-                acked=self._acked, live=live, position=request.position)
-            samples = tokens = 0
-            for r, lr in enumerate(last):
-                for k in range(lr + 1, self._through + 1):
-                    b = self._steps[k].batch_for(r)
-                    if b is not None and not b.filler:
-                        samples, tokens = samples + len(b.samples), tokens + b.num_tokens
+            grants = [self._grants.get(r, cur.first_step - 1) for r in range(w)]
+
+            def boundary(ends: list[EpochEnd]) -> tuple[tuple[int, ...], int, int]:
+                last = choose_boundary(
+                    first_step=cur.first_step, published_through=self._through,
+                    last_end_step=max((e.last_step for e in ends), default=-1), grants=grants,
+                    acked=self._acked, live=live, position=request.position)
+                return (last, *self._returned(last))
+
+            # A fully planned job: its last epoch reopens (its END voided) when no live rank may
+            # have that END; else only the gone ranks' batches could move, and they cannot.
+            ends = list(self._ends.values())
+            final = self._final_end(w)
+            holders = [] if final is None else [
+                r for r in range(w) if live[r] and (final.final_step[r] is None
+                                                    or grants[r] >= final.final_step[r])]
+            reopen = None
+            if final is not None and not holders:
+                last, samples, tokens = boundary([e for e in ends if e is not final])
+                reopen = final if samples else None
+            if reopen is None:
+                last, samples, tokens = boundary(ends)
+                if self._done and samples:
+                    raise PlanningComplete(
+                        f"job {self.job_id!r} is fully planned and its final END may have "
+                        f"reached ranks {holders} (they were sent their last batch): the "
+                        "unconsumed batches of the gone ranks cannot move onto a new world")
             self._counts["samples_planned"] -= samples
             self._counts["tokens_planned"] -= tokens
             ended = replace(cur, last_steps=last, published_through=self._through,
@@ -434,7 +475,10 @@ class MemoryJobState(JobState):
                             returned_samples=samples, returned_tokens=tokens)
             new = World(cur.generation + 1, n, self._through + 1, request.reason, now)
             self._worlds[-1:] = [ended, new]
-            self._adopting = True
+            if reopen is not None:
+                del self._ends[reopen.epoch]
+                self._done = False
+            self._adopting = not self._done  # else nothing is left to plan: adopted at once
             self._draining = {r: self._leases[r].client_id for r in ended.live_ranks}
             for r in range(w):  # the gone ranks' leases are not the new world's (same ids)
                 if not live[r]:
@@ -446,8 +490,26 @@ class MemoryJobState(JobState):
             self._acked = [self._through] * n
             self._grants = {}
             self._lease_ranks = max(n, w)
-            self._timings[new.generation] = WorldTimings(new.generation, now)
+            self._timings[new.generation] = WorldTimings(
+                new.generation, now, adopted_at=None if self._adopting else now)
             return ScaleResult(True, new, ended)
+
+    def _returned(self, last: Sequence[int]) -> tuple[int, int]:
+        """Samples and tokens of the batches after each rank's last step (fillers excluded)."""
+        samples = tokens = 0
+        for r, lr in enumerate(last):
+            for k in range(lr + 1, self._through + 1):
+                b = self._steps[k].batch_for(r)
+                if b is not None and not b.filler:
+                    samples, tokens = samples + len(b.samples), tokens + b.num_tokens
+        return samples, tokens
+
+    def _final_end(self, w: int) -> EpochEnd | None:
+        """A fully planned job's last END, if it is the current world's (w ranks)."""
+        if not self._done or not self._ends:
+            return None
+        final = self._ends[max(self._ends)]
+        return final if len(final.final_step) == w else None
 
     def rank_left(self, generation: int, rank: int, client_id: str) -> None:
         now = self._clock()

@@ -286,6 +286,20 @@ class StepPlanner:
             self._release(events, final=False)
         return events
 
+    def reopen_epoch(self) -> None:
+        """Go back into the epoch that just ended, its input all fed: a reconfiguration voided
+        its END before any rank could have it (a fully planned job, docs/elastic.md). Then
+        `reconfigure` hands back the returned batches and `end_epoch` closes the epoch again,
+        its END naming the new world's ranks and its span counting from the same first step.
+        Only an epoch that carried nothing over (the job's last one) can be reopened."""
+        if self._epoch_started or self.epoch == 0:
+            raise ValueError("only an epoch that has just ended can be reopened")
+        if self._carry:
+            raise ValueError("an epoch that carried samples over cannot be reopened")
+        self.epoch -= 1
+        self._epoch_started = True
+        self._ramp()
+
     @property
     def buffered(self) -> int:
         """Samples fed but not yet in a published step (window + pool)."""

@@ -109,6 +109,30 @@ def ensure_producer(job: JobConfig, redis_url: str, settings: ProducerSettings,
     ).remote(job.model_dump_json(), redis_url, dataclasses.asdict(settings), fsync_publish)
 
 
+def stuck_producer(handle: Any, ping_seconds: float) -> str | None:
+    """Why the job's producer actor is stuck (it does not answer, or answers while its
+    producer cannot take the lease: frozen, hung, cut off from Redis), or None while it is not
+    up yet (its constructor runs, or Ray restarts it) or answers. Asked only when the job's
+    lease has been free for a while: a working producer actor takes it within a second."""
+    from ray._private import state as ray_state  # the GCS actor table: ALIVE once constructed
+
+    if ray_state.actors(actor_id=handle._actor_id.hex()).get("State") != "ALIVE":
+        return None
+    try:
+        ray.get(handle.info.remote(), timeout=ping_seconds)
+    except ray.exceptions.GetTimeoutError:
+        return f"it has not answered for {ping_seconds:.0f}s (frozen or hung)"
+    except ray.exceptions.RayError:
+        return None  # dying: Ray restarts it or its name frees
+    return "it answers, but its producer cannot take the lease (cut off from Redis?)"
+
+
+def restart_producer(handle: Any) -> None:
+    """Kill the actor's process; Ray restarts it (a new process takes the lease over: the
+    same holder, a new generation; the old one, were it to wake, is fenced)."""
+    ray.kill(handle, no_restart=False)
+
+
 def stop_producer(job_id: str, timeout: float = 10.0) -> None:
     """Stop and remove the job's producer actor, if any (tests, demo, operators)."""
     handle = find_producer(job_id)

@@ -4,8 +4,10 @@ The state's checkpoint names the world its planner state was planned for. When a
 ended that world, the producer restores the planner from the checkpoint (which covers every
 published step) and hands it back the batches the boundary returned, for the next world's size
 and first step (`StepPlanner.reconfigure`); it then publishes at once for the new world, which
-adopts it. Deterministic: the same checkpoint and boundary give the same plan, so a producer
-that dies half-way and its successor adopt identically.
+adopts it. A fully planned job's boundary may reopen its last epoch: the planner goes back into
+it (`StepPlanner.reopen_epoch`) first, and the producer closes it again for the new world.
+Deterministic: the same checkpoint and boundary give the same plan, so a producer that dies
+half-way and its successor adopt identically.
 
 Reads the state (the world records, the returned steps); never writes it.
 """
@@ -38,9 +40,13 @@ def returned_batches(state: JobState, world: World) -> list[Batch]:
 
 
 def adopt(planner: StepPlanner, planned_for: int, worlds: Sequence[World], state: JobState,
-          pool_steps: int | None) -> list[PlanEvent]:
+          pool_steps: int | None, epochs: int) -> list[PlanEvent]:
     """Move `planner`, restored for world `planned_for`, onto the current (last) world through
-    every boundary since; returns the steps it can emit at once."""
+    every boundary since; returns the steps it can emit at once. A planner that had ended the
+    job's last epoch (of `epochs`) goes back into it: a boundary reopened the fully planned job
+    (voiding that epoch's END), and the epoch's rest is re-planned for the new world."""
+    if planner.epoch >= epochs > 0:
+        planner.reopen_epoch()
     events: list[PlanEvent] = []
     for old, new in zip(worlds[planned_for:-1], worlds[planned_for + 1:], strict=True):
         events += planner.reconfigure(new.world_size, returned_batches(state, old),

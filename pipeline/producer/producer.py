@@ -27,11 +27,9 @@ from enum import Enum
 
 from pipeline.config import JobConfig
 from pipeline.errors import (
-    CheckpointConflict,
     Fenced,
     StateError,
     StateUnavailable,
-    StepGap,
     WorldChanged,
 )
 from pipeline.jobstate.interface import (
@@ -43,15 +41,17 @@ from pipeline.jobstate.interface import (
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
 from pipeline.producer.adoption import adopt
+from pipeline.producer.failures import (
+    Backoff,
+    Cause,
+    LeaseUnconfirmed,
+    StateRolledBack,
+    classify,
+    describe,
+)
 from pipeline.producer.feed import MeasuredFeed
 
 log = logging.getLogger(__name__)
-
-
-class StateRolledBack(StateError):
-    """The state's plan is shorter than what this producer published: it lost recent writes
-    (Redis restarted from an AOF fsynced every second). Production resumes from the state's
-    checkpoint, which was written atomically with the steps it covers."""
 
 
 class Outcome(str, Enum):  # noqa: UP042 (str mixin: printable in logs and status)
@@ -66,9 +66,17 @@ class ProducerSettings:
     lease_seconds: float = 10.0
     max_ahead: int = 10  # published, unacknowledged steps per rank before planning pauses
     pool_steps: int | None = None  # the planner's balancing pool (None: the job's config)
-    state_retry_seconds: float = 60.0  # an unreachable state is retried this long, then fail
+    # Transient failures (failures.py) are retried after retry_first_seconds, doubling up to
+    # retry_cap_seconds; a streak longer than give_up_seconds fails the job.
+    retry_first_seconds: float = 0.5
+    retry_cap_seconds: float = 30.0
+    give_up_seconds: float = 600.0
     linger_seconds: float = 120.0  # after planning, keep payloads this long without ack progress
     poll_seconds: float = 0.05  # back-pressure poll of the ranks' cursors
+
+    @property
+    def backoff(self) -> Backoff:
+        return Backoff(self.retry_first_seconds, self.retry_cap_seconds, self.give_up_seconds)
 
 
 class Producer:
@@ -96,6 +104,10 @@ class Producer:
         self._retired: list[tuple[int, int]] = []
         self._adoption: list[PlanEvent] | None = None
         self._last_published = -1
+        self._failing_since: float | None = None  # a streak of transient failures: its start
+        self._attempts = 0
+        self._job_failed = False  # the job has a permanent failure: nothing to do
+        self._lease_until = 0.0  # monotonic: the lease is surely ours until then
 
     # --- lifecycle ---
     def stop(self) -> None:
@@ -107,8 +119,8 @@ class Producer:
 
     def run(self) -> Outcome:
         self.generation = self._claim()
-        if self.generation is None:
-            self.outcome = Outcome.STOPPED
+        if self.generation is None:  # stopped, or the job failed for good meanwhile
+            self.outcome = Outcome.FAILED if self._job_failed else Outcome.STOPPED
             return self.outcome
         log.info("job %s: producer %s holds the lease (generation %d)", self.job.job_id,
                  self.holder, self.generation, extra={"job": self.job.job_id})
@@ -116,9 +128,12 @@ class Producer:
                                    daemon=True)
         renewer.start()
         try:
-            self.outcome = self._produce_with_retries()
-            if self.outcome is Outcome.DONE:
-                self._linger()
+            while True:
+                self.outcome = self._produce_with_retries()
+                if self.outcome is not Outcome.DONE or not self._linger():
+                    break
+                log.info("job %s: a reconfiguration reopened the planned job; adopting it",
+                         self.job.job_id, extra={"job": self.job.job_id})
         finally:
             self._stop.set()
             renewer.join(5.0)
@@ -134,14 +149,20 @@ class Producer:
         return self.outcome
 
     def _claim(self) -> int | None:
-        """Wait for the lease (another live producer holds it until it stops or lapses)."""
+        """Wait for the lease (another live producer holds it until it stops or lapses); None
+        once stopped, or when the job has failed for good (no producer may retry it)."""
         waited = False
         while not self._stop.is_set():
             try:
+                if self.state.error() is not None:
+                    self._job_failed = True
+                    return None
+                sent = time.monotonic()
                 gen = self.state.claim_producer(self.holder, self.settings.lease_seconds)
             except StateUnavailable:
                 gen = None
             if gen is not None:
+                self._lease_until = sent + self.settings.lease_seconds
                 return gen
             if not waited:
                 log.info("job %s: another producer holds the lease; %s waits", self.job.job_id,
@@ -154,7 +175,7 @@ class Producer:
         period = self.settings.lease_seconds / 3
         while not self._stop.wait(period):
             try:
-                self.state.renew_producer(self.generation, self.settings.lease_seconds)
+                self._renew_once()
             except Fenced:
                 log.warning("job %s: producer generation %d was fenced out", self.job.job_id,
                             self.generation, extra={"job": self.job.job_id})
@@ -164,13 +185,35 @@ class Producer:
             except StateError:
                 log.debug("job %s: lease renewal failed", self.job.job_id, exc_info=True)
 
+    def _renew_once(self) -> None:
+        """Renew the lease; on success it is ours until `lease_seconds` after the call was sent
+        (Redis counts from when it ran, later): a conservative local deadline."""
+        sent = time.monotonic()
+        self.state.renew_producer(self.generation, self.settings.lease_seconds)
+        self._lease_until = max(self._lease_until, sent + self.settings.lease_seconds)
+
+    def _check_lease(self) -> None:
+        """Before a publication: past the local lease deadline (renewals failed, e.g. Redis
+        partitioned away) renew first; if that fails, do not publish (the lease may have
+        expired and a successor may hold it). The state fences a publication that arrives late
+        anyway; this keeps a producer that cannot confirm its lease from sending one."""
+        if time.monotonic() < self._lease_until:
+            return
+        try:
+            self._renew_once()
+        except StateUnavailable as exc:
+            raise LeaseUnconfirmed(f"job {self.job.job_id!r}: producer generation "
+                                   f"{self.generation} could not renew its lease: {exc}") from exc
+
     # --- production ---
     def _produce_with_retries(self) -> Outcome:
-        """Run the plan; an unreachable or rolled-back state is retried from its checkpoint for
-        `state_retry_seconds` (republishing identical steps is a no-op)."""
-        failing_since: float | None = None
+        """Run the plan. A failure is classified (failures.py): a transient one is recorded as
+        the job's trouble and retried from the state's checkpoint with bounded exponential
+        backoff (republishing identical steps is a no-op; a publication ends the streak and
+        clears the record); a permanent one, or a streak longer than the retry bound, is
+        recorded as the job's error once and ends this producer (FAILED)."""
+        backoff = self.settings.backoff
         while not self._stop.is_set():
-            attempt = time.monotonic()
             try:
                 return self._produce_once()
             except Fenced:
@@ -180,35 +223,48 @@ class Producer:
                 log.info("job %s: the world changed; adopting it", self.job.job_id,
                          extra={"job": self.job.job_id})
                 continue
-            except (StateUnavailable, StateRolledBack, StepGap, CheckpointConflict) as exc:
-                now = time.monotonic()
-                if failing_since is None or now - attempt > 5.0:  # it had recovered meanwhile
-                    failing_since = now
-                if now - failing_since > self.settings.state_retry_seconds:
-                    self._fail(f"job state unreachable for {now - failing_since:.0f}s: "
-                               f"{type(exc).__name__}: {exc}")
-                    return Outcome.FAILED
-                log.warning("job %s: state unreachable or rolled back (%s: %s); resuming from "
-                            "its checkpoint", self.job.job_id, type(exc).__name__, exc,
-                            extra={"job": self.job.job_id})
-                self._stop.wait(0.5)
             except Exception as exc:  # a producer failure must reach the ranks, not vanish
-                log.exception("job %s: producer failed", self.job.job_id)
-                self._fail(f"{type(exc).__name__}: {exc}")
-                return Outcome.FAILED
+                cause = classify(exc)
+                now = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since, self._attempts = now, 0
+                self._attempts += 1
+                if not cause.transient or now - self._failing_since > backoff.give_up_seconds:
+                    log.error("job %s: producer failed (%s)", self.job.job_id, cause.value,
+                              exc_info=True, extra={"job": self.job.job_id})
+                    self._fail(cause, self._permanent_message(cause, exc, now))
+                    return Outcome.FAILED
+                delay = backoff.delay(self._attempts)
+                log.warning("job %s: producer failure %d in a row (%s: %s); retrying from the "
+                            "checkpoint in %.1fs", self.job.job_id, self._attempts, cause.value,
+                            describe(exc), delay, extra={"job": self.job.job_id},
+                            exc_info=self._attempts == 1)
+                self._fail(cause, f"{cause.value}: {describe(exc)} (failure {self._attempts} in "
+                                  f"a row; the producer retries)", transient=True)
+                self._stop.wait(delay)
         return Outcome.FENCED if self._fenced.is_set() else Outcome.STOPPED
 
-    def _fail(self, message: str) -> None:
+    def _permanent_message(self, cause: Cause, exc: BaseException, now: float) -> str:
+        streak = (f" (failing for {now - self._failing_since:.0f}s, {self._attempts} attempts)"
+                  if cause.transient else "")
+        return (f"job {self.job.job_id!r}: the producer failed for good ({cause.value}){streak}: "
+                f"{describe(exc)}. {cause.advice}.")
+
+    def _fail(self, cause: Cause, message: str, *, transient: bool = False) -> None:
+        """Record the failure on the job (best effort: the state may be what failed)."""
         try:
-            self.state.set_error(message, fence=self.generation)
+            self.state.set_error(message, fence=self.generation, cause=cause.value,
+                                 transient=transient)
         except StateError:
-            log.error("job %s: could not record the producer error: %s", self.job.job_id,
-                      message)
+            log.log(logging.DEBUG if transient else logging.ERROR,
+                    "job %s: could not record the producer failure: %s", self.job.job_id,
+                    message, extra={"job": self.job.job_id})
 
     def _restore(self) -> tuple[StepPlanner, PlannerCheckpoint | None]:
         policy = self.job.batching.policy()
         pool = (self.settings.pool_steps if self.settings.pool_steps is not None
                 else self.job.batching.pool_steps)
+        self.state.reveal(fence=self.generation)  # a predecessor's held publication, if any
         cp = self.state.load_checkpoint()
         self._last_published = self.state.published_through()
         self._enter_world()
@@ -226,7 +282,7 @@ class Producer:
         self._adoption = None
         if planned_for != self._world_gen:
             self._adoption = adopt(planner, planned_for, worlds[:self._world_gen + 1],
-                                   self.state, pool)
+                                   self.state, pool, self.job.epochs)
             log.info("job %s: plan moved onto world %d (%d ranks from step %d)",
                      self.job.job_id, self._world_gen, self._world, self._world_first,
                      extra={"job": self.job.job_id})
@@ -281,7 +337,9 @@ class Producer:
             # The last epoch closes the job: quota mode's remainder forms one aligned step.
             self._take(pending, planner.end_epoch(last_epoch=last))
             self._publish(pending, planner, epoch + 1, 0, done=last)
-        if not self.state.is_done():  # an empty job (zero epochs to run) still finishes
+        if planner.epoch < epochs:  # a reopened last epoch (its input all read): close it
+            self._take(pending, planner.end_epoch(last_epoch=True))
+        if not self.state.is_done():  # (an empty job, zero epochs to run, finishes too)
             self._publish(pending, planner, epochs, 0, done=True)
         return Outcome.DONE
 
@@ -303,13 +361,15 @@ class Producer:
                           done=done)
         if steps:
             self.feed.stage(steps)
+        self._check_lease()
         try:
             self.state.publish(pub, fence=self.generation)
         except Fenced:
             # An expired lease nobody took over yet is still ours: renew and retry once.
-            self.state.renew_producer(self.generation, self.settings.lease_seconds)
+            self._renew_once()
             self.state.publish(pub, fence=self.generation)
         pending.clear()
+        self._failing_since = None  # published: a streak of transient failures is over
         for step in steps:
             self._last_published = max(self._last_published, step.step)
             for b in step.batches:
@@ -345,13 +405,24 @@ class Producer:
                                       f"{self._last_published}")
             self._stop.wait(self.settings.poll_seconds)
 
-    def _linger(self) -> None:
+    def _linger(self) -> bool:
         """Planning is over: keep releasing payloads as ranks acknowledge, until all are
-        released or no rank made progress for `linger_seconds` (a rank that never returns)."""
+        released or no rank made progress for `linger_seconds` (a rank that never returns).
+        True when a reconfiguration reopened the job meanwhile (plan again: `run`)."""
         last, since = None, time.monotonic()
         while any(self._unacked) and not self._stop.is_set():
             try:
+                head = self.state.head()
+                if head.generation != self._world_gen:
+                    if not self.state.is_done():
+                        return True  # the payloads stay for the draining ranks (_enter_world)
+                    break  # a new world with nothing to plan: this one's payloads go
+                if head.published_through < self._last_published:  # Redis lost the reveal
+                    self.state.reveal(fence=self.generation)
                 acked = self.state.acked_all()
+            except Fenced:  # a successor holds the lease: its payloads are its own
+                self._fenced.set()
+                break
             except StateUnavailable:
                 acked = last or [-1] * self._world
             self._release_acked(acked)
@@ -364,8 +435,10 @@ class Producer:
             self._stop.wait(max(self.settings.poll_seconds, 0.2))
         rest = [(n, r) for r, steps in enumerate(self._unacked) for n in steps] + self._retired
         self._retired = []
+        self._unacked = [deque() for _ in range(self._world)]
         if rest:
             self.feed.release(rest)
+        return False
 
 
 @dataclass

@@ -73,6 +73,21 @@ from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+# A producer's permanent failure by cause (pipeline/producer/failures.py): what the operator must
+# fix is FAILED_PRECONDITION, a transient cause that outlasted the retry bound UNAVAILABLE, a bug
+# INTERNAL.
+_FAILURE_STATUS = {
+    "source_missing": grpc.StatusCode.FAILED_PRECONDITION,
+    "source_forbidden": grpc.StatusCode.FAILED_PRECONDITION,
+    "config": grpc.StatusCode.FAILED_PRECONDITION,
+    "plan_conflict": grpc.StatusCode.FAILED_PRECONDITION,
+    "state_unavailable": grpc.StatusCode.UNAVAILABLE,
+    "not_durable": grpc.StatusCode.UNAVAILABLE,
+    "state_rolled_back": grpc.StatusCode.UNAVAILABLE,
+    "ray_unavailable": grpc.StatusCode.UNAVAILABLE,
+    "source_unreadable": grpc.StatusCode.UNAVAILABLE,
+}
+
 _MODE = {"join": pb.JOIN, "quota": pb.QUOTA}
 __all__ = ["RESUME_FROM_CURSOR", "DataServicer", "add_servicer"]
 
@@ -466,10 +481,10 @@ class DataServicer(pb_grpc.DataServiceServicer):
         if s.error is not None:
             await context.abort(*s.error)
         await jio.refresh_checks(self.rank_timeout_seconds)
-        error = rt.error(refresh=False)
-        if error:
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"job {rt.job.job_id!r} producer failed: {error}")
+        failure = rt.producer_failure(refresh=False)
+        if failure is not None and failure.permanent:  # a transient one: keep waiting
+            await context.abort(_FAILURE_STATUS.get(failure.cause, grpc.StatusCode.INTERNAL),
+                                f"job {rt.job.job_id!r} producer failed: {failure.message}")
         failure = await self._rank_failure_of(jio, s.rank)
         if failure is not None:
             log.warning("job %s rank %d: aborting stream: %s", rt.job.job_id, s.rank, failure,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.config import JobConfig
-from pipeline.jobstate.interface import JobState
+from pipeline.jobstate.interface import JobState, ProducerFailure
 from pipeline.jobstate.worlds import PlanHead
 from pipeline.planner.types import Step
 from pipeline.producer.hosting import ProducerHost
@@ -78,7 +78,7 @@ class JobRuntime:
         self._dead_lock = threading.Lock()
         self._dead_cache: tuple[float, float, dict[int, float]] | None = None
         self._error_lock = threading.Lock()
-        self._error: tuple[float, str | None] = (-1.0, None)
+        self._error: tuple[float, ProducerFailure | None] = (-1.0, None)
 
     # --- lifecycle ---
     def start(self) -> JobRuntime:
@@ -115,15 +115,20 @@ class JobRuntime:
 
     # --- shared reads ---
     def error(self, refresh: bool = True) -> str | None:
-        """The producer's recorded failure (read at most every second; `refresh=False`: the
-        last value read, without I/O)."""
+        """The producer's permanent failure (read at most every second; `refresh=False`: the
+        last value read, without I/O). A transient one is not an error: streams wait."""
+        failure = self.producer_failure(refresh)
+        return failure.message if failure is not None and failure.permanent else None
+
+    def producer_failure(self, refresh: bool = True) -> ProducerFailure | None:
+        """The producer's recorded failure, permanent or transient (cached as `error`)."""
         now = time.monotonic()
         with self._error_lock:
             at, value = self._error
             if refresh and now - at >= 1.0:
                 # An unreachable state: streams learn it from their own reads.
                 with contextlib.suppress(Exception):
-                    value = self.state.error()
+                    value = self.state.producer_failure()
                 self._error = (now, value)
             return value
 

@@ -3,8 +3,9 @@
 With the state in another process (Redis), every stream reading the plan itself would cost a
 round trip per check per rank. Here the plan's head (`published_through` and the current world,
 read together) is read at most every `refresh_seconds` (so it is stale by at most that, and
-never ahead of the state: it is only ever a value the state returned); steps and END records
-are write-once, so a cached one is always correct. A
+never ahead of the state: it is only ever a value the state returned); steps are write-once,
+so a cached one is always correct, and so are END records within a world (a switch may void a
+fully planned job's last END: they are read again after one). A
 stream reads only its own rank's batch of a step (`step_for`), with its next few published
 steps read ahead: the reads of all streams waiting meanwhile go together in one round trip.
 """
@@ -37,6 +38,7 @@ class PlanView:
         self._ends_lock = threading.Lock()
         self._ends: dict[int, EpochEnd] = {}
         self._ends_at = -1.0
+        self._generation = 0  # the world of the ENDs cached
 
     def head(self) -> PlanHead:
         """At most `refresh_seconds` stale; a failed read is re-raised to every reader of the
@@ -46,7 +48,7 @@ class PlanView:
             if c is None or time.monotonic() - c[0] >= self.refresh_seconds:
                 at = time.monotonic()
                 try:
-                    c = (at, self.state.head(), None)
+                    c = (at, self._new_head(self.state.head()), None)
                 except Exception as exc:
                     c = (at, None, exc)
                 self._pt = c
@@ -89,10 +91,20 @@ class PlanView:
 
     def fresh_head(self) -> PlanHead:
         """Read the state now (before refusing a request that a stale value would refuse)."""
-        v = self.state.head()
+        v = self._new_head(self.state.head())
         with self._pt_lock:
             self._pt = (time.monotonic(), v, None)
         return v
+
+    def _new_head(self, head: PlanHead) -> PlanHead:
+        """A world switch can void an END (a fully planned job reopened, docs/elastic.md):
+        the cached ENDs are read again after one."""
+        if head.generation != self._generation:
+            with self._ends_lock:
+                self._ends.clear()
+                self._ends_at = -1.0
+            self._generation = head.generation
+        return head
 
     def fresh_published_through(self) -> int:
         return self.fresh_head().published_through

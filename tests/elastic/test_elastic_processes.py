@@ -127,6 +127,43 @@ def test_a_killed_rank_under_shrink_leaves_a_smaller_world_exactly_once(redis_cl
             assert x["step"] <= w0.last_step or x["world"] == 2
 
 
+def test_a_rank_lost_in_the_last_steps_of_a_fully_planned_job_under_shrink(redis_client,
+                                                                          redis_url, tmp_path):
+    """The whole job is planned (a small dataset, published in full within max_ahead) when a
+    rank is killed: the survivors are not failed; the switch reopens the last epoch, the dead
+    rank's unconsumed batches and the survivors' ungranted tail are re-planned for 2 ranks, and
+    the new world finishes the epoch: every sample exactly once."""
+    items = samples(400, seed=5)
+    with served(redis_url, "fp", 3, items, lease_seconds=2.0, rank_timeout_seconds=1.0,
+                rank_failure_policy="shrink", grpc={"port": 0, "prefetch_steps": 16}) as svc:
+        state = RedisJobState.attach(redis_url, "fp")
+        old = [RankProc(tmp_path, svc.address, "fp", r, 3, sleep=0.5) for r in range(3)]
+        wait_for(lambda: _progress(old, 2), 60, "every rank to take 2 batches")
+        wait_for(state.is_done, 30, "the job to be fully planned")
+        planned_end = state.epoch_ends()[-1]
+        old[1].proc.send_signal(signal.SIGKILL)
+        old[1].proc.wait(10)
+        live = [old[0], old[2]]
+        for r in live:
+            end = r.finish().end()
+            assert (end["end"], end["world_size"], end["done"]) == ("reconfigure", 2, False)
+        w0, w1 = state.worlds()
+        assert w1.reason is ScaleReason.SHRINK and w0.live_ranks == (0, 2)
+        assert w0.last_step < planned_end.last_step  # the unconsumed tail moved
+        new = [RankProc(tmp_path, svc.address, "fp", i, 2, restore=r.state, sleep=0.0)
+               for i, r in enumerate(live)]
+        for r in new:
+            assert r.finish().end()["done"]
+        (end,) = state.epoch_ends()
+        assert len(end.final_step) == 2 and state.is_done()
+        dead = [x for x in old[1].batches() if x["step"] <= w0.last_steps[1]]
+        fresh = [x for r in new for x in r.batches()]
+        records = dead + [x for r in live for x in r.batches()] + fresh
+        assert_exactly_once(records, items)
+        check_worlds(fresh, [w1], last_world_closes=True)
+        assert state.counters().samples_planned == len(items)
+
+
 def test_torchrun_style_restart_with_a_new_world_size(redis_client, redis_url, tmp_path):
     """Every worker of a 3-rank world is killed (the agent restarts the group after losing a
     node); the new group of 2 restores the checkpoint every old rank had reached and opens with

@@ -147,11 +147,22 @@ def test_a_second_switch_waits_for_the_first_and_old_ranks_end_in_band(redis_cli
         assert st.worlds[0].last_step == b and st.world_size == 3
 
 
-def test_a_fully_planned_job_cannot_move(redis_client, redis_url):
+def test_a_fully_planned_job_cannot_move_once_a_live_rank_was_sent_its_last_batch(
+        redis_client, redis_url):
+    """(Otherwise it moves: test_elastic_processes.py, tests/elastic/test_reopen_state.py.)"""
     with served(redis_url, "sr", 2, samples(30), token=TOKEN) as svc:
-        wait_for(lambda: svc.runtimes["sr"].state.is_done(), 30, "the plan")
+        st = svc.runtimes["sr"].state
+        wait_for(st.is_done, 30, "the plan")
+        last = st.epoch_ends()[-1].final_step[0]
+        stream = BatchStream(svc.address, "sr", 0, 2, token=TOKEN, prefetch=16,
+                             tensors="numpy")
+        next(iter(stream))
+        wait_for(lambda: st.grant([(0, 0, -1)])[0].through >= last, 30,
+                 "rank 0 to be sent its last batch")
         code, details = _code(lambda: _scale(svc.address, 3))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "fully planned" in details
+        assert "ranks [0]" in details  # rank 1 never came: its batches cannot move
+        stream.close()
 
 
 def test_an_aligned_loader_does_not_mistake_a_world_end_for_the_epochs(redis_client, redis_url):

@@ -205,10 +205,13 @@ def test_no_change_for_the_current_size_or_a_world_that_already_ended(env: Env):
     assert _observed(st) == seen
 
 
-def test_a_fully_planned_job_cannot_move(env: Env):
+def test_a_fully_planned_job_cannot_move_once_a_live_rank_may_have_its_last_end(env: Env):
+    """(A fully planned job reopens otherwise: tests/elastic/test_reopen_state.py.)"""
     st, gen = env.state, env.producer()
     st.publish(publication(steps(0, 2), ends=(EpochEnd(0, (2, 2, 2, 2), 3),), done=True),
                fence=gen)
+    st.claim_rank(0, "c0", LONG)
+    st.grant([(0, 0, 2)])  # rank 0 was sent its last batch: END(0) may be delivered
     seen = _observed(st)
     with pytest.raises(PlanningComplete):
         st.scale(ScaleRequest(2))

@@ -1,18 +1,25 @@
 -- One publication: steps + END records + checkpoint + counters + quarantine, all or nothing.
--- KEYS: meta, digests, ends, ckpt, counters, quarantine_ids, quarantine, world_times
+-- KEYS: meta, digests, ends, ckpt, counters, quarantine_ids, quarantine, world_times,
+--       pending_ends
 -- ARGV: base, fence, ckpt_epoch, ckpt_rows, ckpt_next_step, ckpt_blob, done, samples_in,
---       quarantine_cap,
---       n_steps, ckpt_world, [epoch, step, header, samples, tokens, n_batches, (rank, blob)*]*,
+--       quarantine_cap, n_steps, ckpt_world, hold,
+--       [epoch, step, header, samples, tokens, n_batches, (rank, blob)*]*,
 --       n_ends, [epoch, blob]*, n_quarantined, [sample_id, reason, record]*
--- Returns {new_steps, published_through}. The checkpoint's world must be the current one (a
+-- Returns {new_steps, planned_through}. The checkpoint's world must be the current one (a
 -- producer that planned for a world a reconfiguration ended gets ODB_WORLD); the first
--- publication for a new world adopts it.
+-- publication for a new world adopts it. A publication clears the producer's transient failure.
+-- `hold` = '1' (fsync_publish): the steps, END records and `done` are written but not visible
+-- (`planned_through` moves, `published_through` does not; ENDs wait in pending_ends) until
+-- REVEAL, once WAITAOF confirmed them on disk. Otherwise they are visible at once (and so is
+-- whatever an earlier held publication left pending).
 --! include now
 --! include fence
+--! include reveal
 local m = redis.call('HMGET', KEYS[1], 'published_through', 'state', 'ckpt_next_step', 'epoch',
   'producer_gen', 'producer_exp', 'ckpt_epoch', 'ckpt_rows', 'world_gen', 'world_size',
-  'adopting')
+  'adopting', 'planned_through', 'pending_done')
 if not m[1] then return redis.error_reply('ODB_NOJOB') end
+local hold = ARGV[12] == '1'
 local f = fenced(m[5], m[6], ARGV[2])
 if f then return redis.error_reply(f) end
 local wg, ws = tonumber(m[9] or 0), tonumber(m[10])
@@ -23,9 +30,9 @@ if ce < oe or (ce == oe and cr < orows) then
   return redis.error_reply('ODB_CKPT backwards ' .. ce .. ':' .. cr .. ' ' .. oe .. ':' .. orows)
 end
 local retry = ce == oe and cr == orows
-local expect = tonumber(m[1]) + 1
+local expect = tonumber(m[12] or m[1]) + 1
 local epoch = tonumber(m[4])
-local i = 12
+local i = 13
 local new = {}
 local pending = {}
 for s = 1, tonumber(ARGV[10]) do
@@ -50,13 +57,14 @@ for s = 1, tonumber(ARGV[10]) do
   end
   i = last + 1
 end
-if #new > 0 and m[2] == 'done' then return redis.error_reply('ODB_DONE') end
+if #new > 0 and (m[2] == 'done' or m[13] == '1') then return redis.error_reply('ODB_DONE') end
 local ne = tonumber(ARGV[i])
 local ends = {}
 local pending_ends = {}
 i = i + 1
 for s = 1, ne do
   local old = pending_ends[ARGV[i]] or redis.call('HGET', KEYS[3], ARGV[i])
+    or redis.call('HGET', KEYS[9], ARGV[i])
   if old then
     if old ~= ARGV[i + 1] then return redis.error_reply('ODB_END_CONFLICT ' .. ARGV[i]) end
   else
@@ -87,7 +95,7 @@ for _, p in ipairs(new) do
   if e > epoch then epoch = e end
 end
 for _, j in ipairs(ends) do
-  redis.call('HSET', KEYS[3], ARGV[j], ARGV[j + 1])
+  redis.call('HSET', KEYS[9], ARGV[j], ARGV[j + 1])  -- pending until revealed (below if not held)
   local e = tonumber(ARGV[j])
   if e > epoch then epoch = e end
 end
@@ -104,10 +112,12 @@ if not retry then
     i = i + 3
   end
 end
-redis.call('HSET', KEYS[1], 'published_through', expect - 1, 'epoch', epoch,
+redis.call('HSET', KEYS[1], 'planned_through', expect - 1, 'epoch', epoch,
   'ckpt_next_step', cn, 'ckpt_epoch', ce, 'ckpt_rows', cr)
 redis.call('SET', KEYS[4], ARGV[6])
-if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'state', 'done') end
+redis.call('HDEL', KEYS[1], 'trouble', 'trouble_cause', 'trouble_ms', 'trouble_attempts')
+if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'pending_done', 1) end
+if not hold then reveal(KEYS[1], KEYS[3], KEYS[9]) end
 if m[11] == '1' then
   redis.call('HSET', KEYS[1], 'adopting', 0)
   redis.call('HSETNX', KEYS[8], wg .. ':adopted', now)

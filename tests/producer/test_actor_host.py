@@ -1,0 +1,62 @@
+"""The actor host replaces a stuck producer actor (real Ray, real Redis, the real producer
+actor over Ray Data). A frozen actor (SIGSTOP: a hung host; its Redis link goes silent with it)
+keeps its name in Ray, so re-creating it by name finds the frozen one: the host sees the lease
+stay free while the actor is ALIVE and does not answer, and has Ray restart it. The new
+process takes the lease over (a new generation) and plans on from the checkpoint; nothing
+published changes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import ray
+from support.waiting import wait_for
+
+from pipeline.config import JobConfig
+from pipeline.coordinator import RedisJobState
+from pipeline.producer.actor import find_producer, stop_producer
+from pipeline.producer.hosting import ActorHost
+from pipeline.producer.producer import ProducerSettings
+
+CHATS = Path(__file__).resolve().parents[2] / "pipeline" / "sample_data" / "chats.jsonl"
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(not CHATS.exists(), reason="sample data missing")
+def test_a_frozen_producer_actor_is_restarted_and_a_successor_plans_on(ray_session, tmp_path,
+                                                                        redis_url, redis_client):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_bytes(b"".join(CHATS.read_bytes().splitlines(keepends=True)[:120]))
+    job = JobConfig.model_validate({
+        "job_id": "frozen", "world_size": 1, "epochs": 2, "source": {"paths": [str(chats)]},
+        "batching": {"token_budget": 1024, "max_window_samples": 16, "pool_steps": 1}})
+    st = RedisJobState.connect(redis_url, job)
+    settings = ProducerSettings(lease_seconds=2.0, max_ahead=2, poll_seconds=0.05)
+    host = ActorHost(job, st, redis_url, settings=settings, check_seconds=0.5)
+    host.start()
+    pid = None
+    try:
+        # Back-pressure (nobody acks) holds the producer mid-plan, renewing its lease.
+        wait_for(lambda: st.published_through() >= 2, 120, "the producer actor's first steps")
+        info = ray.get(find_producer("frozen").info.remote(), timeout=30)
+        pid, gen = info["pid"], info["generation"]
+        published = {n: st.get_step(n) for n in range(st.published_through() + 1)}
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: st.producer_lease().generation > gen, 60,
+                 "a restarted producer to take the lease over")
+        assert st.producer_lease().holder == info["holder"]  # the same actor, a new process
+        st.ack(0, max(published))  # room: the successor plans on
+        wait_for(lambda: st.published_through() > max(published), 60, "the successor's steps")
+        assert {n: st.get_step(n) for n in published} == published  # never republished
+        new = ray.get(find_producer("frozen").info.remote(), timeout=30)
+        assert new["pid"] != pid and new["generation"] > gen
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        host.stop()
+        stop_producer("frozen")
