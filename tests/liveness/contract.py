@@ -26,6 +26,11 @@ STATE_TIMEOUT_S = 3.0
 # How long a silent peer may go unnoticed by a client: one idle keepalive period, then an
 # unanswered ping (the contract's documented bound is this sum for its own settings).
 KEEPALIVE_BOUND_S = KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S
+# ...and until it is served elsewhere: reconnecting, it may try the silent replica's address
+# first again (a frozen host's kernel still completes the TCP handshake, a black hole accepts
+# it), an attempt it must give up in a bound of its own: taken here as no longer than the
+# keepalive bound (the contract bounds the whole failover by 10 s with its 8 s defaults).
+FAILOVER_BOUND_S = 2 * KEEPALIVE_BOUND_S
 
 SERVICE = {"lease_seconds": LEASE_S, "rank_timeout_seconds": RANK_TIMEOUT_S,
            "state_timeout_seconds": STATE_TIMEOUT_S}

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from contract import KEEPALIVE_BOUND_S, LEASE_S, STATE_TIMEOUT_S, service_settings
+from contract import FAILOVER_BOUND_S, LEASE_S, STATE_TIMEOUT_S, service_settings
 from scenario import (
     assert_done,
     assert_exactly_once,
@@ -127,7 +127,7 @@ def test_frozen_replica_its_ranks_fail_over_within_the_keepalive_bound(cluster, 
     try:
         with frozen(cluster.topo.replicas[1].pid) as ice:
             release(ranks)
-            wait_new_batches(ranks[2:], ice.frozen_at, KEEPALIVE_BOUND_S + SLACK_S,
+            wait_new_batches(ranks[2:], ice.frozen_at, FAILOVER_BOUND_S + SLACK_S,
                              "ranks 2, 3 to fail over from the frozen replica 1")
             _finish(cluster, "frozen-replica", ranks, ranks[2:])
     finally:
@@ -164,7 +164,7 @@ def test_partitioned_replica_its_ranks_fail_over_within_the_keepalive_bound(
         cut_at = time.time()
         proxy.black_hole(to_target=cut == "both-ways", to_client=True)
         release(ranks)
-        wait_new_batches(ranks[2:], cut_at, KEEPALIVE_BOUND_S + SLACK_S,
+        wait_new_batches(ranks[2:], cut_at, FAILOVER_BOUND_S + SLACK_S,
                          f"ranks 2, 3 to fail over from replica 1 (cut {cut})")
         _finish(cluster, f"cut-{cut}", ranks, ranks[2:])
     finally:
@@ -185,7 +185,7 @@ def test_replica_cut_from_redis_ends_its_streams_and_its_ranks_fail_over(cluster
         cut_at = time.time()
         proxy.black_hole()
         release(ranks)
-        wait_new_batches(ranks[2:], cut_at, STATE_TIMEOUT_S + KEEPALIVE_BOUND_S + SLACK_S,
+        wait_new_batches(ranks[2:], cut_at, STATE_TIMEOUT_S + FAILOVER_BOUND_S + SLACK_S,
                          "ranks 2, 3 to fail over from replica 1, cut from Redis")
         assert not any(r.finished() for r in ranks), "the link should heal mid-epoch"
         proxy.heal()

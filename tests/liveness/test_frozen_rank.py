@@ -4,8 +4,9 @@ heartbeats, answered pings) may keep its lease; once it lapses for `rank_timeout
 job's `rank_failure_policy` applies.
 
 Three rank processes on one replica (in this process: the boundary under test is the rank's),
-real Redis, the contract's test settings (tests/liveness/contract.py). Rank 0 is frozen while
-it holds its third batch; ranks 1 and 2 go on until back-pressure holds them.
+real Redis, the contract's test settings (tests/liveness/contract.py). Ranks busy (not reading
+their stream) keep their leases; rank 0 frozen while it holds its third batch loses its own,
+and ranks 1 and 2 go on until back-pressure holds them.
 - fail: they get ABORTED naming rank 0 within lease + rank timeout + slack;
 - wait: they keep waiting (rank 0's lease lapsed, no error); thawed, rank 0 resumes and the
   epoch ends exactly once;
@@ -30,7 +31,7 @@ from scenario import (
     wait_paused,
 )
 from support.freeze import frozen
-from support.waiting import wait_for
+from support.waiting import wait_for, wait_until
 
 from pipeline.config import ServiceConfig
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples
@@ -70,6 +71,26 @@ def _three_ranks(tmp_path, svc, job: str, **kw) -> list:
         kill_all(ranks)
         raise
     return ranks
+
+
+@pytest.mark.parametrize("service", ["fail"], indirect=True)
+def test_a_busy_rank_keeps_its_lease(service, tmp_path):
+    """The other side of the coin: ranks busy in a long step (an eval, a checkpoint) for longer
+    than lease + rank timeout are not taken for dead ones; their clients keep their leases
+    from gRPC's own thread while the training loop does not read."""
+    svc, job, ids = service
+    state = svc.runtimes[job].state
+    ranks = _three_ranks(tmp_path, svc, job)  # each holds its third batch: busy
+    try:
+        assert not wait_until(lambda: bool(state.lapsed_ranks()),
+                              LEASE_S + RANK_TIMEOUT_S + 1.0, interval=0.1), (
+            f"lapsed while busy: {state.lapsed_ranks()}")
+        release(ranks)
+        wait_ended(ranks, EPOCH_S)
+        assert_done(ranks)
+        assert_exactly_once(delivered_ids(ranks), ids)
+    finally:
+        kill_all(ranks)
 
 
 @pytest.mark.xfail(strict=True, reason="#27: the replica renews a connected rank's lease "
