@@ -9,9 +9,10 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-from contract import client_options
-from rank_process import RankProcess
 from support.waiting import wait_for
+
+from liveness.contract import client_options
+from liveness.rank_process import RankProcess
 
 PREFETCH = 2  # the rank processes' BatchStream prefetch: batches a rank may hold unread
 PAUSE_AFTER = 3  # ranks hold their 3rd batch "in training" until the fault is in

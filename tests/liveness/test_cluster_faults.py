@@ -21,9 +21,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import grpc
 import pytest
-from contract import FAILOVER_BOUND_S, LEASE_S, STATE_TIMEOUT_S, service_settings
-from scenario import (
+from support.freeze import frozen
+from support.serve_process import REPO
+from support.topology import Topology
+from support.waiting import wait_for, wait_until
+
+from liveness.contract import FAILOVER_BOUND_S, LEASE_S, STATE_TIMEOUT_S, service_settings
+from liveness.scenario import (
     assert_done,
     assert_exactly_once,
     delivered_ids,
@@ -34,12 +40,9 @@ from scenario import (
     wait_new_batches,
     wait_paused,
 )
-from support.freeze import frozen
-from support.serve_process import REPO
-from support.topology import Topology
-from support.waiting import wait_for, wait_until
-
 from pipeline.coordinator import RedisJobState
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -109,6 +112,23 @@ def replica_logs(cluster):
     yield
     for r in cluster.topo.replicas:
         print(f"--- replica {r.index}:\n" + "".join(r.output().splitlines(keepends=True)[-40:]))
+
+
+def test_the_topology_is_what_the_scenarios_assume(cluster):
+    """The topology's own check (tests/support/topology.py): both replicas serve through their
+    client proxies, replica 1 reaches Redis only through its proxy, the Ray head's processes
+    can be found by name and its driver answers (clearly, for an actor that is not there)."""
+    topo = cluster.topo
+    for r in topo.replicas:
+        with grpc.insecure_channel(r.address) as ch:
+            stub = pb_grpc.DataServiceStub(ch)
+            assert stub.GetJob(pb.GetJobRequest(job_id=JOBS[0]), timeout=30).job_id == JOBS[0]
+    assert topo.replicas[0].redis_proxy is None
+    assert topo.replicas[1].redis_proxy is not None and topo.replicas[1].redis_proxy.connections()
+    assert topo.head.pids("gcs_server") and topo.head.actor_pids("ProducerActor")
+    with pytest.raises(RuntimeError, match="no-such-actor"):
+        topo.head.call("odb", "no-such-actor", "info")
+    assert {topo.head.pid, topo.replicas[0].pid, topo.replicas[1].pid} <= topo.processes()
 
 
 def _finish(cluster: Cluster, job: str, ranks: list, failed_over: list) -> None:

@@ -6,7 +6,8 @@ unknown option); this test says which are missing."""
 from __future__ import annotations
 
 import pytest
-from contract import missing_names
+
+from liveness.contract import missing_names
 
 
 @pytest.mark.xfail(strict=True, reason="#27: the contract's keepalive, heartbeat and state "
