@@ -18,15 +18,19 @@ past it would abort the job and fail the scenario).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 
 import grpc
 import pytest
 from support.freeze import frozen
 from support.serve_process import REPO
+from support.tcp_proxy import TcpProxy
 from support.topology import Topology
-from support.waiting import wait_for, wait_until
+from support.waiting import wait_until
 
 from liveness.contract import FAILOVER_BOUND_S, LEASE_S, STATE_TIMEOUT_S, service_settings
 from liveness.scenario import (
@@ -54,7 +58,9 @@ SLACK_S = 4.0  # reconnecting, re-claiming the lease and a first batch, on 2 loa
 EPOCH_S = 90.0  # the rest of an epoch, however slow the machine: only a hang exceeds it
 SUCCESSOR_S = 15.0  # a new producer actor started, restored and publishing (3.3 s after a kill -9)
 REDIS_FREEZE_S = 5.0  # > lease, state timeout and keepalive bound; < lease + rank timeout
-GCS_FREEZE_S = 8.0  # longer than every timeout of the service
+# Longer than every timeout of the service, lease + rank timeout included: a Ray head hang
+# stalls the ranks (no new step is planned, a payload read may wait), it kills none of them.
+GCS_FREEZE_S = LEASE_S + CLUSTER_RANK_TIMEOUT_S + 2.0
 JOBS = ("frozen-replica", "killed-replica", "cut-both-ways", "cut-answers", "replica-redis",
         "frozen-producer", "frozen-gcs", "frozen-redis")
 
@@ -140,34 +146,56 @@ def _finish(cluster: Cluster, job: str, ranks: list, failed_over: list) -> None:
     assert cluster.state(job).error() is None
 
 
+@contextlib.contextmanager
+def black_holed(proxy: TcpProxy, **directions: bool) -> Iterator[None]:
+    proxy.black_hole(**directions)
+    try:
+        yield
+    finally:
+        proxy.heal()
+
+
+@contextlib.contextmanager
+def killed(topo: Topology, i: int) -> Iterator[None]:
+    """kill -9 replica `i`; started again afterwards (the next scenarios have it back)."""
+    topo.replicas[i].serve.proc.kill()
+    try:
+        yield
+    finally:
+        topo.restart(i)
+
+
+def fail_over(cluster: Cluster, tmp_path: Path, job: str, fault: ContextManager, bound: float,
+              *, sleep: float = 0.05, lift_mid_epoch: bool = False) -> None:
+    """Replica 1 fails under `fault` (a context manager: in at its start, lifted at its end)
+    while every rank is mid-epoch: ranks 2 and 3, which dial it first, each take a batch they
+    cannot have held before within `bound`, and the epoch ends with every sample once.
+    `lift_mid_epoch`: the fault is lifted as soon as they failed over, not after the epoch."""
+    ranks = cluster.ranks(tmp_path, job, sleep=sleep)
+    try:
+        with fault:
+            began = time.time()
+            release(ranks)
+            wait_new_batches(ranks[2:], began, bound, f"ranks 2, 3 of {job} to fail over")
+            if not lift_mid_epoch:
+                _finish(cluster, job, ranks, ranks[2:])
+        if lift_mid_epoch:
+            _finish(cluster, job, ranks, ranks[2:])
+    finally:
+        kill_all(ranks)
+
+
 @pytest.mark.xfail(strict=True, reason="#27: no gRPC keepalive: the clients of a frozen "
                    "replica never notice it (they wait on its open sockets)")
 def test_frozen_replica_its_ranks_fail_over_within_the_keepalive_bound(cluster, tmp_path):
-    ranks = cluster.ranks(tmp_path, "frozen-replica")
-    try:
-        with frozen(cluster.topo.replicas[1].pid) as ice:
-            release(ranks)
-            wait_new_batches(ranks[2:], ice.frozen_at, FAILOVER_BOUND_S + SLACK_S,
-                             "ranks 2, 3 to fail over from the frozen replica 1")
-            _finish(cluster, "frozen-replica", ranks, ranks[2:])
-    finally:
-        kill_all(ranks)
+    fail_over(cluster, tmp_path, "frozen-replica", frozen(cluster.topo.replicas[1].pid),
+              FAILOVER_BOUND_S + SLACK_S)
 
 
 def test_killed_replica_its_ranks_fail_over_at_once(cluster, tmp_path):
     """The kill -9 counterpart of the frozen replica: the kernel closes a killed process's
     sockets, so its clients fail over without any keepalive (this passes without #27)."""
-    ranks = cluster.ranks(tmp_path, "killed-replica")
-    try:
-        killed_at = time.time()
-        cluster.topo.replicas[1].serve.proc.kill()
-        release(ranks)
-        wait_new_batches(ranks[2:], killed_at, SLACK_S,
-                         "ranks 2, 3 to fail over from the killed replica 1")
-        _finish(cluster, "killed-replica", ranks, ranks[2:])
-    finally:
-        kill_all(ranks)
-        cluster.topo.restart(1)
+    fail_over(cluster, tmp_path, "killed-replica", killed(cluster.topo, 1), 2 * SLACK_S)
 
 
 @pytest.mark.parametrize("cut", ["both-ways", "answers"])
@@ -179,17 +207,9 @@ def test_partitioned_replica_its_ranks_fail_over_within_the_keepalive_bound(
     anything: both ways, or only the replica's answers (it still hears its clients: their
     heartbeats reach it, yet they must leave). New connections to it are black-holed too."""
     proxy = cluster.topo.replicas[1].client_proxy
-    ranks = cluster.ranks(tmp_path, f"cut-{cut}")
-    try:
-        cut_at = time.time()
-        proxy.black_hole(to_target=cut == "both-ways", to_client=True)
-        release(ranks)
-        wait_new_batches(ranks[2:], cut_at, FAILOVER_BOUND_S + SLACK_S,
-                         f"ranks 2, 3 to fail over from replica 1 (cut {cut})")
-        _finish(cluster, f"cut-{cut}", ranks, ranks[2:])
-    finally:
-        proxy.heal()
-        kill_all(ranks)
+    fail_over(cluster, tmp_path, f"cut-{cut}",
+              black_holed(proxy, to_target=cut == "both-ways", to_client=True),
+              FAILOVER_BOUND_S + SLACK_S)
 
 
 @pytest.mark.xfail(strict=True, reason="#27: no state timeout: a replica cut from Redis holds "
@@ -197,22 +217,10 @@ def test_partitioned_replica_its_ranks_fail_over_within_the_keepalive_bound(
 def test_replica_cut_from_redis_ends_its_streams_and_its_ranks_fail_over(cluster, tmp_path):
     """Replica 1 loses Redis (black hole both ways, its sockets open): within the state
     timeout it ends its rank streams (it cannot vouch for any step it has no recorded grant
-    for) and its clients fail over. The link heals mid-epoch: the writes it held land late and
-    must change nothing (fenced by the rank's lease and client)."""
-    proxy = cluster.topo.replicas[1].redis_proxy
-    ranks = cluster.ranks(tmp_path, "replica-redis", sleep=0.15)
-    try:
-        cut_at = time.time()
-        proxy.black_hole()
-        release(ranks)
-        wait_new_batches(ranks[2:], cut_at, STATE_TIMEOUT_S + FAILOVER_BOUND_S + SLACK_S,
-                         "ranks 2, 3 to fail over from replica 1, cut from Redis")
-        assert not any(r.finished() for r in ranks), "the link should heal mid-epoch"
-        proxy.heal()
-        _finish(cluster, "replica-redis", ranks, ranks[2:])
-    finally:
-        proxy.heal()
-        kill_all(ranks)
+    for) and its clients fail over. The link heals mid-epoch (the ranks train 0.25 s a step):
+    the writes it held land late and must change nothing."""
+    fail_over(cluster, tmp_path, "replica-redis", black_holed(cluster.topo.replicas[1].redis_proxy),
+              STATE_TIMEOUT_S + FAILOVER_BOUND_S + SLACK_S, sleep=0.25, lift_mid_epoch=True)
 
 
 @pytest.mark.xfail(strict=True, reason="#27: a frozen producer actor keeps its lease's name in "
@@ -230,9 +238,15 @@ def test_frozen_producer_is_fenced_and_a_successor_publishes_no_step_twice(clust
         published = {n: state.get_step(n) for n in range(state.published_through() + 1)}
         with frozen(info["pid"], tree=False):
             release(ranks)
-            wait_for(lambda: (state.producer_lease().generation > info["generation"]
-                              and state.published_through() > max(published)),
-                     LEASE_S + SUCCESSOR_S, "a successor producer publishing")
+            took_over = wait_until(lambda: (state.producer_lease().generation
+                                            > info["generation"]
+                                            and state.published_through() > max(published)),
+                                   LEASE_S + SUCCESSOR_S)
+            lease = state.producer_lease()
+            assert took_over, (
+                f"no successor published within {LEASE_S + SUCCESSOR_S:g}s of the freeze: "
+                f"lease generation {info['generation']} -> {lease and lease.generation}, "
+                f"published through {max(published)} -> {state.published_through()}")
         _finish(cluster, job, ranks, [])
         assert {n: state.get_step(n) for n in published} == published  # never republished
         plan = [str(s.sample_id) for n in range(state.published_through() + 1)
@@ -242,10 +256,17 @@ def test_frozen_producer_is_fenced_and_a_successor_publishes_no_step_twice(clust
         kill_all(ranks)
 
 
+@pytest.mark.xfail(strict=False, reason="#27: a replica renews its ranks' leases itself, "
+                   "between the batches it sends: a hang that catches the producer mid-plan stalls "
+                   "the payload reads past lease + rank timeout, and the job is aborted for ranks "
+                   "that are alive (not strict: when the plan was complete before the hang, it "
+                   "passes on main too)")
 def test_frozen_ray_head_the_job_goes_on_and_nothing_hangs(cluster, tmp_path):
-    """The Ray head's GCS frozen for longer than every timeout of the service, mid-epoch: the
-    data plane does not need it (payloads come from the object store and the producer actor
-    directly), so the epoch goes on or waits for it, and ends exactly once after it thaws.
+    """The Ray head's GCS frozen mid-epoch for longer than every timeout of the service, lease +
+    rank timeout included. The ranks go on for a while (payloads come from the object store and
+    the producer actor directly), then wait for what needs the GCS (seen: from the middle of
+    the epoch until a few seconds after the thaw). Alive, they keep their leases through it,
+    and the epoch ends exactly once after the thaw.
     (A GCS frozen past Ray's own reconnect timeout, 60 s by default, makes Ray's processes
     exit: not run here, see docs/failure-model.md.)"""
     job = "frozen-gcs"
