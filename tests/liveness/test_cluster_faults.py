@@ -226,9 +226,10 @@ def test_replica_cut_from_redis_ends_its_streams_and_its_ranks_fail_over(cluster
 @pytest.mark.xfail(strict=True, reason="#27: a frozen producer actor keeps its lease's name in "
                    "Ray: no successor takes over while it is frozen")
 def test_frozen_producer_is_fenced_and_a_successor_publishes_no_step_twice(cluster, tmp_path):
-    """The job's producer actor is frozen mid-plan (its Redis link silent with it): its lease
-    lapses, a successor takes over from the checkpoint and publishes the rest; thawed, the
-    old one is fenced. No published step ever changes and the plan holds every sample once."""
+    """The job's producer actor is frozen mid-plan (silent on every link, Redis included): its
+    lease lapses and a successor takes it over from the checkpoint; the epoch ends while the
+    old one is still frozen (the job does not depend on it). The old one is fenced: no
+    published step ever changes, and the plan holds every sample once."""
     job = "frozen-producer"
     state = cluster.state(job)
     ranks = cluster.ranks(tmp_path, job)
@@ -238,16 +239,12 @@ def test_frozen_producer_is_fenced_and_a_successor_publishes_no_step_twice(clust
         published = {n: state.get_step(n) for n in range(state.published_through() + 1)}
         with frozen(info["pid"], tree=False):
             release(ranks)
-            took_over = wait_until(lambda: (state.producer_lease().generation
-                                            > info["generation"]
-                                            and state.published_through() > max(published)),
-                                   LEASE_S + SUCCESSOR_S)
-            lease = state.producer_lease()
-            assert took_over, (
-                f"no successor published within {LEASE_S + SUCCESSOR_S:g}s of the freeze: "
-                f"lease generation {info['generation']} -> {lease and lease.generation}, "
-                f"published through {max(published)} -> {state.published_through()}")
-        _finish(cluster, job, ranks, [])
+            took_over = wait_until(
+                lambda: state.producer_lease().generation > info["generation"],
+                LEASE_S + SUCCESSOR_S)
+            assert took_over, (f"no successor took the lease within {LEASE_S + SUCCESSOR_S:g}s "
+                               f"of the freeze (generation {info['generation']})")
+            _finish(cluster, job, ranks, [])
         assert {n: state.get_step(n) for n in published} == published  # never republished
         plan = [str(s.sample_id) for n in range(state.published_through() + 1)
                 for b in state.get_step(n).batches for s in b.samples]
