@@ -115,10 +115,13 @@ def main() -> int:
         log.write(json.dumps({**rec, "t": time.time()}) + "\n")
         log.flush()
 
+    def open_stream(rank: int, world: int) -> BatchStream:
+        return BatchStream(args.target, args.job, rank, world, prefetch=2, tensors="numpy",
+                           backoff=(0.05, 0.5), **options)
+
     emit(start=os.getpid(), dropped=sorted(set(wanted) - set(options)))
-    rank, world = args.rank, args.world
-    stream = BatchStream(args.target, args.job, rank, world, prefetch=2, tensors="numpy",
-                         backoff=(0.05, 0.5), **options)
+    rank = args.rank
+    stream = open_stream(rank, args.world)
     taken = 0
     try:
         while not stream.done:
@@ -147,9 +150,8 @@ def main() -> int:
                     return 4
                 state = stream.state_dict()
                 stream.close()
-                rank, world = next_ranks.pop(rank), exc.world_size
-                stream = BatchStream(args.target, args.job, rank, world, prefetch=2,
-                                     tensors="numpy", backoff=(0.05, 0.5), **options)
+                rank = next_ranks.pop(rank)
+                stream = open_stream(rank, exc.world_size)
                 stream.load_state_dict(state)
     except StreamError as exc:
         emit(error=exc.code.name, details=exc.details)

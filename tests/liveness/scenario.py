@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from support.waiting import wait_for
@@ -32,13 +32,18 @@ def _explain(ranks: Iterable[RankProcess]) -> str:
                      f"{r.records()[-3:]}\n{r.output()[-1500:]}" for r in ranks)
 
 
-def wait_paused(ranks: list[RankProcess], timeout: float = 120.0) -> None:
-    """Until every rank holds its PAUSE_AFTER-th batch (the job is mid-epoch everywhere)."""
+def _wait(ranks: list[RankProcess], pred: Callable[[], bool], timeout: float, what: str) -> None:
+    """`wait_for`, failing with the ranks' last records and output."""
     try:
-        wait_for(lambda: all(r.last("paused") for r in ranks), timeout,
-                 "every rank to take its first batches", interval=0.05)
+        wait_for(pred, timeout, what, interval=0.05)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{_explain(ranks)}") from None
+
+
+def wait_paused(ranks: list[RankProcess], timeout: float = 120.0) -> None:
+    """Until every rank holds its PAUSE_AFTER-th batch (the job is mid-epoch everywhere)."""
+    _wait(ranks, lambda: all(r.last("paused") for r in ranks), timeout,
+          "every rank to take its first batches")
 
 
 def release(ranks: list[RankProcess]) -> None:
@@ -48,11 +53,8 @@ def release(ranks: list[RankProcess]) -> None:
 
 
 def wait_ended(ranks: list[RankProcess], timeout: float, what: str = "the ranks to end") -> None:
-    """Until every rank process exited (AssertionError with their last records, if not)."""
-    try:
-        wait_for(lambda: all(r.finished() for r in ranks), timeout, what, interval=0.05)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{_explain(ranks)}") from None
+    """Until every rank process exited."""
+    _wait(ranks, lambda: all(r.finished() for r in ranks), timeout, what)
 
 
 def assert_done(ranks: list[RankProcess]) -> None:
@@ -61,21 +63,12 @@ def assert_done(ranks: list[RankProcess]) -> None:
             f"rank {r.rank} did not finish the job:\n{_explain([r])}")
 
 
-def batch_taken_after(rank: RankProcess, n: int) -> float | None:
-    """When the rank took its `n`-th batch (1-based), None if it has not yet."""
-    got = rank.batches()
-    return got[n - 1]["t"] if len(got) >= n else None
-
-
 def wait_new_batches(ranks: list[RankProcess], since: float, bound: float, what: str) -> None:
     """Every rank takes a batch it cannot have held at `since` (beyond its paused batch and a
     full prefetch queue) by `since + bound`: it was received after `since`."""
     fresh = PAUSE_AFTER + PREFETCH + 1
-    try:
-        wait_for(lambda: all(batch_taken_after(r, fresh) is not None for r in ranks),
-                 since + bound - time.time(), what, interval=0.05)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{_explain(ranks)}") from None
+    _wait(ranks, lambda: all(len(r.batches()) >= fresh for r in ranks),
+          since + bound - time.time(), what)
 
 
 def delivered_ids(ranks: Iterable[RankProcess]) -> Counter:
