@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager as ContextManager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import grpc
@@ -51,12 +51,13 @@ from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.slow
 
 CHATS = REPO / "pipeline" / "sample_data" / "chats.jsonl"
-ROWS, BUDGET, W = 120, 512, 4  # 96 samples, 21 steps (their pictures are not copied:
-#                                the records with one are quarantined)
+# 96 samples in 21 steps of 4 ranks (the pictures are not copied: records with one are
+# quarantined)
+ROWS, BUDGET, W = 120, 512, 4
 CLUSTER_RANK_TIMEOUT_S = 10.0
 SLACK_S = 4.0  # reconnecting, re-claiming the lease and a first batch, on 2 loaded cores
 EPOCH_S = 90.0  # the rest of an epoch, however slow the machine: only a hang exceeds it
-SUCCESSOR_S = 15.0  # a new producer actor started, restored and publishing (3.3 s after a kill -9)
+SUCCESSOR_S = 15.0  # a stuck producer found, restarted and holding the lease (kill -9: 3.3 s)
 REDIS_FREEZE_S = 5.0  # > lease, state timeout and keepalive bound; < lease + rank timeout
 # Longer than every timeout of the service, lease + rank timeout included: a Ray head hang
 # stalls the ranks (no new step is planned, a payload read may wait), it kills none of them.
@@ -171,8 +172,8 @@ def killed(topo: Topology, i: int) -> Iterator[None]:
         topo.restart(i)
 
 
-def fail_over(cluster: Cluster, tmp_path: Path, job: str, fault: ContextManager, bound: float,
-              *, sleep: float = 0.05, lift_mid_epoch: bool = False) -> None:
+def fail_over(cluster: Cluster, tmp_path: Path, job: str, fault: AbstractContextManager,
+              bound: float, *, sleep: float = 0.05, lift_mid_epoch: bool = False) -> None:
     """Replica 1 fails under `fault` (a context manager: in at its start, lifted at its end)
     while every rank is mid-epoch: ranks 2 and 3, which dial it first, each take a batch they
     cannot have held before within `bound`, and the epoch ends with every sample once.
