@@ -1,0 +1,101 @@
+"""Freezing a process (tree) with SIGSTOP / SIGCONT: what a hung host looks like to its peers.
+
+    with frozen(replica.pid) as ice:      # the process and its descendants stop
+        ...                               # their sockets stay open; nothing answers
+        ice.thaw()                        # (optional: thaw early, inside the block)
+    # always thawed here, whatever the block raised
+
+A frozen process keeps every socket open (unlike a killed one, whose sockets the kernel
+closes), so its peers learn nothing from them: only their own timeouts can tell. The tree is
+read from /proc once, at the freeze; the parent is stopped first so it starts no new child
+meanwhile, and everything is continued at the end, children first. Processes that exit in
+between are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid`'s descendants now, parents before their children (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of `pid` ("T" = stopped), "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+class Frozen:
+    """The processes one `frozen()` stopped; `thaw()` continues them (once)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.frozen_at = time.time()
+        self.thawed_at: float | None = None
+
+    def thaw(self) -> None:
+        if self.thawed_at is not None:
+            return
+        for pid in reversed(self.pids):
+            _signal(pid, signal.SIGCONT)
+        self.thawed_at = time.time()
+
+    @property
+    def seconds(self) -> float:
+        """How long it has been (or was) frozen."""
+        return (self.thawed_at or time.time()) - self.frozen_at
+
+
+@contextlib.contextmanager
+def frozen(pid: int, tree: bool = True) -> Iterator[Frozen]:
+    """SIGSTOP `pid` (and, with `tree`, its descendants) for the block; SIGCONT at its end."""
+    pids = [pid]
+    _signal(pid, signal.SIGSTOP)
+    ice = Frozen(pids)
+    try:
+        if tree:
+            for child in descendants(pid):
+                _signal(child, signal.SIGSTOP)
+                pids.append(child)
+        # SIGSTOP is asynchronous: the block starts once every process is really stopped.
+        deadline = time.monotonic() + 5.0
+        while any(process_state(p) not in ("T", "t", "", "Z", "X") for p in pids):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {pids} did not stop within 5 s")
+            time.sleep(0.005)
+        ice.frozen_at = time.time()
+        yield ice
+    finally:
+        ice.thaw()
