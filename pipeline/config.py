@@ -73,6 +73,10 @@ class PreprocessConfig(_Model):
         "uint8", description="how image patches are stored and sent: uint8 = raw pixels, "
         "normalized on the trainer's device (4x fewer bytes than float32); bfloat16 / float32 = "
         "normalized by preprocessing")
+    special_tokens_in_content: Literal["text", "quarantine"] = Field(
+        "text", description="a record whose text holds a special-token string (<|im_start|>, "
+        "<|image_pad|>, ...): `text` = tokenize it as plain text (it can never open a turn or "
+        "an image slot); `quarantine` = set the record aside as special_tokens_in_content")
     augment: AugmentConfig = AugmentConfig()
     object_store_mb: int = Field(
         256, gt=0, description="Ray object-store memory the epoch's preprocessing may fill ahead "
