@@ -3,8 +3,9 @@ interface is a loopback, so that a bind to 0.0.0.0 reaches nothing beyond this p
 
     unshare -rn python in_netns.py CONFIG.json ASK.json
 
-ASK: {"http": [[path, token or null], ...], "status": [[arg, ...], ...]}: GETs of the metrics
-port and `odb-pipeline status --metrics-endpoint <it> --json ARGS` runs, once serve listens.
+ASK: {"http": [[path, Authorization header or null], ...], "status": [[arg, ...], ...]}: GETs
+of the metrics port and `odb-pipeline status --metrics-endpoint <it> --json ARGS` runs, once
+serve listens.
 Prints one JSON object: {"output": serve's output, "http": [[code, body], ...] and "status":
 [[exit status, stdout, stderr], ...] in the order asked, "listening": [[ip, port], ...] of
 serve's listening TCP sockets, "grpc_port", "metrics_port"}. `netns_serve` (below) is how tests
@@ -43,8 +44,8 @@ def netns_serve(config: Path, http: list[tuple[str, str | None]] = (),
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def _get(url: str, token: str | None) -> list:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+def _get(url: str, authorization: str | None) -> list:
+    headers = {"Authorization": authorization} if authorization else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
                                     timeout=30) as resp:
@@ -66,7 +67,7 @@ def main(config: str, ask_file: str) -> None:
     ask = json.loads(Path(ask_file).read_text())
     try:
         metrics = f"127.0.0.1:{serve.metrics_port}"
-        http = [_get(f"http://{metrics}{path}", token) for path, token in ask["http"]]
+        http = [_get(f"http://{metrics}{path}", auth) for path, auth in ask["http"]]
         status = []
         for args in ask["status"]:
             run = subprocess.run([sys.executable, "-m", "pipeline.cli", "status",

@@ -3,10 +3,12 @@ the status token and `/metrics` stays open to scrapers but holds no record or cl
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import os
 import sys
+import urllib.error
 import urllib.request
 
 import psutil
@@ -25,9 +27,11 @@ from trainer_client import BatchStream
 needs_netns = pytest.mark.skipif(not netns_available(),
                                  reason="needs unshare -rn (a private network)")
 TOKEN_ENV, TOKEN = "ODB_TEST_STATUS_TOKEN", "s3cret-status"
-PAGES = [("/status.json", None), ("/status.json", "wrong"), ("/status.json", TOKEN),
-         ("/status", None), ("/status", TOKEN), ("/", None), ("/metrics", None),
-         ("/healthz", None)]
+BEARER, WRONG = f"Bearer {TOKEN}", "Bearer wrong"
+BASIC = "Basic " + base64.b64encode(f"anyone:{TOKEN}".encode()).decode()  # a browser's login
+PAGES = [("/status.json", None), ("/status.json", WRONG), ("/status.json", BEARER),
+         ("/status", None), ("/status", BASIC), ("/", "Basic " + base64.b64encode(
+             b"anyone:wrong").decode()), ("/metrics", None), ("/healthz", None)]
 
 
 def _listening_ips(pid: int, port: int) -> list[str]:
@@ -115,5 +119,23 @@ def test_metrics_hold_no_record_or_client_id():
             metrics = page("/metrics")
         assert too_long.sample_id not in metrics and "client-7f3a" not in metrics
         assert 'reason="over_budget"' in metrics
+    finally:
+        svc.stop(grace=0.5)
+
+
+def test_healthz_follows_the_grpc_health_status():
+    """The probe Kubernetes uses while gRPC speaks TLS: 503 once the replica drains."""
+    cfg = ServiceConfig.model_validate({"grpc": {"port": 0}, "metrics_port": 0, "jobs": [{
+        "job_id": "h", "world_size": 1, "source": {"paths": ["arrays"]}}]})
+    svc = start_service(cfg, sample_sources={"h": ArraySource(synthetic_samples(4, seed=1))})
+    try:
+        _, port = start_metrics_server(0, svc)
+        url = f"http://127.0.0.1:{port}/healthz"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert resp.status == 200
+        svc.health.enter_graceful_shutdown()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url, timeout=10)
+        assert err.value.code == 503
     finally:
         svc.stop(grace=0.5)
