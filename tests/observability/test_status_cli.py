@@ -154,9 +154,9 @@ def test_unknown_job_and_bad_token_exit_2(capsys, monkeypatch) -> None:
         assert "ODB_NO_SUCH_TOKEN is unset" in err
         err = _one_line_error(capsys, ["status", "--endpoint", svc.address, "--job", JOB])
         assert "UNAUTHENTICATED" in err
-        monkeypatch.setenv("STATUS_TOKEN", "s3cret")
+        monkeypatch.setenv("ODB_STATUS_TOKEN", "s3cret")
         out = _status(capsys, "--endpoint", svc.address, "--job", JOB,
-                      "--token-env", "STATUS_TOKEN")
+                      "--token-env", "ODB_STATUS_TOKEN")
         assert out["jobs"][0]["job_id"] == JOB
 
 
