@@ -15,7 +15,8 @@ batches up to the boundary and an END whose reason is "reconfigure"; the worker 
 exits so the launcher restarts the group at the new size.
 
 Environment: PIPELINE_ENDPOINT, PIPELINE_JOB, PIPELINE_TOKEN, PIPELINE_TLS_CA (optional) as in
-train_example.py; RANK/WORLD_SIZE/LOCAL_RANK and TORCHELASTIC_RESTART_COUNT from torchrun. CPU/gloo or CUDA/nccl.
+train_example.py; RANK/WORLD_SIZE/LOCAL_RANK and TORCHELASTIC_RESTART_COUNT from torchrun.
+CPU/gloo or CUDA/nccl.
 `--record` appends one JSON line per batch as its step starts (tests check exactly-once
 from it, up to the checkpoint).
 """
