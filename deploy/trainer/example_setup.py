@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 QWEN_VOCAB = 151936  # the service's real Qwen tokenizer ids fit
@@ -42,7 +43,7 @@ def stream_credentials() -> dict[str, Any]:
     checked against (BatchStream keyword arguments)."""
     ca = os.environ.get("PIPELINE_TLS_CA")
     return {"token": os.environ.get("PIPELINE_TOKEN") or None,
-            "root_certificates": open(ca, "rb").read() if ca else None}
+            "root_certificates": Path(ca).read_bytes() if ca else None}
 
 
 def causal_lm(model_dir: str | None) -> Any:
