@@ -11,7 +11,10 @@ Measured side by side in one run, on loopback:
      ~1 GB;
   2. data stall: 8 trainers consuming at half the measured per-rank rate (1 replica);
   3. CPU per delivered batch of one replica as the world grows (W = 8, 64, 256 simulated ranks,
-     threads in 2 consumer processes, the same number of steps each): it must not grow with W.
+     threads in 2 consumer processes, the same number of steps each): it must not grow with W;
+  4. TLS: the 1-replica delivery of 1. with gRPC over TLS (a CA and certificate made at run time
+     by deploy/tls/make-certs.sh, the ranks verifying it), its rounds alternated with the
+     plaintext ones, reported side by side (MB/s, CPU per batch by role).
 Replicas are separate processes (`start_service` over a private redis-server) serving an
 in-memory synthetic job: delivery, not preprocessing, is measured. Every replica holds the same
 deterministic samples; the job's producer is a process of its own (as its Ray actor is when
@@ -29,7 +32,9 @@ import platform
 import resource
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -65,7 +70,7 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def _rank(address: str, job: str, rank: int, world: int, line: StartLine, step_time: float,
-          q) -> None:
+          q, ca: bytes | None) -> None:
     import torch  # noqa: F401  (a trainer has torch loaded: its import is not delivery)
 
     from trainer_client import BatchStream
@@ -77,7 +82,7 @@ def _rank(address: str, job: str, rank: int, world: int, line: StartLine, step_t
     first = last = None
     warm_at = None
     t_start = time.perf_counter()
-    with BatchStream(address, job, rank, world, prefetch=4) as s:
+    with BatchStream(address, job, rank, world, prefetch=4, root_certificates=ca) as s:
         it = iter(s)
         while True:
             t0 = time.perf_counter()
@@ -106,16 +111,22 @@ def _rank(address: str, job: str, rank: int, world: int, line: StartLine, step_t
 
 
 def _deliver(redis_url: str, redis_pid: int, job_id: str, replicas: int, steps: int,
-             budget: int, max_len: int, step_time: float = 0.0) -> dict:
+             budget: int, max_len: int, step_time: float = 0.0,
+             tls: Path | None = None) -> dict:
     """One delivery run; `cpu_ms_per_batch` splits the machine's CPU over the run by role
-    (the replicas, the 8 rank processes, the producer, Redis): on 2 cores they all compete."""
+    (the replicas, the 8 rank processes, the producer, Redis): on 2 cores they all compete.
+    `tls`: a folder of make-certs.sh's files; the replicas serve TLS, the ranks verify it."""
     job = array_job(job_id, RANKS, budget)
     producer = start_producer(redis_url, job, steps, max_len)
-    reps = [Replica(redis_url, job, steps, max_len) for _ in range(replicas)]
+    grpc_tls = {} if tls is None else {"grpc": {
+        "host": "127.0.0.1", "port": 0, "max_message_mb": 256,
+        "tls_cert": str(tls / "tls.crt"), "tls_key": str(tls / "tls.key")}}
+    ca = None if tls is None else (tls / "ca.crt").read_bytes()
+    reps = [Replica(redis_url, job, steps, max_len, **grpc_tls) for _ in range(replicas)]
     ctx = mp.get_context("spawn")
     line, q = StartLine(ctx, RANKS), ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(reps[r % replicas].address, job_id, r, RANKS,
-                                             line, step_time, q)) for r in range(RANKS)]
+                                             line, step_time, q, ca)) for r in range(RANKS)]
     for p in procs:
         p.start()
     line.wait_ready()  # the rank processes import torch and grpc before the clock starts
@@ -134,7 +145,8 @@ def _deliver(redis_url: str, redis_pid: int, job_id: str, replicas: int, steps: 
     served = [sorted(s["fetched_by_rank"]) for s in stops]
     per_batch = {"replicas": sum(cpu), "ranks": sum(r["cpu_s"] for r in res),
                  "producer": producer_cpu, "redis": redis_cpu}
-    return {"replicas": replicas, "batches": batches, "bytes": nbytes, "seconds": t1 - t0,
+    return {"replicas": replicas, "tls": tls is not None, "batches": batches, "bytes": nbytes,
+            "seconds": t1 - t0,
             "cpu_ms_per_batch": {k: v / batches * 1e3 for k, v in per_batch.items()},
             "batches_per_s": batches / (t1 - t0), "mb_per_s": nbytes / (t1 - t0) / 1e6,
             "replica_cpu_s": cpu, "ranks_served": served,
@@ -359,19 +371,23 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, e, b, c) = plt.subplots(1, 4, figsize=(17, 3.8))
-    d = result["delivery"]
+    d = [*result["delivery"], result["delivery_tls"]]
     names = (["raw TCP\n(same bytes)", "bare gRPC\n(same bytes)", "bare\ngrpc.aio"]
-             + [f"service,\n{r['replicas']} replica(s)" for r in d])
+             + [f"service,\n{r['replicas']} replica(s){', TLS' if r['tls'] else ''}"
+                for r in d])
     a.bar(names, [result[k]["mb_per_s"] for k in ("raw", "bare_grpc", "bare_grpc_aio")]
-          + [r["mb_per_s"] for r in d], color=["#999", "#bbb", "#ccc", "#3a7", "#2a5"])
+          + [r["mb_per_s"] for r in d],
+          color=["#999", "#bbb", "#ccc", "#3a7", "#2a5", "#a73"])
     a.tick_params(axis="x", labelsize=8)
     a.set_ylabel("MB/s to 8 rank processes")
     a.set_title("delivery on loopback")
-    split = d[0]["cpu_ms_per_batch"]
-    bottom = 0.0
-    for (role, ms), color in zip(split.items(), ["#2a5", "#c63", "#69c", "#999"], strict=False):
-        e.bar(["1 replica"], [ms], bottom=bottom, color=color, label=f"{role} {ms:.2f}")
-        bottom += ms
+    for label, run in (("1 replica", d[0]), ("1 replica, TLS", result["delivery_tls"])):
+        bottom = 0.0
+        for (role, ms), color in zip(run["cpu_ms_per_batch"].items(),
+                                     ["#2a5", "#c63", "#69c", "#999"], strict=False):
+            e.bar([label], [ms], bottom=bottom, color=color,
+                  label=f"{role} {ms:.2f}" if not run["tls"] else None)
+            bottom += ms
     e.set_ylabel("CPU ms per delivered batch")
     e.set_title("where the 2 cores go")
     e.legend(fontsize=8)
@@ -394,6 +410,12 @@ def _plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _median_round(rounds: list[dict]) -> dict:
+    """The median of delivery rounds by MB/s, with every round's MB/s beside it."""
+    median = sorted(rounds, key=lambda r: r["mb_per_s"])[len(rounds) // 2]
+    return {**median, "rounds_mb_per_s": [r["mb_per_s"] for r in rounds]}
+
+
 def _median_of_3(measure, messages: list[bytes], per_rank: int) -> dict:
     rounds = sorted((measure(messages, per_rank) for _ in range(3)), key=lambda r: r["mb_per_s"])
     return {**rounds[1], "rounds_mb_per_s": [r["mb_per_s"] for r in rounds]}
@@ -410,22 +432,25 @@ def main() -> int:
     steps = 40 if args.quick else 360
     budget, max_len = args.budget, 1536
     log = lambda m: print(m, flush=True)  # noqa: E731
-    with LocalRedis() as redis:
+    with LocalRedis() as redis, tempfile.TemporaryDirectory(prefix="odb-bench-tls-") as tmp:
         url, redis_pid = redis.url, redis.proc.pid
+        certs = Path(tmp)
+        subprocess.run(["bash", str(ROOT / "deploy" / "tls" / "make-certs.sh"), str(certs)],
+                       check=True, capture_output=True)
         delivery = []
-        # One replica three times (the median round is the figure: runs on 2 shared cores
-        # vary by +-15%), then two replicas once.
-        for i, n in enumerate((1, 1, 1, 2)):
-            log(f"delivery: {n} replica(s), {RANKS} ranks, {steps} steps ...")
+        # One replica three times, plaintext and TLS alternated (the median round of each is
+        # the figure: runs on 2 shared cores vary by +-15%), then two replicas once.
+        for i, (n, tls) in enumerate(((1, None), (1, certs)) * 3 + ((2, None),)):
+            log(f"delivery: {n} replica(s){' over TLS' if tls else ''}, {RANKS} ranks, "
+                f"{steps} steps ...")
             delivery.append(_deliver(url, redis_pid, f"deliver-{i}", n, steps, budget,
-                                     max_len))
+                                     max_len, tls=tls))
             cpu = delivery[-1]["cpu_ms_per_batch"]
             log(f"  {delivery[-1]['mb_per_s']:.0f} MB/s, "
                 f"{delivery[-1]['batches_per_s']:.0f} batches/s; CPU ms per batch: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
-        one = sorted(delivery[:3], key=lambda r: r["mb_per_s"])
-        delivery = [{**one[1], "rounds_mb_per_s": [r["mb_per_s"] for r in delivery[:3]]},
-                    delivery[3]]
+        plain, tls_runs = _median_round(delivery[0:6:2]), _median_round(delivery[1:6:2])
+        delivery = [plain, delivery[6]]
         log("raw TCP of the same bytes ...")
         # Loopback moves these bytes in a fraction of a second: each of 3 rounds carries at
         # least ~1 GB (so the clock is not noise), and the median round is the reference.
@@ -461,6 +486,11 @@ def main() -> int:
         "bare_grpc_aio": bare_aio, "bare_grpc_aio_vs_raw": bare_aio["mb_per_s"] / raw["mb_per_s"],
         "service_vs_bare_grpc": delivery[0]["mb_per_s"] / bare["mb_per_s"],
         "stall": stall, "cpu_vs_world": cpu,
+        "delivery_tls": tls_runs,
+        "tls_vs_plaintext": {
+            "mb_per_s": tls_runs["mb_per_s"] / plain["mb_per_s"],
+            "cpu_ms_per_batch": {k: tls_runs["cpu_ms_per_batch"][k] / v if v else None
+                                 for k, v in plain["cpu_ms_per_batch"].items()}},
     }
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     name = "delivery_bench_quick" if args.quick else "delivery_bench"
@@ -472,6 +502,9 @@ def main() -> int:
                       "bare_grpc_aio_mb_per_s": bare_aio["mb_per_s"],
                       "service_vs_bare_grpc": result["service_vs_bare_grpc"],
                       "cpu_ms_per_batch_1_replica": delivery[0]["cpu_ms_per_batch"],
+                      "tls_mb_per_s": tls_runs["mb_per_s"],
+                      "cpu_ms_per_batch_1_replica_tls": tls_runs["cpu_ms_per_batch"],
+                      "tls_vs_plaintext": result["tls_vs_plaintext"],
                       "stall_after_warmup": stall["stall_fraction_after_warmup"],
                       "cpu_ms_per_batch": {c["world_size"]: c["cpu_ms_per_batch"] for c in cpu}},
                      indent=2))

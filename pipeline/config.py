@@ -73,6 +73,10 @@ class PreprocessConfig(_Model):
         "uint8", description="how image patches are stored and sent: uint8 = raw pixels, "
         "normalized on the trainer's device (4x fewer bytes than float32); bfloat16 / float32 = "
         "normalized by preprocessing")
+    special_tokens_in_content: Literal["text", "quarantine"] = Field(
+        "text", description="a record whose text holds a special-token string (<|im_start|>, "
+        "<|image_pad|>, ...): `text` = tokenize it as plain text (it can never open a turn or "
+        "an image slot); `quarantine` = set the record aside as special_tokens_in_content")
     augment: AugmentConfig = AugmentConfig()
     object_store_mb: int = Field(
         256, gt=0, description="Ray object-store memory the epoch's preprocessing may fill ahead "
@@ -194,6 +198,10 @@ class RefillConfig(_Model):
 class JobConfig(_Model):
     job_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     token_env: str | None = Field(None, description="env var holding the job's bearer token")
+    allow_unauthenticated: bool = Field(
+        False, description="serve this job without a token on a grpc.host beyond loopback "
+        "(anyone who reaches it can stream, read and rescale it); `serve` refuses such a job "
+        "otherwise (docs/security.md)")
     world_size: int = Field(ge=1, le=65536, description="the world the job starts with")
     elastic: bool = Field(False, description="an Open with another world size, once the "
                           "current world's ranks ended or their leases lapsed, reconfigures the "
@@ -334,7 +342,16 @@ class ServiceConfig(_Model):
     # a clear ABORTED error naming the rank; `wait` = keep waiting for it to come back;
     # `shrink` = a reconfiguration onto the live ranks (docs/elastic.md).
     rank_failure_policy: Literal["fail", "wait", "shrink"] = "fail"
+    allow_unauthenticated: bool = Field(
+        False, description="allow_unauthenticated for every job of this server")
     metrics_port: int | None = Field(9464, ge=0, le=65535)
+    metrics_host: str = Field(
+        "127.0.0.1", description="where /metrics, /status and /status.json listen; beyond "
+        "loopback (0.0.0.0 on Kubernetes, for Prometheus) the status pages require "
+        "status_token_env's token (docs/security.md)")
+    status_token_env: str | None = Field(
+        None, description="env var holding the bearer token of /status and /status.json when "
+        "metrics_host is beyond loopback (required there; /metrics stays open to scrapers)")
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     grpc: GrpcConfig = GrpcConfig()
@@ -349,6 +366,16 @@ class ServiceConfig(_Model):
                 raise ValueError(f"duplicate job_id {job.job_id!r}")
             seen.add(job.job_id)
         return self
+
+    def status_token(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The status pages' bearer token, read from `status_token_env` at use (None: unset)."""
+        if self.status_token_env is None:
+            return None
+        value = (os.environ if environ is None else environ).get(self.status_token_env)
+        if not value:
+            raise ConfigError(f"status_token_env: environment variable {self.status_token_env} "
+                              "is unset or empty")
+        return value
 
     def job(self, job_id: str) -> JobConfig:
         for job in self.jobs:

@@ -23,6 +23,7 @@ class QuarantineReason(StrEnum):
     MISSING_IMAGE = "missing_image"
     BAD_IMAGE = "bad_image"
     TEMPLATE_ERROR = "template_error"
+    SPECIAL_TOKENS_IN_CONTENT = "special_tokens_in_content"
     TOKENIZE_ERROR = "tokenize_error"
     TOO_LONG = "too_long"
     NO_LOSS_TOKENS = "no_loss_tokens"
@@ -47,13 +48,20 @@ _MEANING: dict[QuarantineReason, str] = {
     QuarantineReason.MISSING_ROLES: "no turns, an unknown role, or no user or no assistant turn",
     QuarantineReason.MISSING_IMAGE: "an image file is not found or its reference is unusable",
     QuarantineReason.BAD_IMAGE: "image bytes do not decode or the image processor refuses them",
-    QuarantineReason.TEMPLATE_ERROR: "the chat template failed to render the conversation",
+    QuarantineReason.TEMPLATE_ERROR: "the chat template failed to render the conversation, "
+                                     "or wrote another number of image placeholders than the "
+                                     "record has images",
+    QuarantineReason.SPECIAL_TOKENS_IN_CONTENT: "a message holds a special-token string "
+                                                "(<|im_start|>, <|image_pad|>, ...) and "
+                                                "preprocess.special_tokens_in_content is "
+                                                "quarantine (under `text` it is plain text)",
     QuarantineReason.TOKENIZE_ERROR: "the tokenizer failed on the rendered text",
     QuarantineReason.TOO_LONG: "longer than preprocess.max_seq_len under "
                                "preprocess.truncation=quarantine",
-    QuarantineReason.NO_LOSS_TOKENS: "cut to the sample limit, no assistant token is left to "
-                                     "train on (e.g. an image too big to fit precedes every "
-                                     "answer)",
+    QuarantineReason.NO_LOSS_TOKENS: "no assistant token to train on: the template left every "
+                                     "answer out (or it is empty), or the cut to the sample "
+                                     "limit left none (e.g. an image too big to fit precedes "
+                                     "every answer)",
     QuarantineReason.PREPROCESS_ERROR: "an unforeseen failure, kept with its exception message",
     QuarantineReason.BAD_EMBEDDING: "organization: the record's vector is missing, ragged, of "
                                     "another dimension, NaN/inf or zero (SDO embedding stage)",

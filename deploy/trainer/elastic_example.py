@@ -14,8 +14,9 @@ An operator's `odb-pipeline scale` works the same way from the other side: each 
 batches up to the boundary and an END whose reason is "reconfigure"; the worker checkpoints and
 exits so the launcher restarts the group at the new size.
 
-Environment: PIPELINE_ENDPOINT, PIPELINE_JOB, PIPELINE_TOKEN (optional) as in train_example.py;
-RANK/WORLD_SIZE/LOCAL_RANK and TORCHELASTIC_RESTART_COUNT from torchrun. CPU/gloo or CUDA/nccl.
+Environment: PIPELINE_ENDPOINT, PIPELINE_JOB, PIPELINE_TOKEN, PIPELINE_TLS_CA (optional) as in
+train_example.py; RANK/WORLD_SIZE/LOCAL_RANK and TORCHELASTIC_RESTART_COUNT from torchrun.
+CPU/gloo or CUDA/nccl.
 `--record` appends one JSON line per batch as its step starts (tests check exactly-once
 from it, up to the checkpoint).
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from example_setup import exit_skipping_finalization
+from example_setup import exit_skipping_finalization, stream_credentials
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -78,7 +79,7 @@ def main() -> int:
     # A generous reconnect window: after a node loss the Open waits (FAILED_PRECONDITION,
     # retried) until the old group's leases lapse, then reconfigures the job.
     stream = BatchStream(args.endpoint, args.job, rank, world, reconnect_timeout=120,
-                         token=os.environ.get("PIPELINE_TOKEN") or None)
+                         **stream_credentials())
     ckpt = args.checkpoint_dir / "checkpoint.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)

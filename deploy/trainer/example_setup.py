@@ -1,7 +1,8 @@
 """What the example trainers share: where the stream is, which rank this is, and a model.
 
 Environment: PIPELINE_ENDPOINT (any gRPC target: host:port, dns:///svc:50051, ...), PIPELINE_JOB,
-PIPELINE_TOKEN (the job's bearer token); RANK / WORLD_SIZE / LOCAL_RANK from torchrun (a
+PIPELINE_TOKEN (the job's bearer token), PIPELINE_TLS_CA (a CA certificate file: the service
+speaks TLS and is trusted through it); RANK / WORLD_SIZE / LOCAL_RANK from torchrun (a
 single process without torchrun is rank 0 of 1). The model is a small Qwen2 built from a config
 (nothing downloaded) unless --model-dir names a local checkpoint.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 QWEN_VOCAB = 151936  # the service's real Qwen tokenizer ids fit
@@ -33,8 +35,15 @@ def rank_and_world() -> tuple[int, int]:
 def open_stream(args: argparse.Namespace, rank: int, world: int) -> Any:
     from trainer_client import BatchStream
 
-    return BatchStream(args.endpoint, args.job, rank, world,
-                       token=os.environ.get("PIPELINE_TOKEN") or None)
+    return BatchStream(args.endpoint, args.job, rank, world, **stream_credentials())
+
+
+def stream_credentials() -> dict[str, Any]:
+    """The job's token and, with PIPELINE_TLS_CA, the CA that the service's TLS certificate is
+    checked against (BatchStream keyword arguments)."""
+    ca = os.environ.get("PIPELINE_TLS_CA")
+    return {"token": os.environ.get("PIPELINE_TOKEN") or None,
+            "root_certificates": Path(ca).read_bytes() if ca else None}
 
 
 def causal_lm(model_dir: str | None) -> Any:

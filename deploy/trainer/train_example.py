@@ -6,7 +6,8 @@ Run by k8s/trainer-example (an Indexed Job, one torchrun node per pod):
         /opt/odb/trainer/train_example.py --max-steps=200
 
 Environment: PIPELINE_ENDPOINT (host:port of the service), PIPELINE_JOB (job id),
-PIPELINE_TOKEN (the job's bearer token, from a Secret); RANK/WORLD_SIZE/LOCAL_RANK from torchrun.
+PIPELINE_TOKEN (the job's bearer token, from a Secret), PIPELINE_TLS_CA (the CA the service's
+certificate is checked against, when it speaks TLS); RANK/WORLD_SIZE/LOCAL_RANK from torchrun.
 
 The model is a toy (token embedding + linear head over token ids folded into a small vocabulary);
 what the example shows is the data-plane wiring: one BatchStream per rank, DDP under
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from example_setup import exit_skipping_finalization
+from example_setup import exit_skipping_finalization, stream_credentials
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -70,8 +71,7 @@ def main() -> int:
     model = ToyLM(args.vocab, args.dim).to(device or "cpu")
     ddp = DDP(model, device_ids=[device.index] if device is not None else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
-    stream = BatchStream(args.endpoint, args.job, rank, world,
-                         token=os.environ.get("PIPELINE_TOKEN") or None)
+    stream = BatchStream(args.endpoint, args.job, rank, world, **stream_credentials())
 
     ckpt = args.checkpoint.with_suffix(f".rank{rank}.pt") if args.checkpoint else None
     if ckpt is not None and ckpt.exists():

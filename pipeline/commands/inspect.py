@@ -1,8 +1,10 @@
 """`odb-pipeline inspect DATA`: run the real Ray preprocessing on a dataset and show the result.
 
 Per sample: id, row, tokens, visual tokens and cost; quarantined records with their reason;
-counts. `--json` prints one JSON object; otherwise a table and the first sample decoded (image
-token runs collapsed). Starts a private local Ray (unless one is already up) and stops it.
+counts. `--json` prints one JSON object (`--ids` adds each sample's input_ids and labels, -100
+where not trained); otherwise a table and the first sample decoded (image token runs
+collapsed) with the text it trains on. Starts a private local Ray (unless one is already up)
+and stops it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only the first N records")
     parser.add_argument("--epoch", type=int, default=0, help="epoch (augmentation seed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--ids", action="store_true",
+                        help="with --json: each sample's input_ids and labels too")
 
 
 def _job(args: argparse.Namespace, data: str) -> JobConfig:
@@ -65,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "samples": [{"sample_id": s.sample_id, "row": s.row, "num_tokens": s.num_tokens,
-                         "num_visual_tokens": s.num_visual_tokens, "cost": s.cost}
+                         "num_visual_tokens": s.num_visual_tokens, "cost": s.cost,
+                         **({"input_ids": s.input_ids.tolist(), "labels": s.labels.tolist()}
+                            if args.ids else {})}
                         for s in samples],
             "quarantined": [{"sample_id": q.sample_id, "row": q.row, "reason": q.reason,
                              "detail": q.detail} for q in quarantined],
@@ -76,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_table(items, counts)
     if samples:
+        import numpy as np
+
         from pipeline.preprocess.tokenizer import load_tokenizer
 
         tok = load_tokenizer(job.preprocess)
@@ -83,9 +91,13 @@ def run(args: argparse.Namespace) -> int:
         text = tok.decode(first.input_ids.tolist(), skip_special_tokens=False)
         text = re.sub(r"(?:<\|image_pad\|>)+",
                       lambda m: f"<|image_pad|>x{m.group(0).count('<|image_pad|>')}", text)
-        trained = int((first.labels != -100).sum())
+        trained = (first.labels != -100).astype(np.int8)
         print(f"\nfirst sample {first.sample_id} decoded ({first.num_tokens} tokens, "
-              f"{trained} trained):\n{text}")
+              f"{int(trained.sum())} trained):\n{text}\ntrained on (each run of labels):")
+        # Starts and ends of the runs of trained tokens, alternating.
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], trained, [0]))))
+        for a, b in edges.reshape(-1, 2):
+            print(f"  {tok.decode(first.input_ids[a:b].tolist())!r}")
     return 0
 
 

@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.config}: no jobs configured (add a `jobs:` list)")
     for job in config.jobs:
         job.token()  # fail now, with the variable's name, if a token is missing
+    status_token = config.status_token()
     from pipeline import local_services
     from pipeline.observability import configure_logging, start_metrics_server
     from pipeline.redis_server import LocalRedis
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
             # Bound before a private Ray starts: its processes take ports of their own.
             try:
                 _, metrics_port = start_metrics_server(config.metrics_port, svc,
-                                                       host=config.grpc.host)
+                                                       host=config.metrics_host,
+                                                       status_token=status_token)
             except OSError as exc:
                 svc.stop(grace=0)
                 raise UserError(f"metrics port {config.metrics_port}: {exc.strerror}") from None
@@ -175,10 +177,11 @@ def _record(args: argparse.Namespace, config: ServiceConfig, port: int,
             metrics_port: int | None) -> LocalService:
     from pipeline.local_services import LocalService, dial_host
 
-    host = dial_host(config.grpc.host)
+    host, metrics_host = dial_host(config.grpc.host), dial_host(config.metrics_host)
     return LocalService(
         kind="serve", pid=os.getpid(), redis_url=config.redis_url or "",
-        grpc=f"{host}:{port}", metrics=f"{host}:{metrics_port}" if metrics_port else None,
+        grpc=f"{host}:{port}",
+        metrics=f"{metrics_host}:{metrics_port}" if metrics_port else None,
         tls_cert=os.path.abspath(config.grpc.tls_cert) if config.grpc.tls_cert else None,
         config=os.path.abspath(args.config),
         token_envs={j.job_id: j.token_env for j in config.jobs})

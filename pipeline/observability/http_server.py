@@ -1,9 +1,21 @@
 """The service's HTTP side port: `/metrics` (Prometheus), `/` and `/status` (HTML page),
-`/status.json` (the snapshot `odb-pipeline status` reads) and `/healthz`.
+`/status.json` (the snapshot `odb-pipeline status` reads) and `/healthz` (200 while the gRPC
+health status is SERVING, 503 once the replica drains: the probe Kubernetes can use when gRPC
+speaks TLS).
 
-    httpd, port = start_metrics_server(config.metrics_port, running_service)
+    httpd, port = start_metrics_server(config.metrics_port, running_service,
+                                       host=config.metrics_host, status_token=token)
     ...
     httpd.close()
+
+Who may read what (docs/security.md): bound to loopback (the default, 127.0.0.1) every page
+answers whoever is on this machine, as before. Bound beyond loopback (0.0.0.0 for Prometheus on
+Kubernetes) `/metrics` and `/healthz` stay open (aggregate figures, no record, no client id) and
+the status pages, which show quarantined records, client ids and world history, require the
+status token, as `Authorization: Bearer <token>` or as an HTTP Basic password (401 without it
+or with another; 403 when the server has no status token, so they are off). The rule follows
+the bind, never the peer's address: a proxy in front (a service-mesh sidecar) makes every peer
+look local.
 
 A private CollectorRegistry (not prometheus-client's global one) so several services in one
 process (tests, demo) never collide on metric names. Read-only: nothing here changes a job.
@@ -11,29 +23,79 @@ process (tests, demo) never collide on metric names. Read-only: nothing here cha
 
 from __future__ import annotations
 
+import base64
+import hmac
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from pipeline.observability import status_page
 from pipeline.observability.metrics import OdbCollector
 from pipeline.observability.status_view import ServiceView
+from pipeline.service.exposure import is_loopback
 
 if TYPE_CHECKING:
     from pipeline.service.server import RunningService
 
 
+_STATUS_PAGES = ("/", "/status", "/status.json")
+
+
+class _StatusGuard:
+    """The token the status pages take beyond loopback (None: no token, pages off): as
+    `Authorization: Bearer <token>` (`odb-pipeline status`, curl) or as the password of HTTP
+    Basic authentication, any user name (a browser's login prompt)."""
+
+    CHALLENGES = ('Basic realm="odb-pipeline status"', 'Bearer realm="odb-pipeline status"')
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+
+    def refusal(self, authorization: str | None) -> tuple[int, str] | None:
+        """None when the request may read the status pages, else (HTTP code, message)."""
+        if self._token is None:
+            return 403, ("the status pages are off on this address: it is beyond loopback and "
+                         "the server has no status_token_env\n")
+        got = _presented_token(authorization)
+        if got is None:
+            return 401, "send 'Authorization: Bearer <status token>' (or it as a password)\n"
+        if not hmac.compare_digest(got.encode(), self._token.encode()):
+            return 401, "status token rejected\n"
+        return None
+
+
+def _presented_token(authorization: str | None) -> str | None:
+    scheme, _, value = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip() or None
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            return None
+    return None
+
+
 class MetricsServer(ThreadingHTTPServer):
     daemon_threads = True  # a slow scraper never blocks shutdown
 
-    def __init__(self, addr: tuple[str, int], view: ServiceView) -> None:
+    def __init__(self, addr: tuple[str, int], view: ServiceView, *,
+                 status_token: str | None = None, health: HealthServicer | None = None) -> None:
+        self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         super().__init__(addr, _Handler)
         self.view = view
+        self.health = health
+        # None: the status pages answer anyone who reaches the port (a loopback bind).
+        self.status_guard: _StatusGuard | None = (
+            None if is_loopback(addr[0]) else _StatusGuard(status_token))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(OdbCollector(view))
         ProcessCollector(registry=self.registry)  # process_* (cpu, rss, fds, start time)
@@ -49,6 +111,14 @@ class MetricsServer(ThreadingHTTPServer):
         self._thread.start()
         return self
 
+    def serving(self) -> bool:
+        """The gRPC server's health ("" = the whole server): what /healthz answers, so that
+        probes that cannot speak gRPC over TLS see the drain (NOT_SERVING) too."""
+        if self.health is None:
+            return True
+        check = self.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+        return check.status == health_pb2.HealthCheckResponse.SERVING
+
     def close(self) -> None:
         self.shutdown()
         self.server_close()
@@ -60,11 +130,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass  # scrapes every 15 s would drown the service log
 
-    def _send(self, code: int, body: bytes, ctype: str) -> None:
+    def _send(self, code: int, body: bytes, ctype: str,
+              headers: list[tuple[str, str]] | None = None) -> None:
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
+        for name, value in headers or ():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
@@ -72,7 +145,16 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         q = parse_qs(url.query)
         view = self.server.view
+        guard = self.server.status_guard
         try:
+            if url.path in _STATUS_PAGES and guard is not None:
+                refusal = guard.refusal(self.headers.get("Authorization"))
+                if refusal is not None:
+                    code, text = refusal
+                    challenges = _StatusGuard.CHALLENGES if code == 401 else ()
+                    self._send(code, text.encode(), "text/plain; charset=utf-8",
+                               [("WWW-Authenticate", c) for c in challenges])
+                    return
             if url.path == "/metrics":
                 self._send(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
             elif url.path in ("/", "/status"):
@@ -89,7 +171,10 @@ class _Handler(BaseHTTPRequestHandler):
                 snap = view.snapshot(job=job, quarantine=q.get("quarantine", ["0"])[0] == "1")
                 self._send(200, json.dumps(snap).encode(), "application/json")
             elif url.path == "/healthz":
-                self._send(200, b"ok\n", "text/plain")
+                if self.server.serving():
+                    self._send(200, b"ok\n", "text/plain")
+                else:
+                    self._send(503, b"not serving\n", "text/plain")
             else:
                 self._send(404, b"not found: try /metrics, /status, /status.json\n",
                            "text/plain")
@@ -98,10 +183,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def start_metrics_server(port: int, running_service: RunningService, *,
-                         host: str = "0.0.0.0") -> tuple[MetricsServer, int]:
-    """Serve metrics + status for `running_service` on `port` (0 = a free port), in a daemon
-    thread, stopped with the service. Returns (server, bound port)."""
+                         host: str = "127.0.0.1",
+                         status_token: str | None = None) -> tuple[MetricsServer, int]:
+    """Serve metrics + status for `running_service` on `host`:`port` (0 = a free port), in a
+    daemon thread, stopped with the service. `status_token`: what the status pages require
+    when `host` is beyond loopback (None there: they are off). Returns (server, bound port)."""
     view = ServiceView(running_service.runtimes, running_service.replica_id)
-    httpd = MetricsServer((host, port), view).start()
+    httpd = MetricsServer((host, port), view, status_token=status_token,
+                          health=running_service.health).start()
     running_service.on_stop.append(httpd.close)
     return httpd, httpd.port

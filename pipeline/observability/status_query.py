@@ -32,6 +32,7 @@ class Sources:
     redis_url: str | None = None
     token: str | None = None  # bearer token for every job's GetJob
     job_tokens: dict[str, str] = field(default_factory=dict)  # per job, over `token`
+    status_token: str | None = None  # /status.json's bearer token (a port beyond loopback)
     grpc_skipped: dict[str, str] = field(default_factory=dict)  # job -> why GetJob is not asked
     tls: grpc.ChannelCredentials | None = None  # None: plaintext gRPC
     local: str | None = None  # the local service these addresses were found from
@@ -123,7 +124,9 @@ def _http_snapshot(src: Sources, job: str | None) -> dict[str, Any]:
     base = src.metrics if "://" in (src.metrics or "") else f"http://{src.metrics}"
     url = f"{base.rstrip('/')}/status.json?quarantine=1" + (f"&job={job}" if job else "")
     try:
-        with urllib.request.urlopen(url, timeout=RPC_TIMEOUT_S) as resp:
+        auth = {"Authorization": f"Bearer {src.status_token}"} if src.status_token else {}
+        with urllib.request.urlopen(urllib.request.Request(url, headers=auth),
+                                    timeout=RPC_TIMEOUT_S) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as exc:
         try:

@@ -11,7 +11,9 @@ loads it (`--config FILE`, then the `ODB_*` environment, then the defaults), and
    local service is running, and the error says so.
 Tokens: --token / --token-env for every job; else each job's `token_env`, read from this
 environment. A job whose token is not set here is not asked over gRPC (the metrics port and
-Redis still answer for it; `sources.grpc_skipped` says why).
+Redis still answer for it; `sources.grpc_skipped` says why). The metrics port's status pages
+take --status-token-env's token, else the config's `status_token_env` read from this
+environment (needed only when the service binds them beyond loopback).
 TLS: when the service's gRPC is TLS (its record, or `grpc.tls_cert`), or with --tls / --tls-ca:
 the root of trust is --tls-ca, else the server's own certificate file (self-signed, or a chain
 that holds its CA), else the system's roots; --tls-cert/--tls-key add a client certificate
@@ -43,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tok = parser.add_mutually_exclusive_group()
     tok.add_argument("--token", help="bearer token for GetJob (prefer --token-env)")
     tok.add_argument("--token-env", metavar="VAR", help="environment variable holding the token")
+    parser.add_argument("--status-token-env", metavar="VAR",
+                        help="environment variable holding the status pages' token (a metrics "
+                        "port beyond loopback; default: the config's status_token_env)")
     parser.add_argument("--tls", action="store_true",
                         help="gRPC over TLS (implied by --tls-ca and by a local service's TLS)")
     parser.add_argument("--tls-ca", metavar="PEM", help="root certificate(s) to verify the "
@@ -60,7 +65,8 @@ def resolve(args: argparse.Namespace) -> Sources:
     if args.endpoint or args.metrics_endpoint or args.redis_url:
         tls = _credentials(args, None) if (args.tls or args.tls_ca or args.tls_cert) else None
         return Sources(endpoint=args.endpoint, metrics=args.metrics_endpoint,
-                       redis_url=args.redis_url, token=token, tls=tls, jobs=args.job or [])
+                       redis_url=args.redis_url, token=token, tls=tls, jobs=args.job or [],
+                       status_token=_status_token(args, None))
     return _local(args, token)
 
 
@@ -87,12 +93,14 @@ def _local(args: argparse.Namespace, token: str | None) -> Sources:
                 "or give --endpoint, --metrics-endpoint or --redis-url")
         host = local_services.dial_host(config.grpc.host)
         endpoint = f"{host}:{config.grpc.port}" if config.grpc.port else None
-        metrics = f"{host}:{config.metrics_port}" if config.metrics_port else None
+        metrics = (f"{local_services.dial_host(config.metrics_host)}:{config.metrics_port}"
+                   if config.metrics_port else None)
         redis_url, server_cert = config.redis_url, config.grpc.tls_cert
         token_envs = {j.job_id: j.token_env for j in config.jobs}
         local = f"the config's addresses ({args.config or 'ODB_* environment and defaults'})"
     src = Sources(endpoint=endpoint, metrics=metrics, redis_url=redis_url, token=token,
-                  local=local, jobs=args.job or [])
+                  local=local, jobs=args.job or [],
+                  status_token=_status_token(args, config.status_token_env))
     if server_cert or args.tls or args.tls_ca or args.tls_cert:
         src.tls = _credentials(args, server_cert)
     if token is None:
@@ -116,6 +124,15 @@ def _explicit_token(args: argparse.Namespace) -> str | None:
                             "empty")
         return value
     return args.token
+
+
+def _status_token(args: argparse.Namespace, config_env: str | None) -> str | None:
+    """--status-token-env's value (required to be set), else `config_env`'s if set here."""
+    value = os.environ.get(args.status_token_env or config_env or "")
+    if args.status_token_env and not value:
+        raise UserError(f"--status-token-env: environment variable {args.status_token_env} is "
+                        "unset or empty")
+    return value or None
 
 
 def _read(path: str, what: str) -> bytes:

@@ -6,9 +6,11 @@ light):
 - records.py       raw record -> normalized Conversation (OpenAI / ShareGPT)
 - augment.py       cost-changing augmentation seeded by (job seed, epoch, sample_id)
 - vision.py        image decoding, Qwen2-VL pixel patches, visual-token counts
-- chat_template.py template choice (tokenizer's / qwen2 / qwen3 / file) and rendering
-- tokenizer.py     `load_tokenizer(cfg)`, cached per process
-- labels.py        assistant-only label masks from character spans
+- chat_template.py template choice (tokenizer's / qwen2 / qwen3 / file) and rendering with
+                   content opaque to the template (`RenderedChat`: the text + where the data is)
+- tokenizer.py     `load_tokenizer(cfg)`, cached per process; `ChatTokenizer`: special tokens
+                   only where the template wrote them, content as plain text
+- labels.py        assistant-only label masks from the turns' real places
 - truncation.py    the vision-safe cut of a sample to the sample limit
 - array_source.py  samples already in memory (tests, benchmarks)
 - cli_job.py       the job the one-shot commands (`inspect`, `plan --data`) preprocess with

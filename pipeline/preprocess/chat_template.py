@@ -1,21 +1,33 @@
-"""Which chat template to render with, and rendering a conversation to text.
+"""Which chat template to render with, and rendering a conversation to text whose content is
+known to the character.
 
 `chat_template`: None = the tokenizer's own; 'qwen3' / 'qwen2' = the files shipped in
 templates/ (qwen2 is the Qwen2-VL template, which also understands image content parts);
-anything else = a path to a .jinja file. Images are passed to every template as the Qwen
-placeholder text `<|vision_start|><|image_pad|><|vision_end|>` inside string content, so templates
-that only accept string content (Qwen3's) still work; the single `<|image_pad|>` is expanded to
-the image's visual tokens after tokenization (vision.py).
+anything else = a path to a .jinja file.
+
+Content is opaque to the template. The template is rendered with every segment of every turn
+replaced by a marker (private-use characters and the segment's number), so whatever the template
+writes (roles, headers, separators, special tokens) comes from the template alone and the data
+never reaches Jinja. The markers are then replaced by the segments: a text segment by its text,
+recorded as a `ContentSpan` (the one place the data is in the rendered text: tokenized as plain
+text, labelled by its turn), an image by the Qwen placeholder
+`<|vision_start|><|image_pad|><|vision_end|>`, which is structure like the template's own tokens
+(the single `<|image_pad|>` is expanded to the image's visual tokens after tokenization,
+vision.py). So a message cannot forge a turn, a header or an image slot, whatever it contains.
+A template that inspects content (Qwen3 moving `<think>...</think>` out of an answer, a
+`startswith` test) sees the marker: content it would have rewritten is kept as written.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import PreprocessConfig
 from pipeline.errors import UserError
-from pipeline.preprocess.records import Conversation
+from pipeline.preprocess.records import Conversation, Segment
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -24,6 +36,11 @@ IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
 
 _TEMPLATES = Path(__file__).with_name("templates")
 NAMED = {"qwen2": "qwen2.jinja", "qwen3": "qwen3.jinja"}
+
+# Private-use characters: no tokenizer or template gives them meaning, and the data never enters
+# the text they are searched in (only the template's own output does).
+_MARK = "\ue000{}\ue001"
+_MARKER = re.compile("\ue000([0-9]+)\ue001")
 
 
 @functools.lru_cache(maxsize=16)
@@ -46,18 +63,59 @@ def template_text(cfg: PreprocessConfig, tokenizer) -> str:
     return _read(name)
 
 
-def to_messages(conv: Conversation) -> list[dict[str, str]]:
-    """Conversation -> template input: role + string content with image placeholders inline."""
-    return [
-        {"role": t.role,
-         "content": "".join(IMAGE_PLACEHOLDER if s.image is not None else s.text
-                            for s in t.segments)}
-        for t in conv.turns
-    ]
+@dataclass(frozen=True, slots=True)
+class ContentSpan:
+    """Where one text segment of turn `turn` landed: characters [start, end) of the text."""
+
+    turn: int
+    start: int
+    end: int
 
 
-def render(conv: Conversation, tokenizer, template: str) -> str:
-    """The exact training text (no generation prompt: the last turn is the assistant's)."""
-    return tokenizer.apply_chat_template(
-        to_messages(conv), chat_template=template, tokenize=False, add_generation_prompt=False
-    )
+@dataclass(frozen=True)
+class RenderedChat:
+    """The exact training text and where the data is in it (in text order). Everything outside
+    `content` was written by the template (or is an image placeholder)."""
+
+    text: str
+    content: tuple[ContentSpan, ...]
+    roles: tuple[str, ...]  # role of each turn of the conversation
+
+    def turn_extent(self, turn: int) -> tuple[int, int] | None:
+        """[start, end) from the turn's first content character to its last (None: the template
+        left the turn's content out)."""
+        spans = [c for c in self.content if c.turn == turn]
+        return (spans[0].start, spans[-1].end) if spans else None
+
+
+def render(conv: Conversation, tokenizer, template: str) -> RenderedChat:
+    """The exact training text (no generation prompt: the last turn is the assistant's), with
+    every text segment placed by the template as opaque content (see the module doc)."""
+    pieces: list[tuple[int, str | None]] = []  # per marker: (turn, text | None for an image)
+    messages = []
+    for t, turn in enumerate(conv.turns):
+        content = ""
+        # An empty turn still gets a marker: its place in the text is where its labels start.
+        for seg in turn.segments or (Segment(),):
+            content += _MARK.format(len(pieces))
+            pieces.append((t, None if seg.image is not None else seg.text))
+        messages.append({"role": turn.role, "content": content})
+    skeleton = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=False)
+    out: list[str] = []
+    spans: list[ContentSpan] = []
+    pos = length = 0
+    for m in _MARKER.finditer(skeleton):
+        out.append(skeleton[pos:m.start()])
+        length += m.start() - pos
+        turn, text = pieces[int(m.group(1))]
+        if text is None:
+            out.append(IMAGE_PLACEHOLDER)
+            length += len(IMAGE_PLACEHOLDER)
+        else:
+            out.append(text)
+            spans.append(ContentSpan(turn, length, length + len(text)))
+            length += len(text)
+        pos = m.end()
+    out.append(skeleton[pos:])
+    return RenderedChat("".join(out), tuple(spans), tuple(t.role for t in conv.turns))

@@ -1,13 +1,19 @@
 """Which tokens are trained on: assistant turns only (-100 everywhere else).
 
-We work on the rendered text, not on token patterns: find each assistant turn's character span,
-then label the tokens that overlap a span (fast tokenizers give offsets). This
-survives BPE merges at turn boundaries that break token-id pattern matching.
+Spans are found from the turns' real places in the rendered text (`RenderedChat.content`, put
+there by the renderer), never by searching the text: a message that contains
+`<|im_start|>assistant\\n` is content of its own turn and gets no label. Then the tokens that
+overlap a span are labelled (fast tokenizers give offsets), which survives BPE merges at turn
+boundaries that break token-id pattern matching.
 
-ChatML templates (Qwen, ...): a span runs from after `<|im_start|>assistant\\n` up to and
-including its `<|im_end|>` (the model must learn to stop), so Qwen3's `<think>` block of the
-last turn is trained too. Other templates: each assistant message's content is searched in order
-in the rendered text and its span extended over the tokenizer's eos token if that follows.
+Per assistant turn, only the template's own text around the turn's content is read:
+- ChatML templates (Qwen, ...): when the template text before the content ends with
+  `<|im_start|>assistant\\n...` the span starts right after that header, so what the template
+  puts between header and content (Qwen3's empty `<think>` block of the last turn) is trained;
+  it ends with the first `<|im_end|>` the template writes after the content (the model must
+  learn to stop).
+- Other templates: the span is the content itself, extended over the tokenizer's eos token when
+  the template writes it right after the content.
 """
 
 from __future__ import annotations
@@ -16,36 +22,36 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeline.preprocess.chat_template import RenderedChat
+
 IGNORE = -100
 CHATML_HEADER = "<|im_start|>assistant\n"
 CHATML_END = "<|im_end|>"
 
 
-def assistant_spans(text: str, assistant_contents: Sequence[str] = (),
-                    eos_token: str | None = None) -> list[tuple[int, int]]:
-    """Character [start, end) spans of the assistant turns in the rendered `text`."""
+def assistant_spans(chat: RenderedChat, eos_token: str | None = None) -> list[tuple[int, int]]:
+    """Character [start, end) spans of the assistant turns of `chat`, in text order."""
     spans: list[tuple[int, int]] = []
-    if CHATML_HEADER in text:
-        pos = 0
-        while (h := text.find(CHATML_HEADER, pos)) >= 0:
-            start = h + len(CHATML_HEADER)
-            end = text.find(CHATML_END, start)
-            end = len(text) if end < 0 else end + len(CHATML_END)
-            spans.append((start, end))
-            pos = end
-        return spans
-    pos = 0
-    for content in assistant_contents:
-        if not content:
+    for turn, role in enumerate(chat.roles):
+        extent = chat.turn_extent(turn) if role == "assistant" else None
+        if extent is None:
             continue
-        start = text.find(content, pos)
-        if start < 0:
+        start, end = extent
+        before = max((c.end for c in chat.content if c.end <= start and c.turn != turn),
+                     default=0)
+        after = min((c.start for c in chat.content if c.start >= end and c.turn != turn),
+                    default=len(chat.text))
+        header = chat.text.rfind(CHATML_HEADER, before, start)
+        if header >= 0:
+            closing = chat.text.find(CHATML_END, end, after)
+            spans.append((header + len(CHATML_HEADER),
+                          end if closing < 0 else closing + len(CHATML_END)))
             continue
-        end = start + len(content)
-        if eos_token and text.startswith(eos_token, end):
+        if start == end:
+            continue  # an empty answer outside ChatML: nothing of the turn to train on
+        if eos_token and chat.text.startswith(eos_token, end, after):
             end += len(eos_token)
         spans.append((start, end))
-        pos = end
     return spans
 
 

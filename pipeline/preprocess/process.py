@@ -15,6 +15,12 @@ vision-safely (truncation.py). Policy, in order:
 - that prefix has no assistant token (e.g. a first image too big for the limit precedes every
   answer) -> `no_loss_tokens`. Under `over_budget: alone` the limit is max_seq_len, so a sample
   over the budget stays whole and the planner emits it alone, flagged.
+A sample with no trained token at all, whatever the template, is `no_loss_tokens` before any
+of this: nothing is ever trained on it.
+
+Content is data, never structure (chat_template.py, tokenizer.py): special-token strings in a
+record's text (`<|im_start|>`, `<|image_pad|>`, ...) are tokenized as plain text, or the record
+is quarantined as `special_tokens_in_content` (preprocess.special_tokens_in_content).
 Building a `Processor` checks that the limit can hold the chat template's shortest trainable
 sample (ConfigError naming the fields otherwise).
 """
@@ -34,6 +40,7 @@ from pipeline.preprocess.chat_template import (
     IMAGE_PAD,
     VISION_END,
     VISION_START,
+    RenderedChat,
     render,
     template_text,
 )
@@ -48,7 +55,7 @@ from pipeline.preprocess.records import (
 )
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
 from pipeline.preprocess.sources import SourceFile
-from pipeline.preprocess.tokenizer import load_tokenizer
+from pipeline.preprocess.tokenizer import ChatTokenizer
 from pipeline.preprocess.truncation import Cut, image_spans, vision_safe_cut
 from pipeline.preprocess.vision import VisionProcessor, decode_image
 from pipeline.quarantine import QuarantineReason as R
@@ -77,7 +84,7 @@ def split_sample_id(sample_id: str) -> tuple[str, int]:
 @dataclass
 class _Prepared:
     row: int
-    text: str
+    chat: RenderedChat
     spans: list[tuple[int, int]]
     pixel_values: np.ndarray | None
     grid: np.ndarray | None
@@ -94,7 +101,8 @@ class Processor:
         self.job = job
         self.epoch = epoch
         self.cfg = job.preprocess
-        self.tokenizer = load_tokenizer(self.cfg)
+        self.chat_tokenizer = ChatTokenizer(self.cfg)
+        self.tokenizer = self.chat_tokenizer.tokenizer
         self.template = template_text(self.cfg, self.tokenizer)
         self.eos = self.tokenizer.eos_token
         ids = self.tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END])
@@ -122,6 +130,8 @@ class Processor:
         if not isinstance(rec, dict):
             raise RecordError(R.BAD_RECORD, f"expected a record, got {type(rec).__name__}")
         conv = parse_record(rec)
+        if self.cfg.special_tokens_in_content == "quarantine":
+            self._refuse_special_tokens(conv)
         sid = make_sample_id(file.source, row)
         # Decode every image (even ones augmentation drops this epoch) so whether a record is
         # quarantined never depends on the epoch.
@@ -133,22 +143,31 @@ class Processor:
         if images:
             pixel_values, grid = self.vision.process(images, scales)
         try:
-            text = render(conv, self.tokenizer, self.template)
+            chat = render(conv, self.tokenizer, self.template)
         except Exception as exc:  # any Jinja/template failure quarantines the record
             raise RecordError(R.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
-        spans = assistant_spans(text, _assistant_texts(conv), self.eos)
-        return _Prepared(row, text, spans, pixel_values, grid)
+        return _Prepared(row, chat, assistant_spans(chat, self.eos), pixel_values, grid)
 
-    def _finish(self, file: SourceFile, p: _Prepared, ids: Sequence[int],
-                offsets: Sequence[Sequence[int]]) -> Item:
-        input_ids = np.asarray(ids, dtype=np.int32)
-        offs = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-        labels = label_tokens(input_ids, offs, p.spans)
+    def _refuse_special_tokens(self, conv: Conversation) -> None:
+        for i, turn in enumerate(conv.turns):
+            for seg in turn.segments:
+                token = self.chat_tokenizer.first_special(seg.text)
+                if token is not None:
+                    raise RecordError(R.SPECIAL_TOKENS_IN_CONTENT,
+                                      f"turn {i} ({turn.role}) contains the special token "
+                                      f"{token}")
+
+    def _finish(self, file: SourceFile, p: _Prepared, input_ids: np.ndarray,
+                offsets: np.ndarray) -> Item:
+        labels = label_tokens(input_ids, offsets, p.spans)
+        if not (labels != IGNORE).any():
+            raise RecordError(R.NO_LOSS_TOKENS, "the rendered chat has no assistant token to "
+                                                "train on")
         n_images = 0 if p.grid is None else len(p.grid)
         pads = np.flatnonzero(input_ids == self.image_pad_id)
-        if len(pads) != n_images:
-            raise RecordError(R.BAD_RECORD, f"{len(pads)} image placeholders for {n_images} "
-                                            "images (text containing <|image_pad|>?)")
+        if len(pads) != n_images:  # only the template can write one: content is plain text
+            raise RecordError(R.TEMPLATE_ERROR, f"the template wrote {len(pads)} image "
+                                                f"placeholders for {n_images} images")
         pixel_values, grid = p.pixel_values, p.grid
         per_image = self.vision.visual_tokens(grid) if n_images else np.zeros(0, np.int64)
         if n_images:
@@ -209,14 +228,12 @@ class Processor:
         conv = Conversation((Turn("user", (Segment(text=""),)),
                              Turn("assistant", (Segment(text="a"),))))
         try:
-            text = render(conv, self.tokenizer, self.template)
+            chat = render(conv, self.tokenizer, self.template)
         except Exception:  # a strict custom template: records will say what it refuses
             return 1
-        enc = self._tokenize([text])
-        ids = np.asarray(enc["input_ids"][0], dtype=np.int32)
-        offs = np.asarray(enc["offset_mapping"][0], dtype=np.int64).reshape(-1, 2)
-        trained = np.flatnonzero(label_tokens(ids, offs,
-                                              assistant_spans(text, ["a"], self.eos)) != IGNORE)
+        (ids, offs), = self.chat_tokenizer.encode([chat])
+        trained = np.flatnonzero(label_tokens(ids, offs, assistant_spans(chat, self.eos))
+                                 != IGNORE)
         return int(trained[0]) + 1 if len(trained) else 1
 
     # -- per chunk --------------------------------------------------------------------------
@@ -232,16 +249,15 @@ class Processor:
             except Exception as exc:  # a failure we did not foresee: keep the stream going
                 out[i] = QuarantinedRecord(file.source, row, R.PREPROCESS_ERROR,
                                            f"{type(exc).__name__}: {exc}")
-        texts = [p.text for _, p in prepared]
+        chats = [p.chat for _, p in prepared]
+        encoded: list[tuple[np.ndarray, np.ndarray] | Exception]
         try:
-            enc = self._tokenize(texts)
-            encoded = list(zip(enc["input_ids"], enc["offset_mapping"], strict=True))
+            encoded = list(self.chat_tokenizer.encode(chats))
         except Exception:  # one bad text fails the batch call: find which
             encoded = []
-            for t in texts:
+            for chat in chats:
                 try:
-                    e = self._tokenize([t])
-                    encoded.append((e["input_ids"][0], e["offset_mapping"][0]))
+                    encoded.append(self.chat_tokenizer.encode([chat])[0])
                 except Exception as exc:  # that record is quarantined
                     encoded.append(exc)
         for (i, p), enc_i in zip(prepared, encoded, strict=True):
@@ -256,15 +272,6 @@ class Processor:
                                            f"{type(exc).__name__}: {exc}")
         return out  # type: ignore[return-value]
 
-    def _tokenize(self, texts: list[str]):
-        if not texts:
-            return {"input_ids": [], "offset_mapping": []}
-        return self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
-                              return_attention_mask=False)
-
     def process_one(self, file: SourceFile, row: int, raw: Any) -> Item:
         return self.process(file, [(row, raw)])[0]
 
-
-def _assistant_texts(conv: Conversation) -> list[str]:
-    return ["".join(s.text for s in t.segments) for t in conv.turns if t.role == "assistant"]

@@ -33,6 +33,7 @@ from pipeline.producer.hosting import ActorHost, BootstrapHost, ProducerHost, Th
 from pipeline.producer.producer import ProducerSettings
 from pipeline.service.auth import server_credentials
 from pipeline.service.data_server import DataServicer, add_servicer
+from pipeline.service.exposure import enforce_exposure
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.loop_server import LoopServer
 from pipeline.service.payloads import ArrayPayloads, PayloadSource, RayPayloads
@@ -127,6 +128,7 @@ def start_service(
     variable); `pool_steps` the planner's balancing pool (None: the job's config).
     `ray_ready`: an event set once Ray is initialized, for a caller that starts Ray meanwhile
     (None: Ray is up already); until then Ray jobs are planned in this process."""
+    enforce_exposure(config, tokens)  # no job open beyond loopback unless opted in (#28)
     job_states = dict(job_states or {})
     sample_sources = dict(sample_sources or {})
     replica_id = replica_id or new_replica_id()

@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import jsonschema
@@ -223,3 +223,45 @@ def parse_mem(q: str | int) -> float:
         if s.endswith(suffix):
             return float(s[: -len(suffix)]) * mult
     return float(s)
+
+
+# --- the service's configuration as the cluster hands it over --------------------------------
+
+def config_file(objs: tuple[Obj, ...], pod: Pod) -> tuple[str, str]:
+    """(path given to --config, the file's text from the mounted ConfigMap)."""
+    c = container(pod, "odb-pipeline")
+    args = c["args"]
+    path = PurePosixPath(args[args.index("--config") + 1])
+    mount = next(m for m in c["volumeMounts"] if PurePosixPath(m["mountPath"]) == path.parent)
+    volume = next(v for v in pod.spec["volumes"] if v["name"] == mount["name"])
+    cm = one(objs, "ConfigMap", volume["configMap"]["name"])
+    return str(path), cm["data"][path.name]
+
+
+def service_config(name: str, tmp_path: Path) -> tuple[Any, dict[str, str]]:
+    """(the ServiceConfig a replica of overlay `name` loads, its container's environment)."""
+    from pipeline.config import load_config
+
+    objs = overlay(name)
+    pod = service_pod(objs)
+    _, text = config_file(objs, pod)
+    file = tmp_path / "pipeline.yaml"
+    file.write_text(text)
+    env = env_values(container(pod, "odb-pipeline"), secret_data(objs))
+    return load_config(file, environ=env), env
+
+
+def secret_file(pod: Pod, c: Obj, path: str) -> tuple[str, list[str]]:
+    """(Secret name, the keys its volume projects) of the Secret volume that `path` in container
+    `c` is a file of; AssertionError when no Secret volume is mounted there."""
+    p = PurePosixPath(path)
+    mount = next((m for m in c.get("volumeMounts", [])
+                  if PurePosixPath(m["mountPath"]) == p.parent), None)
+    assert mount is not None, f"{pod.owner}/{c['name']}: nothing mounted at {p.parent}"
+    volume = next(v for v in pod.spec["volumes"] if v["name"] == mount["name"])
+    assert "secret" in volume, f"{pod.owner}: {p.parent} is not a Secret volume"
+    items = volume["secret"].get("items")
+    assert items is not None, f"{pod.owner}: volume {volume['name']} projects every key"
+    paths = {i["path"]: i["key"] for i in items}
+    assert p.name in paths, f"{pod.owner}: {path} is not one of {sorted(paths)}"
+    return volume["secret"]["secretName"], sorted(paths.values())

@@ -44,11 +44,16 @@ def test_validator_catches_a_misspelled_container_field():
     assert _broken("Deployment", "odb-pipeline", misspell)
 
 
-def test_validator_catches_a_bad_grpc_probe():
-    def named_port(d):
-        d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+def test_validator_catches_a_bad_probe():
+    def grpc_named_port(d):  # a grpc: probe takes a port number only
+        d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"] = {
+            "grpc": {"port": "grpc"}}
 
-    assert _broken("Deployment", "odb-pipeline", named_port)
+    def http_port_list(d):
+        d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] = [1]
+
+    assert _broken("Deployment", "odb-pipeline", grpc_named_port)
+    assert _broken("Deployment", "odb-pipeline", http_port_list)
 
 
 def test_validator_catches_raycluster_errors_down_to_the_pod_template():

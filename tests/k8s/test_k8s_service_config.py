@@ -4,48 +4,26 @@ and the ports, Redis URL, Ray address and job tokens line up with the other obje
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
 import pytest
 from k8s_support import (
     OVERLAYS,
     REPO,
+    config_file,
     container,
     containers,
-    env_values,
     of_kind,
     one,
     overlay,
     parse_mem,
     pods,
-    secret_data,
     selects,
+    service_config,
     service_pod,
 )
 
-from pipeline.config import ServiceConfig, env_var_names, load_config
-
-
-def _config_file(objs, pod) -> tuple[str, str]:
-    """(path given to --config, the file's text from the mounted ConfigMap)."""
-    c = container(pod, "odb-pipeline")
-    args = c["args"]
-    path = PurePosixPath(args[args.index("--config") + 1])
-    mount = next(m for m in c["volumeMounts"] if PurePosixPath(m["mountPath"]) == path.parent)
-    volume = next(v for v in pod.spec["volumes"] if v["name"] == mount["name"])
-    cm = one(objs, "ConfigMap", volume["configMap"]["name"])
-    return str(path), cm["data"][path.name]
-
-
-def service_config(name: str, tmp_path) -> tuple[ServiceConfig, dict[str, str]]:
-    objs = overlay(name)
-    pod = service_pod(objs)
-    _, text = _config_file(objs, pod)
-    file = tmp_path / "pipeline.yaml"
-    file.write_text(text)
-    env = env_values(container(pod, "odb-pipeline"), secret_data(objs))
-    return load_config(file, environ=env), env
+from pipeline.config import env_var_names
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
@@ -80,8 +58,13 @@ def test_grpc_and_metrics_ports_line_up(name, tmp_path):
     assert cfg.grpc.host in ("0.0.0.0", "::", "[::]"), "must listen on the pod IP"
     assert pod.port("grpc") == cfg.grpc.port
     assert pod.port("metrics") == cfg.metrics_port
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == cfg.grpc.port, probe
+    # gRPC speaks TLS, which the kubelet's grpc: probes cannot: /healthz on the metrics port
+    # answers gRPC's health status, and liveness checks that gRPC accepts connections.
+    for probe in ("startupProbe", "readinessProbe"):
+        assert pod.port(c[probe]["httpGet"]["port"]) == cfg.metrics_port, probe
+        assert c[probe]["httpGet"]["path"] == "/healthz", probe
+    assert pod.port(c["livenessProbe"]["tcpSocket"]["port"]) == cfg.grpc.port
+    assert "grpc" not in c["livenessProbe"] and "grpc" not in c["readinessProbe"]
     svc = one(objs, "Service", "odb-pipeline")
     assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["grpc"]
 
@@ -138,6 +121,6 @@ def test_service_pods_join_ray_as_nodes_through_the_head_gcs(name, tmp_path):
 
 def test_config_path_is_the_entrypoint_default():
     objs = overlay("dev")
-    path, _ = _config_file(objs, service_pod(objs))
+    path, _ = config_file(objs, service_pod(objs))
     assert path in (REPO / "deploy" / "docker" / "entrypoint.sh").read_text()
     assert path in (REPO / "deploy" / "docker" / "Dockerfile").read_text()

@@ -21,8 +21,15 @@ BAD = [
     (json.dumps({"conversations": [{"from": "human", "value": "<image>x"},
                                    {"from": "gpt", "value": "y"}],
                  "images": ["nowhere/gone.png"]}).encode(), "missing_image"),
-    (json.dumps(chat(user="literal <|image_pad|> in text")).encode(), "bad_record"),
+    (json.dumps(chat(user="literal <|image_pad|> in text")).encode(),
+     "special_tokens_in_content"),
 ]
+
+
+def _strict():
+    """A job that quarantines special-token strings in content (the default reads them as
+    text: test_template_injection.py)."""
+    return make_job(special_tokens_in_content="quarantine")
 
 
 def test_bad_records_quarantined_good_ones_flow(image_dir):
@@ -32,7 +39,7 @@ def test_bad_records_quarantined_good_ones_flow(image_dir):
         rows += [good, line]
     rows.append(good)
     f = src(image_dir / "data.jsonl")
-    out = processor_for(make_job()).process(f, list(enumerate(rows)))
+    out = processor_for(_strict()).process(f, list(enumerate(rows)))
     assert len(out) == len(rows)
     assert [o.row for o in out] == list(range(len(rows)))
     q = [o for o in out if isinstance(o, QuarantinedRecord)]
@@ -43,12 +50,14 @@ def test_bad_records_quarantined_good_ones_flow(image_dir):
 
 def test_template_error_is_quarantined(tmp_path):
     path = tmp_path / "strict.jinja"
-    path.write_text("{% for m in messages %}{% if m.content == 'boom' %}"
-                    "{{ raise_exception('no boom allowed') }}{% endif %}"
+    # (A template sees no content, only its place: it can refuse a conversation's shape.)
+    path.write_text("{% if messages[0].role == 'system' %}"
+                    "{{ raise_exception('no system turns allowed') }}{% endif %}"
+                    "{% for m in messages %}"
                     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
     out = processor_for(make_job(chat_template=str(path))).process(
-        src(), [(0, json.dumps(chat(user="boom")).encode()), (1, json.dumps(chat()).encode())])
-    assert out[0].reason == "template_error" and "no boom" in out[0].detail
+        src(), [(0, json.dumps(chat(system="S")).encode()), (1, json.dumps(chat()).encode())])
+    assert out[0].reason == "template_error" and "no system" in out[0].detail
     assert isinstance(out[1], ProcessedSample)
 
 
@@ -58,7 +67,7 @@ def test_reasons_are_one_vocabulary_from_record_to_row(image_dir):
     from pipeline.quarantine import QuarantineReason
 
     assert all(r.meaning and r.value == r.value.lower() for r in QuarantineReason)
-    out = processor_for(make_job()).process(
+    out = processor_for(_strict()).process(
         src(image_dir / "data.jsonl"), [(i, line) for i, (line, _) in enumerate(BAD)])
     back = from_table(to_table(out))
     assert [type(o.reason) for o in back] == [QuarantineReason] * len(BAD)

@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.preprocess.chat_template import IMAGE_PLACEHOLDER, template_text
+from pipeline.preprocess.chat_template import (
+    IMAGE_PLACEHOLDER,
+    ContentSpan,
+    RenderedChat,
+    template_text,
+)
 from pipeline.preprocess.labels import IGNORE, assistant_spans
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.preprocess.tokenizer import load_tokenizer
@@ -95,7 +100,10 @@ def test_custom_jinja_file_non_chatml(tmp_path):
 
 def test_assistant_spans_chatml_text():
     text = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\nans<|im_end|>\n"
-    (start, end), = assistant_spans(text)
+    q, ans = text.index("q<"), text.index("ans")
+    chat = RenderedChat(text, (ContentSpan(0, q, q + 1), ContentSpan(1, ans, ans + 3)),
+                        ("user", "assistant"))
+    (start, end), = assistant_spans(chat)
     assert text[start:end] == "ans<|im_end|>"
 
 
