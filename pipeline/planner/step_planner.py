@@ -16,9 +16,11 @@ budgets of samples and the plan reaches full size after a handful of steps. The 
 function of the steps already emitted in the epoch, so restores see the same sizes.
 
 End of epoch:
-- join: the window is flushed; if the batches left do not divide by W, the biggest are split in
-  two until they do (a subset of a valid batch is valid), so every rank normally ends on the same
-  step. Only when fewer samples than ranks remain does the last step leave ranks out (absent);
+- the pool's batches (over-budget ones excepted) go back into the window and all of it is cut
+  longest first (`BatchFormer.flush`: the GMT oracle's cut of what is held, the fewest batches).
+- join: if the batches left do not divide by W, the biggest are split in two until they do (a
+  subset of a valid batch is valid), so every rank normally ends on the same step. Only when
+  fewer samples than ranks remain does the last step leave ranks out (absent);
   `EpochEnd.final_step` tells each rank its last step. At most one step after input end is
   partial: bounded termination.
 - quota: only full steps of W batches are emitted. The remainder is split the same way to fill
@@ -224,7 +226,11 @@ class StepPlanner:
         """
         events: list[PlanEvent] = []
         self._start_epoch(events)
-        for b in self._former.flush():
+        # The pool's plain batches go back into the window: the flush cuts all of it at once
+        # (GMT's cut: the fewest batches for what is held). Over-budget batches stay as they are.
+        plain = [pb for pb in self._pool if not pb.over_budget]
+        self._pool = [pb for pb in self._pool if pb.over_budget]
+        for b in self._former.flush([s for pb in plain for s in pb.samples]):
             self._pool.append(PendingBatch(tuple(b)))
         left = self._release(events, final=True)
         if left and last_epoch:
