@@ -37,8 +37,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gmt_oracle import gmt_batches  # noqa: E402
-
+from pipeline.planner.epochs import plan_epoch  # noqa: E402
+from pipeline.planner.oracle import gmt_batches  # noqa: E402
 from pipeline.planner.plan_report import PlanReport  # noqa: E402
 from pipeline.planner.policy import BatchingPolicy  # noqa: E402
 from pipeline.planner.step_planner import StepPlanner  # noqa: E402
@@ -250,8 +250,7 @@ def ours(samples: list[MeasuredSample], world: int, repeats: int, **policy: int)
     for _ in range(repeats):
         planner = StepPlanner(pol, world, "join", seed=0)
         t = _clock()
-        events = planner.feed_many(samples)
-        events.extend(planner.end_epoch(last_epoch=True))
+        events = plan_epoch(planner, samples, last=True)
         best = min(best, _clock() - t)
     rep = PlanReport(pol, world)
     rep.samples_in = len(samples)

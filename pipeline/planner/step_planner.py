@@ -42,7 +42,7 @@ the restart (`PlannerState.to_dict`/`from_dict` give a JSON form).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pipeline.planner.batch_former import BatchFormer
@@ -523,17 +523,3 @@ def _split_to_fill(pool: list[PendingBatch], need: int) -> list[PendingBatch]:
         need -= 1
     return pool
 
-
-def plan_epochs(
-    epochs: Sequence[Iterable[MeasuredSample]],
-    policy: BatchingPolicy,
-    world_size: int,
-    mode: DgapMode | str = DgapMode.JOIN,
-    seed: int = 0,
-) -> Iterator[PlanEvent]:
-    """Convenience: plan a whole job (each epoch an iterable of samples), yielding every event."""
-    planner = StepPlanner(policy, world_size, mode, seed)
-    for e, samples in enumerate(epochs):
-        for s in samples:
-            yield from planner.feed(s)
-        yield from planner.end_epoch(last_epoch=e == len(epochs) - 1)
