@@ -16,8 +16,9 @@ budgets of samples and the plan reaches full size after a handful of steps. The 
 function of the steps already emitted in the epoch, so restores see the same sizes.
 
 End of epoch:
-- the pool's batches (over-budget ones excepted) go back into the window and all of it is cut
-  longest first (`BatchFormer.flush`: the GMT oracle's cut of what is held, the fewest batches).
+- the pool's newest batches (a window's worth; over-budget ones excepted) go back into the
+  window and all of it is cut longest first (`BatchFormer.flush`: the GMT oracle's cut of what
+  is held, the fewest batches).
 - join: if the batches left do not divide by W, the biggest are split in two until they do (a
   subset of a valid batch is valid), so every rank normally ends on the same step. Only when
   fewer samples than ranks remain does the last step leave ranks out (absent);
@@ -226,11 +227,7 @@ class StepPlanner:
         """
         events: list[PlanEvent] = []
         self._start_epoch(events)
-        # The pool's plain batches go back into the window: the flush cuts all of it at once
-        # (GMT's cut: the fewest batches for what is held). Over-budget batches stay as they are.
-        plain = [pb for pb in self._pool if not pb.over_budget]
-        self._pool = [pb for pb in self._pool if pb.over_budget]
-        for b in self._former.flush([s for pb in plain for s in pb.samples]):
+        for b in self._former.flush(self._give_back()):
             self._pool.append(PendingBatch(tuple(b)))
         left = self._release(events, final=True)
         if left and last_epoch:
@@ -411,6 +408,29 @@ class StepPlanner:
                 why += f" and its {v} visual tokens cannot be truncated"
             self.quarantined += 1
             events.append(Quarantined(s, QuarantineReason.OVER_BUDGET, why))
+
+    def _give_back(self) -> list[MeasuredSample]:
+        """The samples of the pool's newest plain batches, at most one window's bounds of them
+        (`lookahead_tokens`, `max_window_samples`): the end of the epoch cuts them again with
+        the window, longest first. So it regroups at most two windows (an SDO job keeps its
+        window small for local batches: they stay local); over-budget batches stay as they
+        are."""
+        room_tokens = self.policy.lookahead_tokens
+        room_samples = self.policy.max_window_samples
+        back: list[PendingBatch] = []
+        for pb in reversed(self._pool):
+            if pb.over_budget:
+                continue
+            room_tokens -= sum(s.num_tokens for s in pb.samples)
+            room_samples -= len(pb.samples)
+            if room_tokens < 0 or room_samples < 0:
+                break
+            back.append(pb)
+        if not back:
+            return []
+        taken = {id(pb) for pb in back}
+        self._pool = [pb for pb in self._pool if id(pb) not in taken]
+        return [s for pb in reversed(back) for s in pb.samples]
 
     def _ramp(self) -> None:
         """Window and pool sizes for the steps already emitted in this epoch."""

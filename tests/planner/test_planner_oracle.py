@@ -70,3 +70,21 @@ def test_the_end_of_an_epoch_cuts_what_is_held_as_the_oracle_does(lengths):
     got = [[s.num_tokens for s in b] for b in cut]
     assert got == [sorted(b) for b in gmt_batches(lengths, 400)]
     assert len(former) == 0 and former.tokens == 0
+
+
+def test_the_end_of_an_epoch_regroups_at_most_a_window_of_formed_batches():
+    # An SDO job keeps its window small so that its batches stay local: the end of an epoch
+    # cuts again only the newest formed batches that one window's bounds hold.
+    policy = BatchingPolicy(1000, lookahead_tokens=3000, ramp_up=False)
+    planner = StepPlanner(policy, 1, pool_steps=1000)
+    lengths = np.random.default_rng(5).integers(50, 500, 600).tolist()
+    for i, n in enumerate(lengths):
+        planner.feed(MeasuredSample(i, n))
+    pool = [frozenset(s.sample_id for s in pb.samples) for pb in planner.snapshot().pool]
+    assert len(pool) > 20, "formed batches wait in the pool"
+    out = {frozenset(b.sample_ids) for e in planner.end_epoch() if isinstance(e, Step)
+           for b in e.batches}
+    regrouped = [b for b in pool if b not in out]
+    assert regrouped, "the newest batches are cut again with the window"
+    newest = pool[pool.index(regrouped[0]):]
+    assert sum(lengths[i] for b in newest for i in b) <= policy.lookahead_tokens
