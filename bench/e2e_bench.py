@@ -42,7 +42,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from e2e import align, common, scaling, stall, throughput  # noqa: E402
 from e2e.serve import ServiceProcess  # noqa: E402
-from gmt_oracle import gmt_batches  # noqa: E402
+
+from pipeline.planner.oracle import gmt_batches  # noqa: E402
 
 PARTS = ("throughput", "stall", "scaling", "align")
 QUICK = {"scale": 16, "n_synth": 400, "n_real": 72, "real_budget": 8192, "buffer": 256,
@@ -97,7 +98,7 @@ def part_throughput(cfg: dict, svc: ServiceProcess) -> dict:
 
 
 def gmt_projection(lengths: list[int], budget: int, runs: dict) -> dict:
-    """The GMT oracle's batches (`gmt_oracle`) for these lengths, and the samples/s they would
+    """The GMT oracle's batches (`planner.oracle`) for these lengths, and the samples/s they would
     reach at ours' measured seconds per padded token (the tiny model's CPU step is linear in
     padded tokens)."""
     batches = gmt_batches(lengths, budget)

@@ -14,11 +14,18 @@ budget 16384, padded collate. Methods:
   warm-up ramp of the buffer, overflow recycling, one output slot per fetched index), at its
   typical buffer (256) and at its best buffer whose window holds no more tokens than ours
   (`best_peer`; every buffer's efficiency is in the JSON);
-- ours: `pipeline.planner.StepPlanner` at world size 1 and 8 (join mode), default policy
-  (look-ahead 128 budgets of tokens), and at W=8 with half that look-ahead.
+- ours: `pipeline.planner.StepPlanner` at world size 1, 2, 4 and 8 (join mode), default policy
+  (look-ahead 128 budgets of tokens), and at W=8 with half that look-ahead and without the
+  epoch's ramp-up.
+
+Epoch sizes: the heavy set cut to epochs of 1,000 to 50,000 chats, ours against the oracle at
+every W, with and without the ramp-up and with a window as big as the epoch (what the epoch's
+end cuts): where steps over the oracle's come from. Deterministic counts.
 
 Run:  .venv/bin/python bench/planner_bench.py [--quick]   (needs the `bench` extra)
-Writes bench/results/planner/planner_bench{,_quick}.json and .png, prints a Markdown table.
+Writes bench/results/planner/planner_bench{,_quick}.json and .png, prints Markdown tables.
+`--export-heavy-lengths FILE --heavy-samples N` writes the heavy set's lengths instead
+(tests/planner/data/heavy_tailed_chats.txt is N=6600).
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gmt_oracle import gmt_batches  # noqa: E402
-
+from pipeline.planner.epochs import plan_epoch  # noqa: E402
+from pipeline.planner.oracle import gmt_batches  # noqa: E402
 from pipeline.planner.plan_report import PlanReport  # noqa: E402
 from pipeline.planner.policy import BatchingPolicy  # noqa: E402
 from pipeline.planner.step_planner import StepPlanner  # noqa: E402
@@ -51,6 +58,10 @@ WORKLOADS = [
     ("cv1.00_mean1000", 1.0, 1000),
 ]
 OUT_DIR = ROOT / "bench" / "results" / "planner"
+WORLD_SIZES = (1, 2, 4, 8)
+# Epoch sizes of the heavy set for the epoch-size experiment (prefixes of the set): from an
+# epoch the window holds ~8x over to one 8x the window.
+EPOCH_SIZES = (1000, 2000, 4000, 6600, 12000, 25000, 50000)
 # The peer's buffer (max samples it groups at once) is a sample count; its best is reported.
 PEER_BUFFERS = [256, 1024, 2048, 4096, 8192, 16384]
 # CPU time of this (single-threaded) process: planning throughput on one core, robust to other
@@ -250,8 +261,7 @@ def ours(samples: list[MeasuredSample], world: int, repeats: int, **policy: int)
     for _ in range(repeats):
         planner = StepPlanner(pol, world, "join", seed=0)
         t = _clock()
-        events = planner.feed_many(samples)
-        events.extend(planner.end_epoch(last_epoch=True))
+        events = plan_epoch(planner, samples, last=True)
         best = min(best, _clock() - t)
     rep = PlanReport(pol, world)
     rep.samples_in = len(samples)
@@ -290,6 +300,43 @@ def best_peer(lengths: list[int], buffers: list[int], window_tokens: int) -> dic
             "pad_eff_by_buffer": {b: round(r["padding_efficiency"], 4) for b, r in grid.items()}}
 
 
+def epoch_sizes(heavy: list[MeasuredSample], sizes: list[int]) -> list[dict]:
+    """Where ours loses steps to the oracle: the heavy set cut to epochs of each size, planned at
+    every W by the default planner, without the ramp-up, and with a window as big as the epoch
+    (everything cut at the end of the epoch: the end's own cut against the oracle's). Counts
+    only (steps, padding): deterministic, so this runs the same on any machine."""
+    out = []
+    for n in sizes:
+        epoch = heavy[:n]
+        lengths = [s.num_tokens for s in epoch]
+        g = gmt_batches(lengths, BUDGET)
+        g_eff = batch_stats(g, 0.0, n)["padding_efficiency"]
+        whole = {"lookahead_tokens": max(BUDGET, sum(lengths)), "max_window_samples": n,
+                 "ramp_up": False}
+        for w in WORLD_SIZES:
+            row = {"samples": n, "budgets_of_tokens": round(sum(lengths) / BUDGET, 1),
+                   "world_size": w, "gmt_steps": math.ceil(len(g) / w)}
+            for name, policy in (("ours", {}), ("no ramp-up", {"ramp_up": False}),
+                                 ("window = epoch", whole)):
+                r = ours(epoch, w, 1, **policy)
+                row[name] = {"steps": r["steps"],
+                             "steps_vs_gmt": round(r["steps"] / row["gmt_steps"], 4),
+                             "pad_eff_vs_gmt": round(r["padding_efficiency"] - g_eff, 4)}
+            out.append(row)
+    return out
+
+
+def epoch_table(rows: list[dict]) -> str:
+    lines = ["| samples | budgets of tokens | W | GMT steps | ours steps (vs GMT) | pad eff vs GMT "
+             "| no ramp-up steps | window = epoch steps |", "|" + "---|" * 8]
+    for r in rows:
+        o, nr, we = r["ours"], r["no ramp-up"], r["window = epoch"]
+        lines.append(f"| {r['samples']} | {r['budgets_of_tokens']} | {r['world_size']} "
+                     f"| {r['gmt_steps']} | {o['steps']} ({o['steps_vs_gmt']:.3f}) "
+                     f"| {o['pad_eff_vs_gmt']:+.4f} | {nr['steps']} | {we['steps']} |")
+    return "\n".join(lines)
+
+
 def length_stats(lengths: list[int]) -> dict:
     a = np.asarray(lengths)
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
@@ -298,7 +345,8 @@ def length_stats(lengths: list[int]) -> dict:
             "tokens": int(a.sum())}
 
 
-def run(n: int, n_heavy: int, peer_buffers: list[int], repeats: int) -> dict:
+def run(n: int, n_heavy: int, peer_buffers: list[int],
+        repeats: int) -> tuple[dict, list[dict]]:
     workloads: list[tuple[str, dict, list[MeasuredSample]]] = []
     for name, cv, mean in WORKLOADS:
         lengths = workload(cv, mean, n, seed=12345).tolist()
@@ -327,8 +375,8 @@ def run(n: int, n_heavy: int, peer_buffers: list[int], repeats: int) -> dict:
         peer_grid = best_peer(lengths, peer_buffers, BatchingPolicy(BUDGET).lookahead_tokens)
         if peer_grid is not None:
             rows["peer odb 0.1.2 (best buf)"] = peer_grid.pop("row")
-        rows["ours W=1"] = ours(samples, 1, repeats)
-        rows["ours W=8"] = ours(samples, 8, repeats)
+        for w in WORLD_SIZES:
+            rows[f"ours W={w}"] = ours(samples, w, repeats)
         rows["ours W=8 (lookahead 64 budgets)"] = ours(samples, 8, repeats, lookahead_tokens=half)
         # The service's default ramps each epoch up (a fast first step); without it the plan is
         # at full size from the first step: what the ramp costs.
@@ -342,7 +390,7 @@ def run(n: int, n_heavy: int, peer_buffers: list[int], repeats: int) -> dict:
         results[name] = {**about, "n": len(samples), "lengths": length_stats(lengths),
                          "peer": peer_grid, "rows": rows}
         print(f"  {name}: done", file=sys.stderr)
-    return results
+    return results, epoch_sizes(heavy, [k for k in EPOCH_SIZES if k <= n_heavy])
 
 
 def fmt(v, spec: str) -> str:
@@ -373,7 +421,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, by_epoch: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -381,7 +429,8 @@ def plot(results: dict, path: Path) -> None:
 
     names = list(results)
     methods = list(next(iter(results.values()))["rows"])
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5.8))
+    fig, all_axes = plt.subplots(1, 3, figsize=(21, 5.8), width_ratios=(3, 3, 2))
+    axes, ex = all_axes[:2], all_axes[2]
     width = 0.8 / len(methods)
     limits = [(0.85, 1.0), (0.95, 1.3)]
     keys = ["padding_efficiency", "steps_vs_gmt"]
@@ -413,6 +462,16 @@ def plot(results: dict, path: Path) -> None:
         target = results[n]["rows"]["GMT oracle"]["padding_efficiency"] - 0.01
         axes[0].plot([j - width / 2, j + 0.8 - width / 2], [target] * 2, "k--", lw=0.9)
     axes[1].axhline(1.02, color="k", lw=0.8, ls="--")
+    for w in WORLD_SIZES:  # the epoch-size experiment: ours' steps against the oracle's
+        rows = [r for r in by_epoch if r["world_size"] == w]
+        ex.plot([r["samples"] for r in rows], [r["ours"]["steps_vs_gmt"] for r in rows], "o-",
+                label=f"W={w}")
+    ex.axhline(1.02, color="k", lw=0.8, ls="--")
+    ex.set_xscale("log")
+    ex.set_xlabel("heavy-tailed chats per epoch")
+    ex.set_title("steps / GMT steps by epoch size (dashed: 1.02)", fontsize=10)
+    ex.legend(fontsize=8)
+    ex.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.suptitle(f"planner: token budget {BUDGET}, padded collate")
@@ -426,13 +485,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="4000 log-normal / 12000 real samples per workload, 1 repeat")
     ap.add_argument("--samples", type=int, default=None, help="per log-normal workload")
     ap.add_argument("--heavy-samples", type=int, default=None, help="real heavy-tailed chats")
+    ap.add_argument("--export-heavy-lengths", metavar="FILE", default=None,
+                    help="only write the heavy-tailed set's lengths, one per line (a lengths "
+                    "file for `odb-pipeline plan --lengths` and the planner tests), and exit")
     args = ap.parse_args(argv)
     n = args.samples or (4000 if args.quick else 20000)
     n_heavy = args.heavy_samples or (12000 if args.quick else 50000)
+    if args.export_heavy_lengths:
+        heavy = heavy_tailed_chats(n_heavy, seed=7)
+        Path(args.export_heavy_lengths).write_text("".join(f"{s.num_tokens}\n" for s in heavy))
+        print(f"wrote {n_heavy} lengths to {args.export_heavy_lengths}")
+        return 0
     repeats = 1 if args.quick else 5
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    results = run(n, n_heavy, PEER_BUFFERS, repeats)
+    results, by_epoch = run(n, n_heavy, PEER_BUFFERS, repeats)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     stem = "planner_bench_quick" if args.quick else "planner_bench"
     meta = {
@@ -448,9 +515,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "wall_seconds": round(time.perf_counter() - t0, 1),
     }
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    plot(results, OUT_DIR / f"{stem}.png")
+    (OUT_DIR / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta, "results": results, "epoch_sizes": by_epoch}, indent=1))
+    plot(results, by_epoch, OUT_DIR / f"{stem}.png")
     print(table(results))
+    print("\nheavy-tailed chats by epoch size (deterministic counts):\n" + epoch_table(by_epoch))
     print(f"\nwrote {OUT_DIR / (stem + '.json')} and .png ({meta['wall_seconds']} s, load average "
           f"{meta['load_average_before_after'][0]} -> {meta['load_average_before_after'][1]})")
     return 0

@@ -30,36 +30,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from example_setup import exit_skipping_finalization, stream_credentials
+from example_setup import ToyLM, exit_skipping_finalization, open_stream, toy_parser
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer_client import BatchStream, causal_lm_loss
+from trainer_client import causal_lm_loss
 
 RECONFIGURED = 3  # exit code after END(reconfigure): the launcher restarts at the new size
 
 
-class ToyLM(torch.nn.Module):
-    def __init__(self, vocab: int, dim: int) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.head = torch.nn.Linear(dim, vocab)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.embed(input_ids % self.vocab)))
-
-
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--endpoint", default=os.environ.get("PIPELINE_ENDPOINT", "localhost:50051"))
-    p.add_argument("--job", default=os.environ.get("PIPELINE_JOB", "example-job"))
+    p = toy_parser(__doc__.splitlines()[0], vocab=4096, dim=32)
     p.add_argument("--checkpoint-dir", type=Path, required=True,
                    help="shared by every node: rank 0 writes the checkpoint, every rank reads it")
     p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--record", type=Path, default=None,
                    help="JSON line per batch, as its step starts")
     return p.parse_args()
@@ -78,8 +62,7 @@ def main() -> int:
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     # A generous reconnect window: after a node loss the Open waits (FAILED_PRECONDITION,
     # retried) until the old group's leases lapse, then reconfigures the job.
-    stream = BatchStream(args.endpoint, args.job, rank, world, reconnect_timeout=120,
-                         **stream_credentials())
+    stream = open_stream(args, rank, world, reconnect_timeout=120)
     ckpt = args.checkpoint_dir / "checkpoint.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)

@@ -27,33 +27,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from example_setup import exit_skipping_finalization, stream_credentials
+from example_setup import ToyLM, exit_skipping_finalization, open_stream, toy_parser
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer_client import BatchStream, causal_lm_loss
-
-
-class ToyLM(torch.nn.Module):
-    def __init__(self, vocab: int, dim: int) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.head = torch.nn.Linear(dim, vocab)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.embed(input_ids % self.vocab)))
+from trainer_client import causal_lm_loss
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--endpoint", default=os.environ.get("PIPELINE_ENDPOINT", "localhost:50051"))
-    p.add_argument("--job", default=os.environ.get("PIPELINE_JOB", "example-job"))
+    p = toy_parser(__doc__.splitlines()[0], vocab=8192, dim=64)
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after global step N (0 = run the job to its end)")
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="file for model + stream position (per rank); resumed from if present")
     return p.parse_args()
@@ -71,7 +55,7 @@ def main() -> int:
     model = ToyLM(args.vocab, args.dim).to(device or "cpu")
     ddp = DDP(model, device_ids=[device.index] if device is not None else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
-    stream = BatchStream(args.endpoint, args.job, rank, world, **stream_credentials())
+    stream = open_stream(args, rank, world)
 
     ckpt = args.checkpoint.with_suffix(f".rank{rank}.pt") if args.checkpoint else None
     if ckpt is not None and ckpt.exists():

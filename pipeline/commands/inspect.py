@@ -14,9 +14,9 @@ import json
 import re
 import sys
 
+from pipeline.commands.cli_job import job_config
 from pipeline.config import JobConfig
 from pipeline.errors import UserError
-from pipeline.preprocess.cli_job import job_config
 from pipeline.ray_runtime import PrivateRay
 
 _TABLE_ROWS = 25

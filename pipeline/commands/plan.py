@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import sys
 import time
 from collections import Counter
 
+from pipeline.commands.plan_output import QUARANTINE_SHOWN, PlanOutput
 from pipeline.errors import UserError
 
 HELP = "dry-run batching on a dataset or a lengths file (steps, padding efficiency, balance)"
@@ -61,7 +60,6 @@ def _config_default(path: tuple[str, ...]) -> object:
     for key in path[1:]:  # a nested block's default is its model with its own defaults
         value = getattr(value, key)
     return value
-_QUARANTINE_SHOWN = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -221,7 +219,7 @@ def _job_overrides(args: argparse.Namespace, names) -> dict:
 def _resolve(args: argparse.Namespace):
     """Fill unset flags from the --config job (or the plan defaults). Returns the JobConfig the
     --data path preprocesses with (None for --lengths without --config)."""
-    from pipeline.preprocess.cli_job import job_config
+    from pipeline.commands.cli_job import job_config
 
     explicit = [n for n in _JOB_FLAGS if getattr(args, n) is not None]
     base = None
@@ -251,9 +249,9 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from pipeline.config import BatchingConfig
+    from pipeline.planner.epochs import epoch_order, plan_epoch
     from pipeline.planner.plan_report import PlanReport
     from pipeline.planner.step_planner import StepPlanner
-    from pipeline.planner.types import Quarantined, Step
 
     _check_input(args)
     job = _resolve(args)
@@ -284,87 +282,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         source = _LengthsSource(args.lengths)
 
-    out = open_emit_plan(args)
-    report = PlanReport(policy, args.world_size)
-    quarantine_lines: list[str] = []
     t0 = time.perf_counter()
-    try:
-        with source:
-            for epoch in range(args.epochs):
-                counted = _Counted(epoch_order(args, source.epoch(epoch), epoch))
-                events = planner.feed_many(counted)
-                report.samples_in += counted.n
-                events.extend(planner.end_epoch(last_epoch=epoch == args.epochs - 1))
-                for ev in events:
-                    report.observe(ev)
-                    if out is not None and isinstance(ev, Step):
-                        out.write(step_json(ev) + "\n")
-                    elif isinstance(ev, Quarantined) and len(quarantine_lines) < _QUARANTINE_SHOWN:
-                        quarantine_lines.append(quarantine_line(ev))
-    finally:
-        if out is not None:
-            out.close()
-    return print_result(args, source, report, policy, quarantine_lines,
-                        time.perf_counter() - t0)
-
-
-def quarantine_line(ev) -> str:
-    return f"  {ev.sample.sample_id}: {ev.reason.value}: {ev.detail}"
-
-
-def open_emit_plan(args: argparse.Namespace):
-    """The --emit-plan file opened for writing (the caller closes it), or None."""
-    if not args.emit_plan:
-        return None
-    try:
-        return open(args.emit_plan, "w", encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot write --emit-plan {args.emit_plan}: {exc.strerror}") from None
-
-
-def epoch_order(args: argparse.Namespace, samples, epoch: int):
-    """An epoch's input order: as read, or shuffled by (seed, epoch) with --shuffle."""
-    if not args.shuffle:
-        return samples
-    order = list(samples)
-    random.Random(f"odb-plan-shuffle:{args.seed}:{epoch}").shuffle(order)
-    return order
-
-
-def print_result(args: argparse.Namespace, source, report, policy, quarantine_lines: list[str],
-                 elapsed: float, extra: dict | None = None, extra_text: str = "") -> int:
-    """Print the plan's summary (or one JSON object), with a mode's `extra` keys and lines."""
-    result = report.to_dict()
-    result["mode"] = args.mode
-    result["world_size"] = args.world_size
-    result["token_budget"] = args.token_budget
-    result["lookahead_tokens"] = policy.lookahead_tokens
-    result["max_window_samples"] = policy.max_window_samples
-    result["collate"] = args.collate
-    result["planning_seconds"] = round(elapsed, 4)
-    result["samples_per_second"] = round(report.samples_in / elapsed) if elapsed > 0 else None
-    if isinstance(source, _DataSource):
-        result.update(source.to_dict())
-    result.update(extra or {})
-    if args.json:
-        json.dump(result, sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        print(
-            f"plan: {source.name}  W={args.world_size}  budget={args.token_budget}"
-            f"  mode={args.mode}  collate={args.collate}  lookahead={policy.lookahead_tokens}"
-        )
-        if isinstance(source, _DataSource):
-            print(source.summary_text())
-        print(report.summary_text())
-        if extra_text:
-            print(extra_text)
-        if quarantine_lines:
-            print(f"quarantined samples (first {_QUARANTINE_SHOWN}):")
-            print("\n".join(quarantine_lines))
-        what = "preprocessed and planned" if isinstance(source, _DataSource) else "planned"
-        print(f"{what} in {elapsed:.3f} s ({result['samples_per_second']} samples/s)")
-    return 0
+    with PlanOutput(PlanReport(policy, args.world_size), args.emit_plan) as out, source:
+        for epoch in range(args.epochs):
+            counted = _Counted(epoch_order(source.epoch(epoch), epoch, seed=args.seed,
+                                           shuffle=args.shuffle))
+            events = plan_epoch(planner, counted, last=epoch == args.epochs - 1)
+            out.report.samples_in += counted.n
+            out.observe(events)
+    return out.print_result(args, source, policy, time.perf_counter() - t0)
 
 
 class _Counted:
@@ -382,6 +308,8 @@ class _Counted:
 
 class _LengthsSource:
     """--lengths: the same samples every epoch."""
+
+    preprocesses = False
 
     def __init__(self, path: str) -> None:
         from pipeline.planner.lengths_file import LengthsFileError, read_lengths
@@ -401,10 +329,15 @@ class _LengthsSource:
     def epoch(self, epoch: int):
         return self.samples
 
+    def to_dict(self) -> dict:
+        return {}
+
 
 class _DataSource:
     """--data: each epoch preprocessed for real (Ray Data, augmentation seeded by epoch); the
     planner sees `ProcessedSample.measured()`, quarantined records are counted by reason."""
+
+    preprocesses = True
 
     def __init__(self, job, limit: int | None, export_path: str | None) -> None:
         from pipeline.ray_runtime import PrivateRay
@@ -456,7 +389,7 @@ class _DataSource:
         for item in iter_samples(self.job, epoch, limit=self.limit, stats=stats):
             if isinstance(item, QuarantinedRecord):
                 self.by_reason[item.reason] += 1
-                if len(self.examples) < _QUARANTINE_SHOWN and item.sample_id not in self._shown:
+                if len(self.examples) < QUARANTINE_SHOWN and item.sample_id not in self._shown:
                     self._shown.add(item.sample_id)
                     self.examples.append({"epoch": epoch, "sample_id": item.sample_id,
                                           "reason": item.reason, "detail": item.detail})
@@ -515,27 +448,3 @@ class _DataSource:
                          " --lengths)")
         return "\n".join(lines)
 
-
-def step_json(step) -> str:
-    return json.dumps(
-        {
-            "epoch": step.epoch,
-            "step": step.step,
-            "batches": [
-                {
-                    "rank": b.rank,
-                    "samples": list(b.sample_ids),
-                    "cost": b.cost,
-                    **({"over_budget": True} if b.over_budget else {}),
-                    **({"filler": True} if b.filler else {}),
-                    **(
-                        {"truncated_to": {str(k): v for k, v in b.truncated_to.items()}}
-                        if b.truncated_to
-                        else {}
-                    ),
-                }
-                for b in step.batches
-            ],
-        },
-        separators=(",", ":"),
-    )

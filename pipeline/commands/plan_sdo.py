@@ -19,6 +19,7 @@ import json
 import time
 from collections import Counter
 
+from pipeline.commands.plan_output import PlanOutput
 from pipeline.errors import UserError
 
 _SHOWN = 10
@@ -33,14 +34,6 @@ def _batches(events, out: list[list]) -> None:
 
 
 def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
-    from pipeline.commands.plan import (
-        _QUARANTINE_SHOWN,
-        epoch_order,
-        open_emit_plan,
-        print_result,
-        quarantine_line,
-        step_json,
-    )
     from pipeline.organization.embed_stage import embed_dataset
     from pipeline.organization.epoch_visits import split_visit_id
     from pipeline.organization.exposure_ledger import ExposureLedger
@@ -51,68 +44,55 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
         pair_baseline,
     )
     from pipeline.organization.organizer import organize
+    from pipeline.planner.epochs import epoch_order, plan_epoch
     from pipeline.planner.plan_report import PlanReport
     from pipeline.planner.step_planner import StepPlanner
-    from pipeline.planner.types import Quarantined, Step
 
     org = job.organization
     none_planner = StepPlanner(policy, args.world_size, args.mode, args.seed, args.pool_steps)
     none_report = PlanReport(policy, args.world_size)
-    report = PlanReport(policy, args.world_size)
     store = MemoryLedgerStore()
     sdo_batches: list[list] = []
     none_batches: list[list] = []
-    quarantine_lines: list[str] = []
     planner = organization = emb = None
     lost = 0
-    out = open_emit_plan(args)
     t0 = time.perf_counter()
-    try:
-        with source:
-            emb = embed_dataset(job, limit=args.limit)
-            for epoch in range(args.epochs):
-                measured = list(source.epoch(epoch))
-                last = epoch == args.epochs - 1
-                events = none_planner.feed_many(epoch_order(args, measured, epoch))
-                events += none_planner.end_epoch(last_epoch=last)
-                none_report.samples_in += len(measured)
-                for ev in events:
-                    none_report.observe(ev)
-                _batches(events, none_batches)
-                if planner is None:
-                    try:
-                        organization = organize(job, emb.table, measured, emb.path)
-                    except ValueError as exc:
-                        raise UserError(f"--organization sdo: {exc}") from None
-                    planner = StepPlanner(
-                        dataclasses.replace(policy,
-                                            lookahead_tokens=organization.lookahead_tokens),
-                        args.world_size, args.mode, args.seed, args.pool_steps)
+    with PlanOutput(PlanReport(policy, args.world_size), args.emit_plan) as out, source:
+        emb = embed_dataset(job, limit=args.limit)
+        for epoch in range(args.epochs):
+            measured = list(source.epoch(epoch))
+            last = epoch == args.epochs - 1
+            events = plan_epoch(none_planner, epoch_order(measured, epoch, seed=args.seed,
+                                                          shuffle=args.shuffle), last=last)
+            none_report.samples_in += len(measured)
+            for ev in events:
+                none_report.observe(ev)
+            _batches(events, none_batches)
+            if planner is None:
                 try:
-                    visits = epoch_visits_for(
-                        store, job.job_id, organization.graph, epoch, seed=args.seed,
-                        coverage_epochs=org.coverage_epochs,
-                        visits_per_epoch=org.visits_per_epoch,
-                        repeat_gap=organization.repeat_gap)
+                    organization = organize(job, emb.table, measured, emb.path)
                 except ValueError as exc:
-                    raise UserError(str(exc)) from None
-                samples = visits.planner_samples({m.sample_id: m for m in measured})
-                lost += len(visits.visits) - len(samples)  # quarantined in this epoch only
-                report.samples_in += len(samples)
-                events = planner.feed_many(samples) + planner.end_epoch(last_epoch=last)
-                if out is not None:
-                    out.write(json.dumps(visits.to_dict(), separators=(",", ":")) + "\n")
-                for ev in events:
-                    report.observe(ev)
-                    if out is not None and isinstance(ev, Step):
-                        out.write(step_json(ev) + "\n")
-                    elif isinstance(ev, Quarantined) and len(quarantine_lines) < _QUARANTINE_SHOWN:
-                        quarantine_lines.append(quarantine_line(ev))
-                _batches(events, sdo_batches)
-    finally:
-        if out is not None:
-            out.close()
+                    raise UserError(f"--organization sdo: {exc}") from None
+                planner = StepPlanner(
+                    dataclasses.replace(policy, lookahead_tokens=organization.lookahead_tokens),
+                    args.world_size, args.mode, args.seed, args.pool_steps)
+            try:
+                visits = epoch_visits_for(
+                    store, job.job_id, organization.graph, epoch, seed=args.seed,
+                    coverage_epochs=org.coverage_epochs,
+                    visits_per_epoch=org.visits_per_epoch,
+                    repeat_gap=organization.repeat_gap)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            samples = visits.planner_samples({m.sample_id: m for m in measured})
+            lost += len(visits.visits) - len(samples)  # quarantined in this epoch only
+            out.report.samples_in += len(samples)
+            events = plan_epoch(planner, samples, last=last)
+            out.write_line(json.dumps(visits.to_dict(), separators=(",", ":")))
+            out.observe(events)
+            _batches(events, sdo_batches)
     elapsed = time.perf_counter() - t0
+    report = out.report
 
     table = emb.table
     graph = organization.graph
@@ -165,7 +145,7 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
         f"exposure           min {ex['min']}  p50 {ex['p50']}  max {ex['max']} visits over "
         f"{ex['epochs']} epoch(s); longest unseen run {ex['max_epochs_unseen']} epoch(s)",
     ])
-    return print_result(args, source, report, policy, quarantine_lines, elapsed, extra, text)
+    return out.print_result(args, source, policy, elapsed, extra, text)
 
 
 def _round(x: float | None) -> float | None:

@@ -8,7 +8,9 @@ No I/O, no Ray, gRPC or Redis. Import from the modules (this package imports not
 - `cost_model`    CostModel: token cost (what the budget caps) and compute cost (what is balanced)
 - `batch_former`  BatchFormer: bounded online window -> batches under the caps
 - `rank_balancer` group_by_cost / rank_order: batches -> balanced steps
-- `step_planner`  StepPlanner (feed / end_epoch / snapshot / restore), PlannerState, plan_epochs
+- `step_planner`  StepPlanner (feed / end_epoch / snapshot / restore), PlannerState
+- `epochs`        a job's epochs through one planner: epoch_order, plan_epoch, plan_epochs
+- `oracle`        gmt_batches: the offline bound a plan is measured against
 - `plan_report`   PlanReport: statistics of a plan (CLI `plan`, benchmark)
 - `lengths_file`  read_lengths / parse_lengths for the `plan` CLI
 """

@@ -16,9 +16,12 @@ budgets of samples and the plan reaches full size after a handful of steps. The 
 function of the steps already emitted in the epoch, so restores see the same sizes.
 
 End of epoch:
-- join: the window is flushed; if the batches left do not divide by W, the biggest are split in
-  two until they do (a subset of a valid batch is valid), so every rank normally ends on the same
-  step. Only when fewer samples than ranks remain does the last step leave ranks out (absent);
+- the pool's newest batches (a window's worth; over-budget ones excepted) go back into the
+  window and all of it is cut longest first (`BatchFormer.flush`: the GMT oracle's cut of what
+  is held, the fewest batches).
+- join: if the batches left do not divide by W, the biggest are split in two until they do (a
+  subset of a valid batch is valid), so every rank normally ends on the same step. Only when
+  fewer samples than ranks remain does the last step leave ranks out (absent);
   `EpochEnd.final_step` tells each rank its last step. At most one step after input end is
   partial: bounded termination.
 - quota: only full steps of W batches are emitted. The remainder is split the same way to fill
@@ -40,7 +43,7 @@ the restart (`PlannerState.to_dict`/`from_dict` give a JSON form).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pipeline.planner.batch_former import BatchFormer
@@ -224,7 +227,7 @@ class StepPlanner:
         """
         events: list[PlanEvent] = []
         self._start_epoch(events)
-        for b in self._former.flush():
+        for b in self._former.flush(self._give_back()):
             self._pool.append(PendingBatch(tuple(b)))
         left = self._release(events, final=True)
         if left and last_epoch:
@@ -406,6 +409,29 @@ class StepPlanner:
             self.quarantined += 1
             events.append(Quarantined(s, QuarantineReason.OVER_BUDGET, why))
 
+    def _give_back(self) -> list[MeasuredSample]:
+        """The samples of the pool's newest plain batches, at most one window's bounds of them
+        (`lookahead_tokens`, `max_window_samples`): the end of the epoch cuts them again with
+        the window, longest first. So it regroups at most two windows (an SDO job keeps its
+        window small for local batches: they stay local); over-budget batches stay as they
+        are."""
+        room_tokens = self.policy.lookahead_tokens
+        room_samples = self.policy.max_window_samples
+        back: list[PendingBatch] = []
+        for pb in reversed(self._pool):
+            if pb.over_budget:
+                continue
+            room_tokens -= sum(s.num_tokens for s in pb.samples)
+            room_samples -= len(pb.samples)
+            if room_tokens < 0 or room_samples < 0:
+                break
+            back.append(pb)
+        if not back:
+            return []
+        taken = {id(pb) for pb in back}
+        self._pool = [pb for pb in self._pool if id(pb) not in taken]
+        return [s for pb in reversed(back) for s in pb.samples]
+
     def _ramp(self) -> None:
         """Window and pool sizes for the steps already emitted in this epoch."""
         if not self.policy.ramp_up:
@@ -517,17 +543,3 @@ def _split_to_fill(pool: list[PendingBatch], need: int) -> list[PendingBatch]:
         need -= 1
     return pool
 
-
-def plan_epochs(
-    epochs: Sequence[Iterable[MeasuredSample]],
-    policy: BatchingPolicy,
-    world_size: int,
-    mode: DgapMode | str = DgapMode.JOIN,
-    seed: int = 0,
-) -> Iterator[PlanEvent]:
-    """Convenience: plan a whole job (each epoch an iterable of samples), yielding every event."""
-    planner = StepPlanner(policy, world_size, mode, seed)
-    for e, samples in enumerate(epochs):
-        for s in samples:
-            yield from planner.feed(s)
-        yield from planner.end_epoch(last_epoch=e == len(epochs) - 1)

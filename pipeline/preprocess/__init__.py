@@ -13,7 +13,6 @@ light):
 - labels.py        assistant-only label masks from the turns' real places
 - truncation.py    the vision-safe cut of a sample to the sample limit
 - array_source.py  samples already in memory (tests, benchmarks)
-- cli_job.py       the job the one-shot commands (`inspect`, `plan --data`) preprocess with
 - process.py       `Processor`: one chunk of raw rows -> ProcessedSample | QuarantinedRecord
 - rows.py          samples <-> Arrow rows (the Ray block schema)
 - pipeline.py      Ray wiring: `build_dataset`, `iter_samples`, `SampleStore`, `PreprocessStats`

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from pipeline.config import JobConfig
 from pipeline.preprocess.process import Processor, split_sample_id
-from pipeline.preprocess.rows import SCHEMA, from_row, to_table
+from pipeline.preprocess.rows import SCHEMA, from_table, to_table
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
 from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk, read_row
 
@@ -174,13 +174,14 @@ def iter_samples(job: JobConfig, epoch: int, *, start_row: int = 0,
 
     Exactly one item per source row, so a consumer that has taken k items restarts with
     `start_row=k`. Streams through Ray Data with bounded memory; Ray must be initialized.
+    A sample's arrays view its block in Ray's object store (rows.py: no copy out of it), so a
+    consumer that keeps samples keeps their blocks.
     """
     ds = build_dataset(job, epoch, start_row=start_row, limit=limit, chunk_rows=chunk_rows,
                        concurrency=concurrency, compute=compute,
                        object_store_limit=object_store_limit)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
-        for row in batch.to_pylist():
-            item = from_row(row)
+        for item in from_table(batch):
             if stats is not None:
                 stats.add(item)
             yield item

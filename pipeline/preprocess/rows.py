@@ -1,9 +1,17 @@
 """ProcessedSample / QuarantinedRecord <-> one Arrow table row (the Ray Data block format).
 
 One fixed schema for every block, so blocks with and without images, or made only of
-quarantined rows, always concatenate. Arrays travel as raw little-endian bytes (binary columns,
-zero-copy on the way back): ragged numpy columns would otherwise become Ray tensor or pickled
-extension types whose exact type depends on what happens to be in a block.
+quarantined rows, always concatenate. Arrays travel as raw little-endian bytes (binary columns):
+ragged numpy columns would otherwise become Ray tensor or pickled extension types whose exact
+type depends on what happens to be in a block.
+
+Copies: a Ray block crosses processes once, when Ray serializes it into the object store. So
+building a block copies only small payloads (ids, labels: concatenated, cheaper than a chunk
+each); a large one (an image's patches) becomes a chunk of its own over the sample's own memory.
+Reading one back (`from_table`) makes numpy views of the block's buffers, no copy: for an
+object read from Ray's object store, they view its shared memory (a sample holds its block).
+Copying ~6 MB of patches per 1024 x 1024 image twice more, into one block buffer and out into
+Python bytes, cost Ray's workers and driver more CPU than the resize (bench/image_bench.py).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ MEASURE_COLUMNS = ["sample_id", "source", "row", "num_tokens", "num_visual_token
 
 
 _EMPTY = np.empty(0, np.uint8)
+_EMPTY.flags.writeable = False
 
 
 def _le_bytes(arr: np.ndarray | None, dtype: str | np.dtype) -> np.ndarray:
@@ -53,31 +62,52 @@ def _le_bytes(arr: np.ndarray | None, dtype: str | np.dtype) -> np.ndarray:
 
 
 _MAX_CHUNK_BYTES = 2**31 - 1  # a binary array's int32 offsets
+# A payload at least this big is a chunk of its own, over its own memory (no copy); smaller
+# ones are concatenated into shared chunks.
+_OWN_CHUNK_BYTES = 1 << 20
 
 
 def _binary_chunk(parts: list[np.ndarray]) -> pa.Array:
     offsets = np.zeros(len(parts) + 1, dtype=np.int32)
     np.cumsum([p.nbytes for p in parts], out=offsets[1:])  # < 2 GiB: see _binary_column
-    data = np.concatenate(parts) if parts else _EMPTY
+    data = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _EMPTY
     return pa.Array.from_buffers(pa.binary(), len(parts),
                                  [None, pa.py_buffer(offsets), pa.py_buffer(data)])
 
 
 def _binary_column(parts: list[np.ndarray]) -> pa.ChunkedArray:
-    """One Arrow binary column from byte views with a single copy (`from_pydict` on `bytes`
-    copied every payload twice: `tobytes`, then into Arrow). Cut into chunks of < 2 GiB each."""
+    """One Arrow binary column from byte views: small ones copied together into chunks of
+    < 2 GiB, each large one a chunk over its own memory (`from_pydict` on `bytes` copied every
+    payload twice: `tobytes`, then into Arrow)."""
     chunks, group, size = [], [], 0
     for part in parts:
         if part.nbytes > _MAX_CHUNK_BYTES:
             raise ValueError(f"one payload of {part.nbytes} bytes exceeds Arrow's 2 GiB binary "
                              "value limit")
-        if size + part.nbytes > _MAX_CHUNK_BYTES:
+        if size + part.nbytes > _MAX_CHUNK_BYTES or (group and part.nbytes >= _OWN_CHUNK_BYTES):
             chunks.append(_binary_chunk(group))
             group, size = [], 0
+        if part.nbytes >= _OWN_CHUNK_BYTES:
+            chunks.append(_binary_chunk([part]))
+            continue
         group.append(part)
         size += part.nbytes
-    chunks.append(_binary_chunk(group))
+    if group or not chunks:
+        chunks.append(_binary_chunk(group))
     return pa.chunked_array(chunks, type=pa.binary())
+
+
+def _binary_views(column: pa.ChunkedArray) -> list[np.ndarray]:
+    """Each value of a binary column as a read-only uint8 view of its buffer (no copy)."""
+    out: list[np.ndarray] = []
+    for chunk in column.chunks:
+        _, offsets_buf, data_buf = chunk.buffers()
+        offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=len(chunk) + 1,
+                                offset=4 * chunk.offset).tolist()
+        data = _EMPTY if data_buf is None else np.frombuffer(data_buf, dtype=np.uint8)
+        data.flags.writeable = False  # a block built in this process shares its samples' memory
+        out.extend(data[offsets[i] : offsets[i + 1]] for i in range(len(chunk)))
+    return out
 
 
 def to_table(items: Sequence[Item]) -> pa.Table:
@@ -114,14 +144,14 @@ def to_table(items: Sequence[Item]) -> pa.Table:
 
 
 def from_row(row: dict[str, Any]) -> Item:
-    """Arrays are read-only views over the row's bytes (already a copy out of Arrow): no
-    second copy. The wire is little-endian, so views are in native order."""
+    """A row's item; its binary fields may be `bytes` or uint8 arrays. Arrays are read-only
+    views over them (no copy). The wire is little-endian, so views are in native order."""
     if row["quarantine_reason"]:
         return QuarantinedRecord(row["source"], int(row["row"]),
                                  QuarantineReason(row["quarantine_reason"]),
                                  row["quarantine_detail"] or "")
     pv = grid = None
-    if row["image_grid_thw"]:
+    if len(row["image_grid_thw"]):
         grid = np.frombuffer(row["image_grid_thw"], dtype="<i8").reshape(-1, 3)
         pv = np.frombuffer(row["pixel_values"], dtype=np.dtype(row["pixel_dtype"]))
         pv = pv.reshape(-1, int(row["pixel_dim"]))
@@ -135,4 +165,10 @@ def from_row(row: dict[str, Any]) -> Item:
 
 
 def from_table(table: pa.Table) -> list[Item]:
-    return [from_row(r) for r in table.to_pylist()]
+    """Every row's item; arrays are views of the table's buffers (see the module docstring)."""
+    binary = [f.name for f in SCHEMA if pa.types.is_binary(f.type)]
+    cols: dict[str, list[Any]] = table.select(
+        [f.name for f in SCHEMA if f.name not in binary]).to_pydict()
+    cols.update((name, _binary_views(table.column(name))) for name in binary)
+    return [from_row({name: values[i] for name, values in cols.items()})
+            for i in range(table.num_rows)]

@@ -55,14 +55,15 @@ def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int,
     return h_bar, w_bar
 
 
-def _patches(chw: np.ndarray) -> np.ndarray:
-    """[C, H, W] -> [grid_h * grid_w, C * T * P * P] in Qwen2-VL's order (merge windows
-    contiguous, each frame repeated T times)."""
+def _patchify_into(chw: np.ndarray, out: np.ndarray) -> None:
+    """[C, H, W] -> `out` [grid_h * grid_w, C * T * P * P] in Qwen2-VL's order (merge windows
+    contiguous, each frame repeated T times): one copy, straight into the sample's buffer."""
     c, h, w = chw.shape
     gh, gw, m, p = h // PATCH_SIZE, w // PATCH_SIZE, MERGE_SIZE, PATCH_SIZE
     x = chw.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], TEMPORAL_PATCH_SIZE, p, p))
-    return x.reshape(gh * gw, c * TEMPORAL_PATCH_SIZE * p * p)
+    dst = out.view()
+    dst.shape = (gh // m, gw // m, m, m, c, TEMPORAL_PATCH_SIZE, p, p)  # raises, never copies
+    dst[...] = x[:, :, :, :, :, None]  # the same frame T times
 
 
 def _normalized(chw: np.ndarray) -> np.ndarray:
@@ -93,7 +94,7 @@ def decode_image(ref: ImageRef, source_path: str):
     try:
         with Image.open(io.BytesIO(data)) as im:
             im.load()  # forces full decode: truncated data raises OSError here
-            return im.convert("RGB")
+            return im if im.mode == "RGB" else im.convert("RGB")  # convert copies, even to RGB
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
             Image.DecompressionBombError) as exc:
         raise RecordError(R.BAD_IMAGE, f"{where}: {exc}") from None
@@ -110,10 +111,14 @@ class VisionProcessor:
         return (np.prod(grid_thw, axis=1) // (self.merge_size**2)).astype(np.int64)
 
     def process(self, images: Sequence, scales: Sequence[float] = ()):
-        """-> (pixel_values [patches, C*T*P*P] in `pixel_dtype`, image_grid_thw int64 [n, 3])."""
+        """-> (pixel_values [patches, C*T*P*P] in `pixel_dtype`, image_grid_thw int64 [n, 3]).
+
+        Each image is resized, converted to the stored values (raw, normalized, bfloat16 bits:
+        elementwise, so before the patches repeat it over the T frames) and patchified straight
+        into its rows of the one output array."""
         from PIL import Image
 
-        patches, grids = [], []
+        values, grids = [], []
         for i, im in enumerate(images):
             s = scales[i] if i < len(scales) else 1.0
             if s != 1.0:
@@ -127,11 +132,22 @@ class VisionProcessor:
             except ValueError as exc:  # e.g. extreme aspect ratios
                 raise RecordError(R.BAD_IMAGE, f"image processor refused the image: {exc}"
                                   ) from None
-            rgb = np.asarray(im.convert("RGB").resize((w, h), Image.Resampling.BICUBIC),
+            if im.mode != "RGB":
+                im = im.convert("RGB")
+            rgb = np.asarray(im.resize((w, h), Image.Resampling.BICUBIC),
                              dtype=np.uint8).transpose(2, 0, 1)
-            patches.append(_patches(rgb if self.pixel_dtype == "uint8" else _normalized(rgb)))
+            if self.pixel_dtype == "uint8":
+                values.append(rgb)
+            elif self.pixel_dtype == "bfloat16":
+                values.append(bfloat16_bits(_normalized(rgb)))
+            else:
+                values.append(_normalized(rgb))
             grids.append((1, h // PATCH_SIZE, w // PATCH_SIZE))
-        pv = np.concatenate(patches)
-        if self.pixel_dtype == "bfloat16":
-            pv = bfloat16_bits(pv)
-        return np.ascontiguousarray(pv), np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+        rows = [g[1] * g[2] for g in grids]
+        dim = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE
+        pv = np.empty((sum(rows), dim), dtype=values[0].dtype)
+        start = 0
+        for v, n in zip(values, rows, strict=True):
+            _patchify_into(v, pv[start : start + n])
+            start += n
+        return pv, np.asarray(grids, dtype=np.int64).reshape(-1, 3)

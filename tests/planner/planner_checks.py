@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from pipeline.planner.epochs import plan_epochs
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import DgapMode, EpochEnd, MeasuredSample, Quarantined, Step
@@ -19,12 +20,7 @@ def run_epochs(
 ) -> list:
     """Plan the epochs as one job; `close`: the last one is the job's last (closing step)."""
     planner = StepPlanner(policy, world_size, mode, seed)
-    events: list = []
-    for e, samples in enumerate(epochs):
-        for s in samples:
-            events.extend(planner.feed(s))
-        events.extend(planner.end_epoch(last_epoch=close and e == len(epochs) - 1))
-    return events
+    return [ev for events in plan_epochs(planner, epochs, close=close) for ev in events]
 
 
 def check_plan(

@@ -9,7 +9,7 @@ from planner_checks import check_plan, run_epochs
 from pipeline.planner.batch_former import BatchFormer
 from pipeline.planner.plan_report import PlanReport
 from pipeline.planner.policy import BatchingPolicy
-from pipeline.planner.step_planner import StepPlanner, plan_epochs
+from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import (
     Collate,
     DgapMode,
@@ -211,7 +211,7 @@ def test_padding_efficiency_close_to_oracle_on_lognormal():
     lengths = np.clip(rng.lognormal(np.log(700), 0.5, 6000).round(), 16, 8192).astype(int)
     policy = BatchingPolicy(16384)
     rep = PlanReport(policy, 8)
-    for e in plan_epochs([samples(lengths.tolist())], policy, 8):
+    for e in run_epochs([samples(lengths.tolist())], policy, 8):
         rep.observe(e)
     d = rep.to_dict()
     assert d["budget_violations"] == 0 and d["emitted_samples"] == 6000

@@ -59,3 +59,28 @@ def test_binary_columns_split_below_the_int32_offset_limit(monkeypatch) -> None:
     big = _sample(0, pixels=np.zeros((1, 65), np.uint8))
     with pytest.raises(ValueError, match="2 GiB"):
         to_table([big])
+
+
+def test_a_large_payload_is_not_copied_into_the_block_nor_out_of_it() -> None:
+    # ~6 MB of patches per 1024 x 1024 image: Ray's serialization into the object store is the
+    # one copy a block needs; building it and reading it back make none.
+    pixels = np.arange(1176 * 1024, dtype=np.uint32).astype(np.uint8).reshape(-1, 1176)
+    items = [_sample(0), _sample(1, pixels=pixels), _sample(2)]
+    table = to_table(items)
+    column = table.column("pixel_values")
+    own = [c for c in column.chunks if c.buffers()[2] is not None
+           and c.buffers()[2].address == pixels.__array_interface__["data"][0]]
+    assert len(own) == 1 and len(own[0]) == 1, "the patches are a chunk over their own memory"
+    assert table.column("input_ids").num_chunks == 1, "small payloads share one chunk"
+    back = from_table(table)
+    assert np.shares_memory(back[1].pixel_values, pixels), "read back as a view, not a copy"
+    assert not back[1].pixel_values.flags.writeable
+    assert [s.digest() for s in back] == [s.digest() for s in items]
+
+
+def test_a_sliced_block_reads_back_its_own_rows() -> None:
+    # Ray hands out zero-copy slices (offset > 0) of blocks; views must honour the offset.
+    items = [_sample(i, pixels=np.full((3, 4), i, np.uint8) if i % 2 else None)
+             for i in range(6)]
+    table = to_table(items).slice(2, 3)
+    assert [s.digest() for s in from_table(table)] == [s.digest() for s in items[2:5]]
