@@ -43,17 +43,22 @@ def test_grpc_speaks_tls_with_the_certificate_of_a_secret(name, tmp_path):
         assert PurePosixPath(path).name == key  # the projected file is the key of that name
 
 
-def test_the_trainer_trusts_the_service_ca_and_never_sees_its_key():
+def test_the_trainer_trusts_the_service_ca_and_never_sees_its_key(tmp_path, monkeypatch):
     objs = overlay("dev")
     job = next(p for p in pods(objs) if p.owner.endswith("/odb-trainer-example"))
     c = container(job, "trainer")
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert secret_file(job, c, env["PIPELINE_TLS_CA"]) == (TLS_SECRET, ["ca.crt"])
     # The example trainers read that variable into BatchStream's root_certificates.
-    setup = (REPO / "deploy" / "trainer" / "example_setup.py").read_text()
-    assert '"PIPELINE_TLS_CA"' in setup and "root_certificates" in setup
+    monkeypatch.syspath_prepend(str(REPO / "deploy" / "trainer"))
+    import example_setup
+
+    ca = tmp_path / "ca.crt"
+    ca.write_bytes(b"the CA")
+    monkeypatch.setenv("PIPELINE_TLS_CA", str(ca))
+    assert example_setup.stream_credentials()["root_certificates"] == b"the CA"
     for script in ("train_example.py", "elastic_example.py"):
-        assert "stream_credentials()" in (REPO / "deploy" / "trainer" / script).read_text()
+        assert "open_stream(" in (REPO / "deploy" / "trainer" / script).read_text()
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
