@@ -38,7 +38,7 @@ from replica_procs import Replica, StartLine, array_job, consume_threads  # noqa
 
 from pipeline.coordinator import RedisJobState  # noqa: E402
 from pipeline.jobstate import PlannerCheckpoint, Publication  # noqa: E402
-from pipeline.planner.types import Batch, MeasuredSample, Step, StepInfo  # noqa: E402
+from pipeline.planner.types import Batch, MeasuredSample, Step, StepInfo, WorldStamp  # noqa: E402
 from pipeline.redis_client import connect  # noqa: E402
 from pipeline.redis_server import LocalRedis  # noqa: E402
 
@@ -61,7 +61,8 @@ def make_step(n: int, world_size: int) -> Step:
         _TEMPLATES[world_size] = tuple(batches)
     batches = _TEMPLATES[world_size]
     return Step(0, n, batches, StepInfo(world_size * SAMPLES_PER_BATCH,
-                                        sum(b.num_tokens for b in batches)))
+                                        sum(b.num_tokens for b in batches)),
+                WorldStamp(0, world_size))
 
 
 def _publish(st: RedisJobState, gen: int, first: int, last: int, world_size: int) -> None:

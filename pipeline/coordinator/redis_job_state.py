@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -53,6 +54,8 @@ from pipeline.jobstate.worlds import (
     ScaleResult,
     World,
     WorldTimings,
+    stamp_of_end,
+    stamp_of_step,
 )
 from pipeline.planner.types import EpochEnd, Step, StepInfo
 
@@ -243,6 +246,7 @@ class RedisJobState(JobState):
 
     # ------------------------------------------------------------ the plan
     def publish(self, publication: Publication, *, fence: int) -> int:
+        publication.check_stamps()
         cp = publication.checkpoint
         args: list[Any] = [self.keys.base, fence, cp.epoch, cp.samples_consumed, cp.next_step,
                            step_codec.encode_checkpoint(cp), "1" if publication.done else "0",
@@ -357,7 +361,8 @@ class RedisJobState(JobState):
         if not raw:
             return None
         header = raw.pop(b"h")
-        return step_codec.decode_step(header, {int(r): v for r, v in raw.items()})
+        return self._stamped([step_codec.decode_step(header, {int(r): v
+                                                              for r, v in raw.items()})])[0]
 
     def get_step_for(self, step: int, ranks: Sequence[int]) -> Step | None:
         return self.get_steps_for([(step, ranks)])[0]
@@ -368,7 +373,8 @@ class RedisJobState(JobState):
             for step, ranks in wanted:
                 pipe.hmget(self.keys.step(step), ["h", *ranks])
             raws = pipe.execute()
-        return [self._step_part(raw, ranks) for raw, (_, ranks) in zip(raws, wanted, strict=True)]
+        return self._stamped([self._step_part(raw, ranks)
+                              for raw, (_, ranks) in zip(raws, wanted, strict=True)])
 
     @staticmethod
     def _step_part(raw: list[bytes | None], ranks: Sequence[int]) -> Step | None:
@@ -378,7 +384,16 @@ class RedisJobState(JobState):
         wanted = {r: blob for r, blob in zip(ranks, raw[1:], strict=True) if blob is not None}
         return Step(epoch=h["e"], step=h["n"], info=StepInfo(*h["i"]),
                     batches=tuple(step_codec.decode_batch(wanted[r], r)
-                                  for r in h["r"] if r in wanted))
+                                  for r in h["r"] if r in wanted),
+                    world=step_codec.header_world(h))
+
+    def _stamped(self, steps: list[Step | None]) -> list[Step | None]:
+        """Steps a build before stamping published get their world derived (one more read)."""
+        if all(s is None or s.world.stamped for s in steps):
+            return steps
+        worlds = self.worlds()
+        return [s if s is None or s.world.stamped
+                else replace(s, world=stamp_of_step(worlds, s.step)) for s in steps]
 
     def published_through(self) -> int:
         (v,) = self._meta("published_through")
@@ -393,8 +408,13 @@ class RedisJobState(JobState):
     def epoch_ends(self) -> list[EpochEnd]:
         with unavailable_as_error(self._where):
             raw = self.client.hgetall(self.keys.ends)
-        return sorted((step_codec.decode_epoch_end(v) for v in raw.values()),
+        ends = sorted((step_codec.decode_epoch_end(v) for v in raw.values()),
                       key=lambda e: e.epoch)
+        if all(e.world.stamped for e in ends):
+            return ends
+        worlds = self.worlds()  # ENDs a build before stamping published: derive their world
+        return [e if e.world.stamped else replace(e, world=stamp_of_end(worlds, e))
+                for e in ends]
 
     def is_done(self) -> bool:
         return self._meta("state")[0] == b"done"

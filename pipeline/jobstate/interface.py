@@ -109,7 +109,8 @@ class Publication:
     """One atomic change of the plan by the producer: new steps, END records, the checkpoint
     that produced them, what the input yielded since the previous publication, and whether
     planning is over. Applied all or nothing; a publication whose checkpoint position equals the
-    stored one is a retry and changes nothing (so counters never count twice)."""
+    stored one is a retry and changes nothing (so counters never count twice). Every step and
+    END carries the world it was planned for (`check_stamps`)."""
 
     checkpoint: PlannerCheckpoint
     steps: tuple[Step, ...] = ()
@@ -117,6 +118,16 @@ class Publication:
     samples_in: int = 0  # source rows that became samples since the previous publication
     quarantined: tuple[QuarantineEntry, ...] = ()
     done: bool = False
+
+    def check_stamps(self) -> None:
+        """ValueError unless every step and END is stamped with the checkpoint's world (the
+        planner stamps what it emits: `WorldStamp`)."""
+        for what, n, world in ([("step", s.step, s.world) for s in self.steps]
+                               + [("END of epoch", e.epoch, e.world) for e in self.ends]):
+            if not world.stamped or world.generation != self.checkpoint.world:
+                raise ValueError(f"{what} {n} is stamped for world {world.generation} of "
+                                 f"{world.size} ranks, the publication's checkpoint is for "
+                                 f"world {self.checkpoint.world}")
 
 
 @dataclass(frozen=True)
@@ -150,7 +161,8 @@ class JobState(ABC):
         (`CheckpointConflict`). The checkpoint's `world` must be the current world generation
         (else `WorldChanged`: a reconfiguration ended the world it planned for); the first
         publication for a new world adopts it (`scale` is refused until then). A batch for a
-        rank outside the current world, or two for one rank, is a ValueError. Returns the number
+        rank outside the current world, or two for one rank, or a step or END not stamped with
+        the checkpoint's world (`Publication.check_stamps`) is a ValueError. Returns the number
         of new steps. A publication clears the producer's transient failure."""
 
     @abstractmethod

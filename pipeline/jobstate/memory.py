@@ -106,6 +106,7 @@ class MemoryJobState(JobState):
                 raise WorldChanged(f"job {self.job_id!r}: publication planned for world "
                                    f"{cp.world}, the current world is {world.generation} "
                                    f"({world.world_size} ranks from step {world.first_step})")
+            publication.check_stamps()
             for step in publication.steps:
                 self._check_batches(step)
             old = self._checkpoint
@@ -184,7 +185,7 @@ class MemoryJobState(JobState):
         if s is None:
             return None
         want = set(ranks)
-        return Step(s.epoch, s.step, tuple(b for b in s.batches if b.rank in want), s.info)
+        return replace(s, batches=tuple(b for b in s.batches if b.rank in want))
 
     def published_through(self) -> int:
         with self._lock:

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pipeline.planner.types import EpochEnd, WorldStamp
+
 
 class ScaleReason(str, Enum):  # noqa: UP042 (str mixin: stored and shown as text)
     INITIAL = "initial"  # the world the job registered with
@@ -129,6 +131,29 @@ class WorldTimings:
         if len(self.first_batch_at) < world_size:
             return None
         return max(self.first_batch_at.values()) - self.requested_at
+
+
+def world_of_step(worlds: Sequence[World], step: int) -> World:
+    """The world that owns `step`: the last one starting at or before it (world g owns the
+    steps from its `first_step` on; the batches its boundary returned are still its steps)."""
+    return next((w for w in reversed(worlds) if w.first_step <= step), worlds[0])
+
+
+def stamp_of_step(worlds: Sequence[World], step: int) -> WorldStamp:
+    """The world stamp of a step published before stamping (exact: see `world_of_step`)."""
+    w = world_of_step(worlds, step)
+    return WorldStamp(w.generation, w.world_size)
+
+
+def stamp_of_end(worlds: Sequence[World], end: EpochEnd) -> WorldStamp:
+    """The world stamp of an END published before stamping: the world of its last step (exact:
+    a world's END names only steps of that world). An END without any step (every rank got
+    none) is given the latest world of its size, as builds before stamping assumed."""
+    if end.last_step >= 0:
+        return stamp_of_step(worlds, end.last_step)
+    n = len(end.final_step)
+    w = next((w for w in reversed(worlds) if w.world_size == n), worlds[-1])
+    return WorldStamp(w.generation, w.world_size)
 
 
 def choose_boundary(*, first_step: int, published_through: int, last_end_step: int,

@@ -35,8 +35,10 @@ from pipeline.service.auth import server_credentials
 from pipeline.service.data_server import DataServicer, add_servicer
 from pipeline.service.exposure import enforce_exposure
 from pipeline.service.job_runtime import JobRuntime
+from pipeline.service.liveness import policy_named
 from pipeline.service.loop_server import LoopServer
 from pipeline.service.payloads import ArrayPayloads, PayloadSource, RayPayloads
+from pipeline.service.rank_stream import RankStreams, StreamSettings
 from pipeline.service.refill_server import RefillJob, RefillServicer
 from pipeline.service.state_factory import make_job_state
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -155,15 +157,14 @@ def start_service(
     server = LoopServer(grpc_options(config.grpc.max_message_mb),
                         handler_threads=16 + 32 * len(refill_jobs),
                         io_threads=8)
-    servicer = DataServicer(runtimes, toks, replica_id=replica_id,
-                            lease_seconds=config.lease_seconds,
-                            prefetch_steps=config.grpc.prefetch_steps,
-                            resume_grace_s=(config.resume_grace_seconds
-                                            if resume_grace_s is None else resume_grace_s),
-                            rank_timeout_seconds=config.rank_timeout_seconds,
-                            rank_failure_policy=config.rank_failure_policy,
-                            refill=_refill_servicer(refill_jobs, toks, runtimes),
-                            executor=server.io)
+    settings = StreamSettings(
+        lease_seconds=config.lease_seconds, prefetch_steps=config.grpc.prefetch_steps,
+        resume_grace_s=(config.resume_grace_seconds if resume_grace_s is None
+                        else resume_grace_s))
+    streams = RankStreams(settings, policy_named(config.rank_failure_policy,
+                                                 config.rank_timeout_seconds), server.io)
+    servicer = DataServicer(runtimes, toks, streams=streams, replica_id=replica_id,
+                            refill=_refill_servicer(refill_jobs, toks, runtimes))
     add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -190,11 +190,11 @@ class JobIO:
         return [None] * len(timeouts)
 
     # --- payloads ---
-    async def build(self, step: Step, rank: int, world_size: int) -> bytes:
+    async def build(self, step: Step, rank: int) -> bytes:
         """The rank's batch as wire bytes; built on the loop unless its payloads need I/O."""
         if self.rt.payloads.blocking:
-            return await self.run(self.rt.build_message, step, rank, world_size)
-        return self.rt.build_message(step, rank, world_size)
+            return await self.run(self.rt.build_message, step, rank)
+        return self.rt.build_message(step, rank)
 
 
 def _resolve(fut: asyncio.Future) -> None:

@@ -20,9 +20,9 @@ from pipeline.errors import (
     StepGap,
 )
 from pipeline.jobstate import JobCounters, PlannerCheckpoint, QuarantineEntry
-from pipeline.planner.types import Batch, EpochEnd, Step, StepInfo
+from pipeline.planner.types import Batch, Step, StepInfo
 
-from .builders import make_step, publication, steps
+from .builders import make_end, make_step, publication, steps
 from .conftest import LAPSE, LONG, SHORT, Env
 
 
@@ -164,7 +164,7 @@ def test_checkpoint_rules(env):
 def _published(env: Env) -> int:
     gen = env.producer()
     env.state.publish(publication(steps(0, 1), rows=10, samples_in=10, quarantined=(Q_A,),
-                                  ends=(EpochEnd(0, (1, 1, 1, 1), 2),)), fence=gen)
+                                  ends=(make_end(0, (1, 1, 1, 1), 2),)), fence=gen)
     return gen
 
 
@@ -180,7 +180,7 @@ REFUSALS = {
         [make_step(2), make_step(1, salt="y"), make_step(3)], rows=20), StepConflict),
     "gap": (_published, lambda: publication([make_step(3)], rows=20), StepGap),
     "conflicting END": (_published, lambda: publication(
-        [make_step(2)], rows=20, ends=(EpochEnd(0, (1, 1, 1, 0), 2),)), StepConflict),
+        [make_step(2)], rows=20, ends=(make_end(0, (1, 1, 1, 0), 2),)), StepConflict),
     "position backwards": (_published, lambda: publication([make_step(2)], rows=5),
                            CheckpointConflict),
     "next_step backwards": (_published, lambda: publication(rows=20, next_step=1),
@@ -199,7 +199,7 @@ def test_a_refused_publication_writes_nothing(env, refusal):
     gen = setup(env)
     before = snapshot(env)
     pub = dataclasses.replace(make_pub(), samples_in=5, quarantined=(Q_B,),
-                              ends=make_pub().ends or (EpochEnd(1, (2, 2, 2, 2), 1),))
+                              ends=make_pub().ends or (make_end(1, (2, 2, 2, 2), 1),))
     with pytest.raises(error):
         env.state.publish(pub, fence=gen)
     assert snapshot(env) == before
@@ -237,7 +237,7 @@ def test_a_fenced_publication_writes_nothing(env, fence):
     before = snapshot(env)
     with pytest.raises(Fenced):
         env.state.publish(publication(steps(0, 1), rows=5, samples_in=5, quarantined=(Q_A,),
-                                      ends=(EpochEnd(0, (1, 1, 1, 1), 2),), done=True),
+                                      ends=(make_end(0, (1, 1, 1, 1), 2),), done=True),
                           fence=gen)
     assert snapshot(env) == before
 
@@ -279,18 +279,18 @@ def test_epoch_ends_are_write_once_and_listed_by_epoch(make_env):
     st, gen = env.state, env.producer()
     from pipeline.planner.types import MeasuredSample
 
-    end0 = EpochEnd(0, (1, 1, 1, 1), 2, (MeasuredSample("a:9", 40), MeasuredSample(17, 3, 2)))
-    end1 = EpochEnd(1, (2, 2, 2, 2), 1)
+    end0 = make_end(0, (1, 1, 1, 1), 2, (MeasuredSample("a:9", 40), MeasuredSample(17, 3, 2)))
+    end1 = make_end(1, (2, 2, 2, 2), 1)
     st.publish(publication(steps(0, 1), rows=10, ends=(end0,)), fence=gen)
     st.publish(publication(steps(2, 2, epoch=1), epoch=1, rows=10, ends=(end1, end0)),
                fence=gen)  # end0 again, identical: a no-op
     assert st.epoch_ends() == [end0, end1]
     with pytest.raises(StepConflict, match="0"):
         st.publish(publication(epoch=2, rows=0, next_step=3,
-                               ends=(EpochEnd(0, (1, 1, 1, None), 2),)), fence=gen)
+                               ends=(make_end(0, (1, 1, 1, None), 2),)), fence=gen)
     with pytest.raises(StepConflict):  # two different ENDs of one epoch in one publication
         st.publish(publication(epoch=2, rows=0, next_step=3,
-                               ends=(EpochEnd(2, (2, 2, 2, 2), 0), EpochEnd(2, (2, 2, 2, 1), 0))),
+                               ends=(make_end(2, (2, 2, 2, 2), 0), make_end(2, (2, 2, 2, 1), 0))),
                    fence=gen)
     assert st.epoch_ends() == [end0, end1]
 
