@@ -22,6 +22,7 @@ from pipeline.coordinator import keys, registry, scripts, step_codec
 from pipeline.coordinator.connection import open_client, unavailable_as_error
 from pipeline.errors import (
     AckAheadOfPlan,
+    AckNotDelivered,
     CheckpointConflict,
     DurabilityTimeout,
     DurabilityUnavailable,
@@ -43,6 +44,7 @@ from pipeline.jobstate.interface import (
     ProducerLease,
     Publication,
     QuarantineEntry,
+    RankAck,
     RankHealth,
     RankLease,
 )
@@ -193,6 +195,9 @@ class RedisJobState(JobState):
         if code == "ODB_AHEAD":
             return AckAheadOfPlan(f"job {job!r}: ack of step {rest[0]} but only steps "
                                   f"through {rest[1]} are published")
+        if code == "ODB_UNSENT":
+            return AckNotDelivered(f"job {job!r}: ack of step {rest[0]} by rank {rank}, which "
+                                   f"may have been sent steps through {rest[1]} only")
         if code == "ODB_NOJOB":
             return UnknownJob(f"job {job!r} is not registered in Redis (deleted?)")
         if code == "ODB_WORLD":
@@ -486,12 +491,10 @@ class RedisJobState(JobState):
         k = self.keys
         return [k.meta, k.acked, k.lease_exp, k.lease, k.lapsed, k.counters, k.claimed]
 
-    def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int,
-             soft: bool = False) -> list:
+    def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int) -> list:
         # The script checks the rank (current world for cursors, + draining ranks for leases).
         return self._run(scripts.ack, self._ack_keys(),
-                         [self.keys.base, rank, client_id, _ms(lease_seconds), step,
-                          "1" if soft else "0"], rank=rank)
+                         [self.keys.base, rank, client_id, _ms(lease_seconds), step], rank=rank)
 
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
         if not client_id:
@@ -499,37 +502,26 @@ class RedisJobState(JobState):
         exp, _ = self._ack(rank, client_id, lease_seconds, -1)
         return RankLease(rank, client_id, exp / 1000.0)
 
-    def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
-        if not client_id:
-            raise ValueError("client_id must be non-empty")
-        exp, _ = self._ack(rank, client_id, lease_seconds, -1, soft=True)
-        return int(exp) != -2
-
     def ack(self, rank: int, step: int) -> None:
         if step < 0:
             self._check_rank(rank, self.world_size)
             return
         self._ack(rank, "", 0, step)
 
-    def ack_many(self, acks: Sequence[tuple[int, int]]) -> list[Exception | None]:
+    def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
         out: list[Exception | None] = [None] * len(acks)
         todo = []
-        bound: int | None = None
-        for i, (rank, step) in enumerate(acks):
-            if step >= 0:
-                todo.append(i)  # the script checks the rank
+        args: list[Any] = [self.keys.base, _ms(lease_seconds)]
+        for i, a in enumerate(acks):
+            if not a.client_id:
+                out[i] = ValueError("client_id must be non-empty")
                 continue
-            if bound is None:
-                bound = self.world_size
-            if not 0 <= rank < bound:
-                out[i] = ValueError(f"job {self.job_id!r}: rank {rank} outside 0..{bound - 1}")
+            todo.append(i)  # the script checks the rank, the lease, the plan and the grant
+            args += [a.rank, a.client_id, a.step]
         if not todo:
             return out
-        args: list[Any] = [self.keys.base]
-        for i in todo:
-            args += acks[i]
         try:
-            replies = self._run(scripts.ack_many, [self.keys.meta, self.keys.acked], args)
+            replies = self._run(scripts.ack_many, [*self._ack_keys(), self.keys.grants], args)
         except UnknownJob as exc:  # the job is gone: every ack gets the error
             replies = [exc] * len(todo)
         for i, res in zip(todo, replies, strict=True):
@@ -537,7 +529,7 @@ class RedisJobState(JobState):
                 out[i] = res
             elif res:
                 msg = res.decode() if isinstance(res, bytes) else str(res)
-                out[i] = self._error_for(msg, acks[i][0]) or RuntimeError(msg)
+                out[i] = self._error_for(msg, acks[i].rank) or RuntimeError(msg)
         return out
 
     def release_rank(self, rank: int, client_id: str) -> None:

@@ -162,7 +162,10 @@ def choose_boundary(*, first_step: int, published_through: int, last_end_step: i
     """Each rank's last step in the world that ends (index = rank).
 
     - With a restored `position`: every rank's last step is `position - 1` (what the trainer's
-      checkpoint consumed), within the world's steps.
+      checkpoint consumed), within the world's steps, but never before the last step of an
+      epoch whose END is published: that epoch is closed (its END was delivered, the planner
+      moved on), so its steps after the position stay consumed rather than re-planned into the
+      next epoch (a position inside them is then refused: docs/elastic.md).
     - Otherwise a rank with a live lease may have been sent anything up to its grant, so all
       live ranks end at B = the highest grant among them; B is never before the last step of an
       epoch whose END is published (`last_end_step`), so returned batches are all of the
@@ -176,7 +179,7 @@ def choose_boundary(*, first_step: int, published_through: int, last_end_step: i
         return min(max(n, floor), published_through)
 
     if position is not None:
-        return tuple(clamp(position - 1) for _ in grants)
+        return tuple(clamp(max(position - 1, last_end_step)) for _ in grants)
     b = clamp(max([g for g, ok in zip(grants, live, strict=True) if ok]
                   + [last_end_step, floor]))
     return tuple(b if ok else clamp(a) for a, ok in zip(acked, live, strict=True))

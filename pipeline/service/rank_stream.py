@@ -17,16 +17,25 @@ only payloads of the ranks it serves.
 `ProducerFailed`, `ReplicaUnavailable`, `StateUnavailable`, ...); the gRPC adapter
 (`data_server.py`) gives each its status code.
 
-Leases (Guarantee 4). A stream's lease is renewed while it is connected. A rank that got its
-final END releases it, as does a stream the server ends; a client whose stream goes away before
-that (killed, network gone, or closed early: the server cannot tell them apart, and each leaves
-its peers waiting) does not: its lease lapses after `lease_seconds`, and the job's
+Leases (Guarantees 4, 8). A rank's lease is renewed only on evidence from its client: its
+Open, its Acks and its Heartbeats (which a client sends from its gRPC request thread while it
+has nothing else to say, so a trainer busy in a long step keeps its lease and a frozen one does
+not); a stream that is merely connected renews nothing. Each renewal is checked: a stream whose
+rank another client took ends (`RankHeld`). A rank that got its final END releases its lease,
+as does a stream the server ends; a client whose stream goes away before that (killed, network
+gone, or closed early: the server cannot tell them apart, and each leaves its peers waiting)
+does not: its lease lapses `lease_seconds` after its last sign of life, and the job's
 `rank_failure_policy` (`liveness.py`) decides what the other ranks' streams do. A restarted
 client of a rank whose previous stream vanished from *this* replica takes the rank over at once
 instead of waiting out the lease; a client that fails over to another replica keeps its client
 id, so it re-claims at once.
 
-Acks: an ack past the published plan is a client bug (`AckAheadOfPlan`).
+Acks: a client acknowledges only steps it was sent (`AckNotDelivered` otherwise: the state's
+cursor never skips a step the rank did not get), with at most `MAX_CREDITS` credits at a time.
+
+Bounds (Guarantee 8): every call to the job's state and to the payloads is bounded
+(`stream_io.JobIO`); a replica that cannot reach them ends the stream `ReplicaUnavailable` and
+never sends a batch beyond the rank's delivery grant recorded in the state.
 
 Worlds (docs/elastic.md). A stream belongs to one world (`world_open` decides which from the
 Open). Before it sends a batch beyond its rank's delivery grant it raises the grant
@@ -51,6 +60,8 @@ from dataclasses import dataclass, field
 
 from pipeline.errors import (
     AckAheadOfPlan,
+    AckNotDelivered,
+    BadRequest,
     OdbError,
     PositionUnavailable,
     ProducerFailed,
@@ -61,7 +72,7 @@ from pipeline.errors import (
     ReplicaUnavailable,
     StateUnavailable,
 )
-from pipeline.jobstate.interface import ProducerFailure
+from pipeline.jobstate.interface import ProducerFailure, RankAck
 from pipeline.planner.types import EpochEnd
 from pipeline.producer.failures import Cause
 from pipeline.service.job_runtime import JobRuntime
@@ -76,7 +87,7 @@ from pipeline.service.rank_cursor import (
     Send,
 )
 from pipeline.service.stream_io import JobIO
-from pipeline.service.world_open import StreamStart, resolve
+from pipeline.service.world_open import MAX_CREDITS, StreamStart, resolve
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -89,9 +100,11 @@ Write = Callable[[pb.ServerMessage | bytes], Awaitable[None]]
 class StreamSettings:
     """A replica's settings for its rank streams (`ServiceConfig`)."""
 
-    lease_seconds: float = 10.0
+    lease_seconds: float = 10.0  # a lease lasts this long after the client's sign of life
     prefetch_steps: int = 4  # the most credits a client gets (its Open may ask for fewer)
     resume_grace_s: float = 2.0  # a resume position past the plan waits this long for it
+    state_timeout_seconds: float = 5.0  # the longest wait for the job's state: UNAVAILABLE
+    payload_timeout_seconds: float = 10.0  # the longest wait for a batch's payloads
 
 
 @dataclass
@@ -104,7 +117,6 @@ class StreamSession:
     cursor: RankCursor
     cancelled: bool = False
     client_closed: bool = False  # the client half-closed its side (after its final ack)
-    last_heartbeat: float = 0.0
     error: OdbError | None = None  # set by the ack reader: the stream ends with it
     leased: bool = True  # holds the rank's lease (a drained rank of an ended world does not)
     granted: int = -1  # the highest step the rank may be sent (its delivery grant)
@@ -161,8 +173,11 @@ class RankStreams:
     def job_io(self, rt: JobRuntime) -> JobIO:
         jio = self._ios.get(rt.job.job_id)
         if jio is None:  # created on the loop, on first use
-            jio = self._ios[rt.job.job_id] = JobIO(rt, self.executor,
-                                                    asyncio.get_running_loop())
+            st = self.settings
+            jio = self._ios[rt.job.job_id] = JobIO(
+                rt, self.executor, asyncio.get_running_loop(), lease_seconds=st.lease_seconds,
+                state_timeout=st.state_timeout_seconds,
+                payload_timeout=st.payload_timeout_seconds)
         return jio
 
     def claim(self, rt: JobRuntime, rank: int, client_id: str) -> None:
@@ -191,8 +206,9 @@ class RankStreams:
         """Serve the rank of `op` until its END (or its world's END(reconfigure)), the client
         closes or goes away (cancellation), or the stream must end (a domain error)."""
         jio = self.job_io(rt)
-        start = await jio.run(functools.partial(resolve, resume_grace_s=self.settings
-                                                .resume_grace_s), op, rt)
+        grace = self.settings.resume_grace_s  # (a position past the plan waits this long)
+        start = await jio.run(functools.partial(resolve, resume_grace_s=grace), op, rt,
+                              waits_s=grace)
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
             await jio.run(self.claim, rt, op.rank, client_id)
         stream = RankStream(self, jio, op, client_id, start)
@@ -214,8 +230,7 @@ class RankStream:
         cursor = RankCursor(op.rank, self.rt.job.epochs, pos=start.pos, epoch=start.epoch,
                             last_sent=start.pos - 1, world=start.world, limit=start.limit,
                             next_world_size=start.next_world_size)
-        self.s = StreamSession(op.rank, client_id, credits, cursor,
-                               last_heartbeat=time.monotonic(), leased=start.has_work,
+        self.s = StreamSession(op.rank, client_id, credits, cursor, leased=start.has_work,
                                granted=start.pos - 1, window=credits)
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, start.pos, start.epoch, start.world,
@@ -285,20 +300,16 @@ class RankStream:
         s = self.s
         try:
             async for msg in requests:
-                if msg.WhichOneof("kind") != "ack":
-                    continue
-                # Credits first: the sender may go on while the ack is recorded.
-                s.credits += max(0, msg.ack.credits)
-                s.poke()
-                step = msg.ack.consumed_step
-                if step >= 0:  # -1: nothing consumed yet
-                    problem = await self._record_ack(step)
-                    if problem is not None:
-                        s.fail(problem)
-                        return
-                    target = s.cursor.end_ack_due(step)
-                    if target is not None:
-                        await self._ack(target)
+                kind = msg.WhichOneof("kind")
+                if kind == "ack":
+                    problem = await self._on_ack(msg.ack)
+                elif kind == "heartbeat":
+                    problem = await self._renew(-1)
+                else:
+                    problem = BadRequest(f"expected Ack or Heartbeat after the Open, got {kind}")
+                if problem is not None:
+                    s.fail(problem)
+                    return
             s.client_closed = True
             s.poke()
         except asyncio.CancelledError:
@@ -307,55 +318,68 @@ class RankStream:
             pass  # the call broke: the sender sees its cancellation
         except Exception as exc:  # e.g. StateUnavailable: end the stream, the client resumes
             log.warning("job %s rank %d: ack reader failed: %s: %s", self.job_id, s.rank,
-                        type(exc).__name__, exc, exc_info=not isinstance(exc, StateUnavailable),
+                        type(exc).__name__, exc, exc_info=not isinstance(exc, OdbError),
                         extra=self._log_extra())
-            s.fail(ReplicaUnavailable(f"job {self.job_id!r}: recording acks failed "
-                                      f"({type(exc).__name__}: {exc}); reconnect and resume"))
+            s.fail(exc if isinstance(exc, ReplicaUnavailable | StateUnavailable)
+                   else ReplicaUnavailable(f"job {self.job_id!r}: recording acks failed "
+                                           f"({type(exc).__name__}: {exc}); reconnect"))
 
-    async def _ack(self, step: int) -> None:
-        """`jio.ack` for the rank of a current world's stream. Cursors are the current world's:
-        the acks of a rank whose world ended do not move them (nor fail the stream when the
-        rank is beyond the new world)."""
+    async def _on_ack(self, ack: pb.Ack) -> OdbError | None:
+        """Take the ack's credits, record its step (a sign of life either way); the error that
+        ends the stream, if any."""
+        s, step = self.s, ack.consumed_step
+        if not 0 <= ack.credits <= MAX_CREDITS:
+            return BadRequest(f"Ack credits must be in [0, {MAX_CREDITS}], got {ack.credits}")
+        if step > s.cursor.last_sent:
+            return AckNotDelivered(f"ack of step {step} by rank {s.rank} of job "
+                                   f"{self.job_id!r}, which was sent steps through "
+                                   f"{s.cursor.last_sent} only: a step can only be acked after "
+                                   "it was delivered")
+        # Credits first: the sender may go on while the ack is recorded. (Never more than the
+        # replica's window in flight, whatever a client returns.)
+        s.credits = min(s.credits + ack.credits, self.settings.prefetch_steps)
+        s.poke()
+        problem = await self._renew(step)
+        if problem is None and step >= 0:
+            target = s.cursor.end_ack_due(step)
+            if target is not None:
+                problem = await self._renew(target)
+        return problem
+
+    async def _renew(self, step: int) -> OdbError | None:
+        """Record the client's sign of life (its lease renewed) and, for a rank of the current
+        world, its ack through `step` (-1: a heartbeat); the error that ends the stream: its
+        lease was taken by another client (`RankHeld`)."""
         s = self.s
-        if s.cursor.limit is not None:
-            return
+        if not s.leased:
+            return None  # a drained rank of an ended world: no lease, no cursor
+        current = s.cursor.limit is None
+        ack = RankAck(s.rank, s.client_id, step if current else -1)
+        if ack.step > s.granted:  # an END's ack through steps the rank has no batch in
+            await self._grant(ack.step)
         try:
-            await self.jio.ack(s.rank, step)
+            await self.jio.ack(ack)
+        except RankHeld as exc:
+            return RankHeld(f"{exc}: this stream of client {s.client_id!r} ends (another "
+                            "client took the rank)")
+        except (AckAheadOfPlan, AckNotDelivered):
+            # We sent it, so it was published and granted: the state lost recent writes (a
+            # Redis crash without fsync_publish; the producer republishes). Acks are cumulative.
+            log.warning("job %s rank %d: ack of step %d ahead of the state (it lost recent "
+                        "writes?): deferred", self.job_id, s.rank, step, extra=self._log_extra())
         except ValueError:
             head = await self.jio.run(self.rt.plan.fresh_head)
             if head.generation == s.cursor.world:
                 raise
-
-    async def _record_ack(self, step: int) -> AckAheadOfPlan | None:
-        """Record the ack; the error if it acknowledges an unsent step."""
-        s, rt = self.s, self.rt
-        if step <= s.cursor.last_sent and s.cursor.limit is not None:
-            return None  # a rank of an ended world: it was sent, nothing to record
-        through = (await self.jio.head()).published_through
-        if step > through:  # the cache may lag by its refresh interval
-            through = await self.jio.run(rt.plan.fresh_published_through)
-        try:
-            if step > through:
-                raise AckAheadOfPlan(f"ack of step {step} by rank {s.rank} of job "
-                                     f"{self.job_id!r}, but only steps through {through} "
-                                     "are published")
-            await self._ack(step)
-        except AckAheadOfPlan as exc:
-            if step <= s.cursor.last_sent:
-                # We sent it, so it was published: the state lost it (a Redis crash without
-                # fsync_publish) and the producer republishes it. Acks are cumulative.
-                log.warning("job %s rank %d: ack of step %d ahead of the state's plan (state "
-                            "lost recent writes?): deferred", self.job_id, s.rank, step,
-                            extra=self._log_extra())
-                return None
-            return AckAheadOfPlan(f"{exc}: a step can only be acked after it was delivered")
+            # The world ended meanwhile and the rank is beyond the new one: nothing to record.
         return None
 
     # --- the sender ---
     async def _check_abort(self) -> None:
         """Raise why the stream must end: its ack reader failed, the producer failed, or a peer
-        rank is gone under policy `fail`; renew the rank's lease when due. No I/O while the
-        cached checks are fresh (`JobIO.refresh_checks`)."""
+        rank is gone under policy `fail`. No I/O while the cached checks are fresh
+        (`JobIO.refresh_checks`). (A stream never renews its rank's lease by itself: only its
+        client's Open, Acks and Heartbeats do.)"""
         s, rt, jio = self.s, self.rt, self.jio
         if s.error is not None:
             raise s.error
@@ -369,11 +393,6 @@ class RankStream:
             log.warning("job %s rank %d: aborting stream: %s", self.job_id, s.rank, failure,
                         extra=self._log_extra())
             raise RankTimedOut(failure)
-        lease = self.settings.lease_seconds
-        now = time.monotonic()
-        if s.leased and now - s.last_heartbeat >= lease / 3:
-            s.last_heartbeat = now
-            await jio.run(rt.state.heartbeat, s.rank, s.client_id, lease)
 
     async def _rank_failure(self) -> str | None:
         """`liveness.rank_failure` from the fresh cached lapses (the policy's own I/O, a
@@ -478,7 +497,9 @@ class RankStream:
             acked = -1 if s.cursor.last_sent < 0 else await self.jio.run(rt.state.acked, s.rank)
             target = s.cursor.end_ack_due(acked)
             if target is not None:
-                await self._ack(target)
+                problem = await self._renew(target)
+                if problem is not None:
+                    raise problem
         final = end.final_for(s.rank)
         return pb.ServerMessage(end=pb.End(
             epoch=end.epoch, final_step=-1 if final is None else final, mode=MODE[rt.mode],

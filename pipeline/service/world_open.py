@@ -32,6 +32,9 @@ from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 log = logging.getLogger(__name__)
 
 RESUME_FROM_CURSOR = -1  # Open.resume_step: continue at the rank's first unacknowledged step
+# Requests are small and their fields bounded (they reach Redis and the logs).
+MAX_CREDITS = 1 << 16  # per Open or Ack (a stream holds at most the replica's prefetch window)
+MAX_CLIENT_ID = 256  # characters
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,11 @@ def _epoch_first(ends: list[EpochEnd], epoch: int) -> int:
 
 
 def resolve(op: pb.Open, rt: JobRuntime, *, resume_grace_s: float) -> StreamStart:
-    if op.credits < 0:
-        raise BadRequest(f"credits must be >= 0, got {op.credits}")
+    if not 0 <= op.credits <= MAX_CREDITS:
+        raise BadRequest(f"credits must be in [0, {MAX_CREDITS}], got {op.credits}")
+    if len(op.client_id) > MAX_CLIENT_ID:
+        raise BadRequest(f"client_id must be at most {MAX_CLIENT_ID} characters, got "
+                         f"{len(op.client_id)}")
     if op.resume_step < RESUME_FROM_CURSOR:
         raise BadRequest(f"resume_step must be >= 0 (or {RESUME_FROM_CURSOR}: where the rank "
                          f"left off), got {op.resume_step}")

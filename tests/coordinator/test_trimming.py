@@ -10,6 +10,7 @@ import pytest
 from jobstate.builders import make_end, make_step, publication
 
 from pipeline.errors import StepConflict
+from pipeline.jobstate import RankAck
 
 from .retention import expected_trimmed
 
@@ -81,7 +82,9 @@ def test_grouped_acks_trim_as_single_acks_do(new_state):
         group = []
         for r in rng.sample(range(3), rng.randint(1, 3)):
             group.append((r, min(plan.next - 1, acked[r] + rng.randint(0, 12))))
-        out = st.ack_many([*group, (0, plan.next + 5)])
+        st.grant([(0, r, plan.next - 1) for r in range(3)])
+        out = st.ack_many([RankAck(r, f"c{r}", step) for r, step in group]
+                          + [RankAck(0, "c0", plan.next + 5)], 60)
         assert out[:-1] == [None] * len(group) and "published" in str(out[-1])
         for r, step in group:
             acked[r] = max(acked[r], step)

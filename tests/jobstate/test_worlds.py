@@ -122,6 +122,24 @@ def test_a_restored_position_ends_every_rank_before_it_only_once_all_are_gone(en
     assert res.world.reason is ScaleReason.ELASTIC
 
 
+def test_a_restored_position_never_reopens_an_epoch_whose_end_is_published(make_env):
+    """Issue #27 item 4: an elastic Open restored at step 5 after END(0) (last step 9) was
+    published. The old world's epoch 0 stays closed: every rank ends at 9, only epoch 1's
+    steps come back (nothing of epoch 0 re-planned into epoch 1, the END not contradicted)."""
+    env = make_env(world_size=2)
+    st, gen = env.state, env.producer()
+    st.publish(publication(steps(0, 9, 2), rows=10, ends=(make_end(0, (9, 9), 10),)),
+               fence=gen)
+    st.publish(publication(steps(10, 12, 2, epoch=1), epoch=1, rows=3), fence=gen)
+    res = st.scale(ScaleRequest(4, ScaleReason.ELASTIC, position=5, require_gone=True))
+    assert res.previous.last_steps == (9, 9)
+    assert res.previous.returned_samples == 3 * 2 * 2  # steps 10-12, two ranks, two samples
+    assert choose_boundary(first_step=0, published_through=12, last_end_step=9, grants=[0, 0],
+                           acked=[-1, -1], live=[False, False], position=5) == (9, 9)
+    assert choose_boundary(first_step=0, published_through=12, last_end_step=9, grants=[0, 0],
+                           acked=[-1, -1], live=[False, False], position=11) == (10, 10)
+
+
 def test_an_ended_world_answers_grants_with_its_boundary(env: Env):
     st, gen = env.state, env.producer()
     st.publish(publication(steps(0, 9)), fence=gen)

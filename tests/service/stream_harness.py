@@ -37,7 +37,8 @@ class StreamJob:
     def __init__(self, *, job_id: str = "j", world_size: int = 2, samples: int = 40,
                  lease_seconds: float = 5.0, policy: str = "fail",
                  rank_timeout_seconds: float = 60.0, prefetch: int = 2,
-                 state: JobState | None = None, **job: Any) -> None:
+                 state: JobState | None = None, state_timeout_seconds: float = 5.0,
+                 **job: Any) -> None:
         cfg = service_config(job_dict(job_id, world_size, **job))
         self.job = cfg.jobs[0]
         self.samples = synthetic_samples(samples, max_len=200)
@@ -48,7 +49,8 @@ class StreamJob:
         self.rt = JobRuntime(self.job, self.state, ArrayPayloads(array), host).start()
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="test-io")
         self.settings = StreamSettings(lease_seconds=lease_seconds, prefetch_steps=prefetch,
-                                       resume_grace_s=0.2)
+                                       resume_grace_s=0.2,
+                                       state_timeout_seconds=state_timeout_seconds)
         self.streams = RankStreams(self.settings,
                                    policy_named(policy, rank_timeout_seconds), self.executor)
 
@@ -98,6 +100,9 @@ class StreamClient:
     def ack(self, step: int, credits: int = 1) -> None:
         self.send(pb.ClientMessage(ack=pb.Ack(consumed_step=step, credits=credits)))
 
+    def heartbeat(self) -> None:
+        self.send(pb.ClientMessage(heartbeat=pb.Heartbeat()))
+
     def close(self) -> None:
         """Half-close: the client sends nothing more."""
         self._inbox.put_nowait(None)
@@ -121,6 +126,14 @@ class StreamClient:
             except Exception as exc:
                 return exc
         return None
+
+    async def messages_until_end(self) -> AsyncIterator[pb.ServerMessage]:
+        """What the stream writes until it ends (however it ends)."""
+        while True:
+            try:
+                yield await self.next()
+            except (EOFError, Exception):
+                return
 
     async def consume(self) -> list[pb.ServerMessage]:
         """Take and ack every batch until the job's final END, then half-close."""

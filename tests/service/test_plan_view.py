@@ -3,6 +3,7 @@ job-sized Redis pool."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -14,7 +15,7 @@ from pipeline.coordinator import RedisJobState
 from pipeline.coordinator.connection import unavailable_as_error
 from pipeline.coordinator.redis_job_state import pool_size_for
 from pipeline.errors import AckAheadOfPlan, StateUnavailable
-from pipeline.jobstate import MemoryJobState, PlannerCheckpoint, Publication
+from pipeline.jobstate import MemoryJobState, PlannerCheckpoint, Publication, RankAck
 from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo, WorldStamp
 from pipeline.service.coalescer import Coalescer
 from pipeline.service.plan_view import PlanView
@@ -172,12 +173,13 @@ def test_grouped_acks_match_single_acks_and_errors_stay_per_caller(redis_url, re
     st = RedisJobState(redis_url, "acks", config_hash="x", world_size=8)
     try:
         _publish(st, *(_step(n) for n in range(3)))
-        acks = Coalescer(st.ack_many)
+        st.grant([(0, r, 2) for r in range(8)])
+        acks = Coalescer(functools.partial(st.ack_many, lease_seconds=60))
         errors: dict[int, BaseException] = {}
 
         def ack(rank: int, step: int) -> None:
             try:
-                acks((rank, step))
+                acks(RankAck(rank, f"c{rank}", step))
             except BaseException as exc:
                 errors[rank] = exc
 

@@ -1,19 +1,34 @@
 """The rank stream without a server (`rank_stream.RankStreams` on the test's own event loop):
 every rank gets its batches within its credits and its END, exactly once across ranks; a stream
 that must end raises a domain error (never a gRPC status: only the adapter knows those, and
-the domain modules do not import grpc)."""
+the domain modules do not import grpc). Leases live on the client's evidence only (Open, Ack,
+Heartbeat), a stream fenced out by another client ends, an ack never names a step the rank was
+not sent, request fields are capped, and a replica that cannot reach the job's state ends its
+streams within `state_timeout_seconds`."""
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import os
+import signal
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from stream_harness import StreamClient, StreamJob
 
-from pipeline.errors import AckAheadOfPlan, BadRequest, PositionUnavailable, RankHeld
+from pipeline.coordinator import RedisJobState
+from pipeline.errors import (
+    AckNotDelivered,
+    BadRequest,
+    PositionUnavailable,
+    RankHeld,
+    ReplicaUnavailable,
+)
+from pipeline.redis_server import LocalRedis
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 
 @pytest.fixture
@@ -74,22 +89,125 @@ def test_a_refused_open_raises_a_domain_error(job, open_kw, error, text):
     assert isinstance(exc, error) and text in str(exc)
 
 
-def test_an_ack_past_the_plan_and_a_held_rank_end_the_stream_with_their_errors():
-    job = StreamJob(world_size=2, samples=400)  # more than a few credits' worth of steps
+@pytest.fixture
+def long_job():
+    j = StreamJob(world_size=2, samples=400, lease_seconds=0.6)  # many credits' worth of steps
+    yield j
+    j.close()
+
+
+@pytest.mark.parametrize("ahead", [1, 10_000], ids=["published-not-sent", "past-the-plan"])
+def test_an_ack_of_a_step_the_rank_was_not_sent_ends_the_stream_and_moves_nothing(long_job,
+                                                                                 ahead):
+    job = long_job
+
+    async def main():
+        c = StreamClient(job, 0, credits=1)
+        first = (await c.next()).batch.step
+        await asyncio.sleep(0.2)  # the producer publishes on: step first + 1 exists
+        other = await StreamClient(job, 0, client_id="someone-else").outcome()
+        c.ack(first + ahead)
+        return first, other, await c.outcome()
+
+    first, other, mine = job.run(main())
+    assert job.state.published_through() > first
+    assert isinstance(other, RankHeld) and "retry after the lease lapses" in str(other)
+    assert isinstance(mine, AckNotDelivered) and "acked after it was delivered" in str(mine)
+    assert job.state.acked(0) == -1  # the cursor never skipped the undelivered step
+
+
+def test_a_connected_but_silent_client_loses_its_lease_and_a_heartbeat_renews_it(long_job):
+    job = long_job
 
     async def main():
         c = StreamClient(job, 0, credits=1)
         await c.next()
-        other = await StreamClient(job, 0, client_id="someone-else").outcome()
-        c.ack(10_000)
-        return other, await c.outcome()
+        renewed = []
+        for _ in range(4):  # 1.2 s of heartbeats, twice the lease: the lease holds
+            await asyncio.sleep(0.3)
+            c.heartbeat()
+            await asyncio.sleep(0.05)
+            renewed.append(job.state.rank_health()[0].lapsed)
+        await asyncio.sleep(0.9)  # connected, nothing sent for longer than the lease
+        silent = job.state.rank_health()[0]
+        c.heartbeat()  # back: the same client retakes its lease (not a lapse of another)
+        await asyncio.sleep(0.1)
+        back = job.state.rank_health()[0]
+        c.close()
+        return renewed, silent, back
 
-    try:
-        other, mine = job.run(main())
-    finally:
-        job.close()
-    assert isinstance(other, RankHeld) and "retry after the lease lapses" in str(other)
-    assert isinstance(mine, AckAheadOfPlan) and "only steps through" in str(mine)
+    renewed, silent, back = job.run(main())
+    assert renewed == [False] * 4
+    assert silent.lapsed and silent.client_id == "c0"
+    assert not back.lapsed and back.client_id == "c0"
+    assert job.state.counters().lease_lapses == 0
+
+
+def test_a_stream_whose_rank_another_client_took_ends_at_its_next_heartbeat(long_job):
+    job = long_job
+
+    async def main():
+        c = StreamClient(job, 0, credits=1)
+        await c.next()
+        await asyncio.sleep(0.9)  # lapsed: a restarted trainer's new client takes the rank
+        job.state.claim_rank(0, "the-new-client", 30)
+        c.heartbeat()
+        return await c.outcome()
+
+    exc = job.run(main())
+    assert isinstance(exc, RankHeld) and "the-new-client" in str(exc)
+    assert job.state.rank_health()[0].client_id == "the-new-client"
+
+
+@pytest.mark.parametrize(("open_kw", "ack", "text"), [
+    ({"credits": 70_000}, None, "credits must be in [0, 65536]"),
+    ({"client_id": "x" * 257}, None, "client_id must be at most 256 characters"),
+    ({}, 70_000, "Ack credits must be in [0, 65536]"),
+    ({}, -1, "Ack credits must be in [0, 65536]"),
+], ids=["open-credits", "client-id", "ack-credits", "negative-ack-credits"])
+def test_request_fields_are_capped(long_job, open_kw, ack, text):
+    job = long_job
+
+    async def main():
+        c = StreamClient(job, 0, **open_kw)
+        if ack is not None:
+            await c.next()
+            c.send(pb.ClientMessage(ack=pb.Ack(consumed_step=-1, credits=ack)))
+        return await c.outcome()
+
+    exc = job.run(main())
+    assert isinstance(exc, BadRequest) and text in str(exc)
+
+
+def test_a_replica_that_cannot_reach_the_jobs_state_ends_its_streams_within_the_bound():
+    """Redis frozen (SIGSTOP: the socket stays open, nothing answers): the stream ends with
+    `ReplicaUnavailable` within `state_timeout_seconds`, so its client reconnects (to another
+    replica, if it has one); nothing it sent was beyond the rank's recorded grant."""
+    with LocalRedis() as redis:
+        state = RedisJobState(redis.url, "j", config_hash="x", world_size=2)
+        job = StreamJob(world_size=2, samples=400, state=state, state_timeout_seconds=1.0)
+
+        async def main():
+            c = StreamClient(job, 0, credits=1)
+            first = (await c.next()).batch.step
+            os.kill(redis.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                c.ack(first, credits=1)
+                got = [m.batch.step async for m in c.messages_until_end()]
+                return first, got, await c.outcome(), time.monotonic() - t0
+            finally:
+                os.kill(redis.proc.pid, signal.SIGCONT)
+
+        try:
+            first, got, exc, waited = job.run(main())
+            granted = state.grant([(0, 0, -1)])[0].through
+        finally:
+            job.close()
+            state.close()
+    assert isinstance(exc, ReplicaUnavailable) and "could not reach the job's state" in str(exc)
+    assert waited < 1.0 + 3.0  # the bound, plus slack for a loaded machine
+    assert all(n <= granted for n in [first, *got])
 
 
 DOMAIN = ["rank_stream.py", "rank_cursor.py", "liveness.py", "world_open.py", "scaling.py",
