@@ -62,7 +62,7 @@ from typing import Any
 
 import grpc
 
-from trainer_client.channel import channel_options, open_channel
+from trainer_client.channel import channel_options, open_channel, rotated
 from trainer_client.decode import StreamBatch, TensorKind, decode_batch, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
@@ -187,11 +187,15 @@ class BatchStream:
         self.tensors = resolve_tensor_kind(tensors)
         self._backoff = backoff
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        opts = channel_options(max_message_mb=max_message_mb, load_balancing=load_balancing,
-                               keepalive_time_s=keepalive_time_s,
-                               keepalive_timeout_s=keepalive_timeout_s, max_backoff_s=backoff[1])
-        channel = open_channel(endpoint, opts, root_certificates=root_certificates,
-                               private_key=private_key, certificate_chain=certificate_chain)
+        self._target = endpoint  # (a list of addresses: rotated at each reconnection)
+        self._opts = channel_options(max_message_mb=max_message_mb,
+                                     load_balancing=load_balancing,
+                                     keepalive_time_s=keepalive_time_s,
+                                     keepalive_timeout_s=keepalive_timeout_s,
+                                     max_backoff_s=backoff[1])
+        self._credentials = {"root_certificates": root_certificates, "private_key": private_key,
+                             "certificate_chain": certificate_chain}
+        channel = open_channel(endpoint, self._opts, **self._credentials)
         self._link = _Link(channel)
         # Runs at close() or, for a stream never closed, at interpreter exit.
         self._finalizer = weakref.finalize(self, _Link.shut, self._link)
@@ -432,8 +436,24 @@ class BatchStream:
                 self._items.put(StreamError(code, details))
                 return
             self.reconnects += 1
+            self._next_address_first()
             time.sleep(delay)
             delay = min(delay * 2, self._backoff[1])
+
+
+    def _next_address_first(self) -> None:
+        """Reconnect through the target's next address first (`channel.rotated`): a replica
+        that ended the stream itself (it cannot reach the job's state) is still connected,
+        and `pick_first` would choose it again."""
+        target = rotated(self._target)
+        if target is None:
+            return
+        self._target = target
+        channel = open_channel(target, self._opts, **self._credentials)
+        with self._link.lock:
+            old, self._link.channel = self._link.channel, channel
+            self._stub = pb_grpc.DataServiceStub(channel)
+        old.close()
 
 
 def _requests(reqs: queue.SimpleQueue, heartbeat_s: float) -> Iterator[pb.ClientMessage]:

@@ -40,6 +40,18 @@ def channel_options(*, max_message_mb: int, load_balancing: str, keepalive_time_
             ("grpc.max_reconnect_backoff_ms", ms(max_backoff_s))]
 
 
+def rotated(endpoint: str) -> str | None:
+    """A target listing several addresses (`ipv4:a:1,b:2`, `ipv6:...`) with the first moved
+    last; None for any other target. A stream the replica itself ended UNAVAILABLE (it could
+    not reach the job's state) reconnects through the next address first: gRPC's `pick_first`
+    would pick the same, still connected, replica again."""
+    scheme, sep, rest = endpoint.partition(":")
+    addresses = rest.split(",") if sep and scheme in ("ipv4", "ipv6") else []
+    if len(addresses) < 2:
+        return None
+    return f"{scheme}:{','.join(addresses[1:] + addresses[:1])}"
+
+
 def open_channel(endpoint: str, options: list[tuple[str, int | str]], *,
                  root_certificates: bytes | None = None, private_key: bytes | None = None,
                  certificate_chain: bytes | None = None) -> grpc.Channel:

@@ -122,6 +122,7 @@ class StreamSession:
     granted: int = -1  # the highest step the rank may be sent (its delivery grant)
     window: int = 1  # grants are raised this many steps at a time: the client's credit window
     left: bool = False  # got END(reconfigure): its world ended, it left
+    unreachable: bool = False  # ended because the job's state or payloads could not be reached
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def poke(self) -> None:
@@ -265,6 +266,9 @@ class RankStream:
         except asyncio.CancelledError:  # the client went away (or the server stops)
             s.cancelled = True
             raise
+        except (ReplicaUnavailable, StateUnavailable):
+            s.unreachable = True  # (its release could only wait out the bound again)
+            raise
         finally:
             reader.cancel()
             if writing is not None and not writing.done():
@@ -287,7 +291,7 @@ class RankStream:
             log.info("job %s rank %d: client %s vanished; its lease lapses in <= %.1fs",
                      self.job_id, s.rank, s.client_id, self.settings.lease_seconds,
                      extra=self._log_extra())
-        elif s.leased:
+        elif s.leased and not s.unreachable:  # (else the lease lapses: the client is elsewhere)
             try:
                 await self.jio.run(rt.state.release_rank, s.rank, s.client_id)
             except Exception:

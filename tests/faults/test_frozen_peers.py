@@ -1,7 +1,8 @@
 """Peers that stop answering without closing their sockets (issue #27): a frozen trainer
-(SIGSTOP), a frozen replica (SIGSTOP), and a trainer quiet for longer than its reconnect
-timeout when its replica goes away. With the contract's test settings (keepalive 1 s + 1 s,
-lease 3 s, rank timeout 3 s) each is noticed within seconds, and nothing is lost or repeated.
+(SIGSTOP), a frozen replica (SIGSTOP), a replica cut from Redis, and a trainer quiet for longer
+than its reconnect timeout when its replica goes away. With the contract's test settings
+(keepalive 1 s + 1 s, lease 3 s, rank timeout 3 s) each is noticed within seconds, and nothing
+is lost or repeated.
 
 Before the fixes: a frozen rank's stream renewed its lease while merely connected, so the
 others waited for ever; a frozen replica held its clients for ever (no keepalive); a trainer
@@ -24,6 +25,7 @@ from fault_helpers import (
     rank_proc,
     read_log,
 )
+from support.tcp_proxy import TcpProxy
 from support.waiting import wait_for
 
 from pipeline.config import ServiceConfig
@@ -138,3 +140,44 @@ def test_the_reconnect_deadline_counts_from_the_start_of_the_outage(redis_client
     assert rank.stream.reconnects >= 1 and rank.stream.done
     ids = [i for b in [first, *rest] for i in b.info.sample_ids]
     assert sorted(ids) == sorted(s.sample_id for s in fault_samples(300, 4))
+
+
+def test_a_replica_cut_from_redis_ends_its_streams_and_its_ranks_fail_over(redis_client,
+                                                                          redis_url):
+    """Replica A loses Redis (a black hole both ways, its sockets open): within
+    `state_timeout_seconds` it ends its streams UNAVAILABLE (it cannot vouch for a step without
+    a recorded grant), and the rank, though still connected to A, reconnects through the
+    target's next address (B) and finishes exactly once. The link heals later: nothing A held
+    back changes anything."""
+    job = job_dict("cut", 1, seed=6)
+    host, port = redis_url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
+    proxy = TcpProxy((host, int(port))).start()
+
+    def replica(url: str):
+        cfg = ServiceConfig.model_validate({
+            "redis_url": url, "lease_seconds": LEASE, "state_timeout_seconds": 2.0,
+            "metrics_port": None, "grpc": {"port": 0, **KEEPALIVE}, "jobs": [job]})
+        return start_service(cfg, sample_sources={"cut": ArraySource(fault_samples(400, 6))})
+
+    a = replica(f"redis://{proxy.address}/0")
+    b = replica(redis_url)
+    rank = RankThread(f"ipv4:{a.address},{b.address}", "cut", 0, 1, sleep=0.05, **KEEPALIVE)
+    try:
+        rank.start()
+        wait_for(lambda: len(rank.records) >= 5, 60, "5 batches from replica A")
+        assert a.runtimes["cut"].ranks[0].connected  # pick_first: A, the first address
+        proxy.black_hole()
+        cut_at = time.monotonic()
+        wait_for(lambda: b.runtimes["cut"].ranks[0].connected, 2.0 + 6.0,
+                 "the rank to be served by replica B")
+        failed_over = time.monotonic() - cut_at
+        proxy.heal()
+        rank.join(120)
+        rank.check()
+    finally:
+        proxy.heal()
+        for svc in (a, b):
+            svc.stop(grace=0.5)
+        proxy.close()
+    assert failed_over <= 2.0 + 6.0  # the state timeout, plus slack for a loaded machine
+    assert_join_coverage([rank.records], [s.sample_id for s in fault_samples(400, 6)], 1)
