@@ -517,7 +517,7 @@ class RedisJobState(JobState):
                 out[i] = ValueError("client_id must be non-empty")
                 continue
             todo.append(i)  # the script checks the rank, the lease, the plan and the grant
-            args += [a.rank, a.client_id, a.step]
+            args += [a.rank, a.client_id, a.step, "1" if a.renew else "0"]
         if not todo:
             return out
         try:

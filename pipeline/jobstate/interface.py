@@ -40,12 +40,15 @@ class RankLease:
 @dataclass(frozen=True)
 class RankAck:
     """What a rank's stream reports for its client (`JobState.ack_many`): a sign of life from
-    `client_id` (it renews the rank's lease) and, when `step` >= 0, that the rank consumed every
-    step through `step` (-1: nothing new, a heartbeat)."""
+    `client_id` (it renews the rank's lease; with `renew` False only if the client does not
+    hold it live: a replica renews on an ack every so often, not at every one) and, when
+    `step` >= 0, that the rank consumed every step through `step` (-1: nothing new, a
+    heartbeat)."""
 
     rank: int
     client_id: str
     step: int = -1
+    renew: bool = True
 
 
 @dataclass(frozen=True)

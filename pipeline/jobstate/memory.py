@@ -335,7 +335,10 @@ class MemoryJobState(JobState):
                 except (AckAheadOfPlan, AckNotDelivered, RankHeld, ValueError) as exc:
                     out.append(exc)
                     continue
-                self._take(a.rank, a.client_id, lease_seconds, now)
+                cur = self._leases.get(a.rank)
+                held = cur is not None and cur.client_id == a.client_id and cur.expires_at > now
+                if a.renew or not held:
+                    self._take(a.rank, a.client_id, lease_seconds, now)
                 if a.step >= 0:
                     self._acked[a.rank] = max(self._acked[a.rank], a.step)
                 out.append(None)

@@ -647,6 +647,20 @@ def test_ack_many_renews_only_its_clients_lease_and_takes_a_lapsed_one_over(env)
     assert isinstance(st.ack_many([RankAck(4, "E")], LONG)[0], ValueError)
 
 
+def test_an_ack_without_renew_retakes_only_a_lease_its_client_does_not_hold_live(env):
+    st, gen = env.state, env.producer()
+    st.publish(publication(steps(0, 1)), fence=gen)
+    st.grant([(0, 0, 1)])
+    st.claim_rank(0, "A", SHORT)
+    expires = st.rank_health()[0].lease_expires_at
+    assert st.ack_many([RankAck(0, "A", 0, renew=False)], LONG) == [None]
+    assert st.rank_health()[0].lease_expires_at == expires  # live and its own: left as it was
+    env.sleep(LAPSE)
+    assert st.ack_many([RankAck(0, "A", 1, renew=False)], LONG) == [None]
+    h = st.rank_health()[0]
+    assert not h.lapsed and h.lease_expires_at > expires and st.acked(0) == 1  # taken back
+
+
 def test_acks_need_no_lease(env):
     st, gen = env.state, env.producer()
     st.publish(publication(steps(0, 1)), fence=gen)

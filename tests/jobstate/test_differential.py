@@ -47,7 +47,8 @@ ack_calls = st.one_of(
     st.fixed_dictionaries({"call": st.just("ack"), "rank": st.sampled_from([0, 1, 2, W]),
                            "step": st.integers(-3, 1)}),
     st.fixed_dictionaries({"call": st.just("ack_many"), "acks": st.lists(
-        st.tuples(st.integers(0, W), st.sampled_from(["c", "d", ""]), st.integers(-3, 1)),
+        st.tuples(st.integers(0, W), st.sampled_from(["c", "d", ""]), st.integers(-3, 1),
+                  st.booleans()),
         max_size=3)}),
     st.fixed_dictionaries({"call": st.just("grant"), "rank": st.integers(0, W),
                            "through": st.integers(-2, 1)}),
@@ -109,7 +110,8 @@ class Caller:
                     return s.ack(c["rank"], s.published_through() + c["step"])
                 case "ack_many":
                     through = s.published_through()
-                    acks = [RankAck(r, client, through + d) for r, client, d in c["acks"]]
+                    acks = [RankAck(r, client, through + d, renew)
+                            for r, client, d, renew in c["acks"]]
                     return [type(e).__name__ if e else None for e in s.ack_many(acks, 600)]
                 case "grant":
                     (g,) = s.grant([(0, c["rank"], s.published_through() + c["through"])])

@@ -1,14 +1,16 @@
 -- Acks and heartbeats of many rank streams in one call (a replica's streams, grouped).
 -- KEYS: meta, acked, lease_exp, lease, lapsed, counters, claimed, grants
--- ARGV: base, lease_ms, then (rank, client_id, step) triples; step < 0: a heartbeat (no cursor).
--- Each triple is its client's sign of life; checked before anything of it is written: the rank
+-- ARGV: base, lease_ms, then (rank, client_id, step, renew) quadruples; step < 0: a heartbeat
+-- (no cursor); renew '0': the client's lease is renewed only if it does not hold it live (a
+-- replica renews on an ack only every so often: fewer writes, the same evidence).
+-- Each is its client's sign of life; checked before anything of it is written: the rank
 -- inside the world (the current one for an ack; for a heartbeat also the draining ranks of the
 -- world it ended: ODB_RANK), no other client's live lease (ODB_HELD: a stream whose lease was
 -- taken ends), and for an ack the step published (ODB_AHEAD) and within the rank's delivery
 -- grant (ODB_UNSENT: a cursor never skips a step the rank was not sent). Then the lease is the
 -- client's for lease_ms more (a lapse recorded when another client's lapsed lease is taken
--- over) and the cursor moves (monotonic). Returns one reply per triple: '' or its error; one
--- triple's error does not stop the others. Python model: MemoryJobState.ack_many.
+-- over) and the cursor moves (monotonic). Returns one reply per entry: '' or its error; one
+-- entry's error does not stop the others. Python model: MemoryJobState.ack_many.
 --! include now
 --! include trim
 --! include lease
@@ -19,15 +21,15 @@ local ws, through = tonumber(m[1]), tonumber(m[2])
 local lr, first = tonumber(m[3] or m[1]), tonumber(m[4] or 0)
 local exp = now + tonumber(ARGV[2])
 local out, moved = {}, false
-for i = 3, #ARGV, 3 do
+for i = 3, #ARGV, 4 do
   local rank, cid, step = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local r = tonumber(rank)
   local bound = step >= 0 and ws or lr
-  local err, took_over = nil, false
+  local err, took_over, held = nil, false, false
   if r < 0 or r >= bound then
     err = 'ODB_RANK ' .. rank .. ' ' .. bound
   else
-    err, took_over = lease_check(rank, cid)
+    err, took_over, held = lease_check(rank, cid)
   end
   if not err and step >= 0 then
     local granted = tonumber(redis.call('ZSCORE', KEYS[8], rank) or (first - 1))
@@ -37,7 +39,7 @@ for i = 3, #ARGV, 3 do
   if err then
     out[#out + 1] = err
   else
-    lease_take(rank, cid, exp, took_over)
+    if ARGV[i + 3] == '1' or not held then lease_take(rank, cid, exp, took_over) end
     if step >= 0 then
       redis.call('ZADD', KEYS[2], 'GT', step, rank)
       moved = true

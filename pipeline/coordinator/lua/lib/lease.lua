@@ -1,15 +1,16 @@
 -- Rank leases, shared by ACK and ACK_MANY. Their KEYS: [1] meta, [3] lease_exp, [4] lease,
 -- [5] lapsed, [6] counters, [7] claimed; `now` from lib/now.
--- lease_check(rank, cid): the ODB_HELD error while another client's lease is live, else nil
--- and whether taking it takes over another client's lapsed lease.
+-- lease_check(rank, cid): the ODB_HELD error while another client's lease is live, else nil,
+-- whether taking it takes over another client's lapsed lease, and whether cid holds it live.
 local function lease_check(rank, cid)
   local cur = redis.call('HGET', KEYS[4], rank)
-  if not cur then return nil, false end
+  if not cur then return nil, false, false end
   local holder = string.sub(cur, string.find(cur, ':', 1, true) + 1)
-  if holder == cid then return nil, false end
   local exp = tonumber(redis.call('ZSCORE', KEYS[3], rank))
-  if exp and exp > now then return 'ODB_HELD ' .. exp .. ' ' .. now .. ' ' .. holder, false end
-  return nil, exp ~= nil
+  local live = exp ~= nil and exp > now
+  if holder == cid then return nil, false, live end
+  if live then return 'ODB_HELD ' .. exp .. ' ' .. now .. ' ' .. holder, false, false end
+  return nil, exp ~= nil, false
 end
 -- lease_take(rank, cid, exp, took_over): the lease is cid's until exp (ms).
 local function lease_take(rank, cid, exp, took_over)
