@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 from replica_procs import Replica, StartLine, array_job, consume_threads  # noqa: E402
 
 from pipeline.coordinator import RedisJobState  # noqa: E402
-from pipeline.jobstate import PlannerCheckpoint, Publication  # noqa: E402
-from pipeline.planner.types import Batch, MeasuredSample, Step, StepInfo  # noqa: E402
+from pipeline.jobstate import PlannerCheckpoint, Publication, RankAck  # noqa: E402
+from pipeline.planner.types import Batch, MeasuredSample, Step, StepInfo, WorldStamp  # noqa: E402
 from pipeline.redis_client import connect  # noqa: E402
 from pipeline.redis_server import LocalRedis  # noqa: E402
 
@@ -61,7 +61,8 @@ def make_step(n: int, world_size: int) -> Step:
         _TEMPLATES[world_size] = tuple(batches)
     batches = _TEMPLATES[world_size]
     return Step(0, n, batches, StepInfo(world_size * SAMPLES_PER_BATCH,
-                                        sum(b.num_tokens for b in batches)))
+                                        sum(b.num_tokens for b in batches)),
+                WorldStamp(0, world_size))
 
 
 def _publish(st: RedisJobState, gen: int, first: int, last: int, world_size: int) -> None:
@@ -115,13 +116,14 @@ def bench_latency(url: str, steps: int, world_size: int, label: str) -> dict:
         last = min(steps, first + chunk)
         _publish(st, gen, first, last, world_size)  # untimed
         # Every other rank is already through these steps: rank 0's acks also trim.
-        st.ack_many([(r, last - 1) for r, _ in others])
+        st.grant([(0, r, last - 1) for r in range(world_size)])
+        st.ack_many([RankAck(r, f"rank{r}", last - 1) for r, _ in others], LEASE_S)
         before, rt0 = commandstats(st.client), RoundTrips.n
         for n in range(first, last):
             t0 = time.perf_counter()
             view = st.get_step_for(n, [0])
             t1 = time.perf_counter()
-            assert st.ack_many([(0, n)]) == [None]
+            assert st.ack_many([RankAck(0, "rank0", n)], LEASE_S) == [None]
             t2 = time.perf_counter()
             assert view is not None and view.batch_for(0) is not None
             fetch.append(t1 - t0)

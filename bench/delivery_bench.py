@@ -173,7 +173,7 @@ def _real_messages(budget: int, max_len: int, count: int) -> list[bytes]:
     for step in (e for e in events if isinstance(e, Step)):
         for b in step.batches:
             out.append(batch_message(step, b.rank, [by_id[str(s.sample_id)] for s in b.samples],
-                                     collate="padded", pad_id=0, world_size=RANKS))
+                                     collate="padded", pad_id=0))
         if len(out) >= count:
             break
     return out

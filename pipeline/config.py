@@ -297,8 +297,21 @@ class GrpcConfig(_Model):
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
-    max_message_mb: int = Field(64, gt=0)
+    max_message_mb: int = Field(64, gt=0, description="the largest message sent (a batch)")
+    max_request_mb: int = Field(
+        1, gt=0, description="the largest request accepted (requests are small: a larger one "
+        "is refused with RESOURCE_EXHAUSTED before it is read)")
     prefetch_steps: int = Field(4, gt=0, description="steps in flight per rank (flow control)")
+    # Liveness (Guarantee 8): a silent peer is noticed within keepalive_time_s +
+    # keepalive_timeout_s on both ends of every connection.
+    keepalive_time_s: float = Field(
+        4.0, gt=0, description="ping each client connection this often when it sends nothing")
+    keepalive_timeout_s: float = Field(
+        4.0, gt=0, description="a ping unanswered this long closes the connection (its streams "
+        "end; their ranks' leases lapse unless the client reconnects)")
+    min_client_ping_interval_s: float = Field(
+        2.0, gt=0, description="accept client keepalive pings this often (also without calls); "
+        "clients must not ping more often (BatchStream pings every 4 s by default)")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> GrpcConfig:
@@ -333,7 +346,16 @@ class ServiceConfig(_Model):
     resume_grace_seconds: float = Field(
         2.0, ge=0, description="how long an Open naming a step beyond the plan waits for a "
         "restarting producer before OUT_OF_RANGE")
-    lease_seconds: float = Field(10.0, gt=0)
+    lease_seconds: float = Field(
+        10.0, gt=0, description="a rank's lease lasts this long after the last sign of life "
+        "from its client (an Open, an Ack or a Heartbeat; BatchStream sends one every 2 s)")
+    state_timeout_seconds: float = Field(
+        5.0, gt=0, description="a replica that cannot complete a call to the job's state "
+        "(Redis) for this long ends its rank streams with UNAVAILABLE: their clients reconnect, "
+        "to another replica if they have one")
+    payload_timeout_seconds: float = Field(
+        10.0, gt=0, description="the longest a replica waits for a batch's payloads from Ray "
+        "before it rebuilds them itself, or ends the stream with UNAVAILABLE")
     rank_timeout_seconds: float = Field(
         60.0, gt=0, description="how long a rank may be gone (its lease lapsed, or never "
         "claimed since the world's first rank connected) before the failure policy applies; "

@@ -3,23 +3,36 @@
     OdbError
     ├── UserError            wrong input, config or request: the CLI prints one line, exit 2
     │   ├── JobMismatch, SchemaMismatch, UnknownJob, DurabilityUnavailable
-    └── StateError           a refusal of a job's shared state (it is left unchanged)
-        ├── StepConflict     a step or END published twice with different content
-        ├── StepGap          a step published past `published_through + 1`
-        ├── CheckpointConflict  a checkpoint that goes backwards or claims unpublished steps
-        ├── AckAheadOfPlan   a rank acknowledged a step that is not published
-        ├── RankHeld         another live client holds the rank's lease
-        ├── Fenced           a producer whose lease generation is no longer current
-        ├── WorldChanged     a publication for a world that a reconfiguration ended
-        ├── ScaleRefused     a reconfiguration the state cannot make now
-        │   ├── ScaleInProgress   the previous one is not complete yet
-        │   ├── PlanningComplete  fully planned, and a live rank may hold the final END
-        │   └── RanksLive         (implicit switch) ranks of the current world still hold leases
-        └── StateUnavailable the state could not be reached (Redis down after retries)
-            └── DurabilityTimeout  a write not confirmed on disk in time (fsync_publish)
+    │   ├── BadRequest       a request field out of its range (a rank, a credit count, ...)
+    │   ├── PositionUnavailable  a resume position the plan cannot serve
+    │   ├── WrongJobMode     a call made for another kind of job (refill vs training)
+    │   ├── Unauthenticated  a call without the job's bearer token (or a wrong one)
+    │   └── WireMismatch     a client that decodes another wire version
+    ├── StateError           a refusal of a job's shared state (it is left unchanged)
+    │   ├── StepConflict     a step or END published twice with different content
+    │   ├── StepGap          a step published past `published_through + 1`
+    │   ├── CheckpointConflict  a checkpoint that goes backwards or claims unpublished steps
+    │   ├── AckAheadOfPlan   a rank acknowledged a step that is not published
+    │   ├── AckNotDelivered  a rank acknowledged a step it was never sent
+    │   ├── RankHeld         another live client holds the rank's lease
+    │   ├── Fenced           a producer whose lease generation is no longer current
+    │   ├── WorldChanged     a publication for a world that a reconfiguration ended
+    │   ├── ScaleRefused     a reconfiguration the state cannot make now
+    │   │   ├── ScaleInProgress   the previous one is not complete yet
+    │   │   ├── PlanningComplete  fully planned, and a live rank may hold the final END
+    │   │   └── RanksLive         (implicit switch) ranks of the current world still hold leases
+    │   └── StateUnavailable the state could not be reached (Redis down after retries)
+    │       └── DurabilityTimeout  a write not confirmed on disk in time (fsync_publish)
+    └── StreamStopped        why a replica ends a rank's stream (the job goes on elsewhere)
+        ├── RankTimedOut     a peer rank has been gone too long (rank_failure_policy fail)
+        ├── ProducerFailed   the job's producer failed for good (a bug)
+        │   ├── ProducerMisconfigured  on what an operator must fix (a source, the config)
+        │   └── ProducerUnavailable    on a cause that heals, past the producer's retries
+        └── ReplicaUnavailable  this replica cannot serve it now: reconnect (maybe elsewhere)
 
 Every refusal leaves the state as it was (the Redis scripts check before their first write), so a
-caller may retry or give up without repairing anything.
+caller may retry or give up without repairing anything. Only the gRPC adapter
+(`pipeline/service/data_server.py`) knows which status code each of these is.
 """
 
 from __future__ import annotations
@@ -49,6 +62,28 @@ class DurabilityUnavailable(UserError):
     """fsync_publish was asked for but this Redis cannot confirm fsync (no WAITAOF or no AOF)."""
 
 
+class BadRequest(UserError):
+    """A request field out of its range (a rank outside the world, a negative or too large
+    credit count, a too long client id, ...): nothing was changed."""
+
+
+class PositionUnavailable(UserError):
+    """A resume position the plan cannot serve: never published, trimmed (an epoch every rank
+    finished), or inside a world a reconfiguration ended (its steps cannot be re-planned)."""
+
+
+class WrongJobMode(UserError):
+    """A call made for another kind of job: a refill job's id on Stream or Scale."""
+
+
+class Unauthenticated(UserError):
+    """A call without the job's bearer token, or with a wrong one."""
+
+
+class WireMismatch(UserError):
+    """The client decodes another wire version than this server writes."""
+
+
 class StateError(OdbError):
     """A job state refused a change; nothing was written."""
 
@@ -67,6 +102,11 @@ class CheckpointConflict(StateError):
 
 class AckAheadOfPlan(StateError):
     """A rank acknowledged a step that is not published (a client or server bug)."""
+
+
+class AckNotDelivered(StateError):
+    """A rank acknowledged a published step beyond what it may have been sent (its delivery
+    grant): a cursor never skips steps the rank did not get."""
 
 
 class RankHeld(StateError):
@@ -109,3 +149,31 @@ class StateUnavailable(StateError):
 class DurabilityTimeout(StateUnavailable):
     """With fsync_publish, Redis did not confirm within its timeout that a write reached its
     disk (WAITAOF): the write may be applied but is not vouched for; retry it."""
+
+
+class StreamStopped(OdbError):
+    """Why a replica ends a rank's stream although the rank did nothing wrong."""
+
+
+class RankTimedOut(StreamStopped):
+    """A peer rank has been gone longer than `rank_timeout_seconds` under the `fail` policy:
+    the job's other streams end instead of waiting for it."""
+
+
+class ProducerFailed(StreamStopped):
+    """The job's producer failed for good (`JobState.error`), on a bug."""
+
+
+class ProducerMisconfigured(ProducerFailed):
+    """The job's producer failed for good on what an operator must fix (a missing or
+    forbidden source, the job's config, a plan that differs from the published one)."""
+
+
+class ProducerUnavailable(ProducerFailed):
+    """The job's producer failed for good on a cause that heals (the state, Ray, a source
+    unreadable for a while), once its retries ran out."""
+
+
+class ReplicaUnavailable(StreamStopped):
+    """This replica cannot serve the stream now (it stops, or cannot reach the job's state or
+    payloads within their bounds): the client reconnects, to another replica if it has one."""

@@ -21,13 +21,18 @@ Position: `next_step` (the global step after the last yielded batch) and `epoch`
 epoch whose END the trainer has not seen). A background thread keeps at most `prefetch`
 undelivered batches (credits: the server sends only as many as the client has granted).
 Batches are torch tensors when torch is installed, numpy arrays otherwise (`tensors=`).
-Acks: taking batch k+1 (or the END) acknowledges batch k. The ack and the freed credits go out
-together once fewer than half of `prefetch` batches are left queued (at once when the trainer
-outpaces the service; every few steps when it waits on its model): one message per few steps,
-never a starved queue. The service's acknowledged position thus trails the trainer by less
-than `prefetch` steps: a trainer restarted without its `state_dict` may get those again (with
-it, it resumes exactly); `ack()` and `close()` send it at once. Connection failures reconnect
-with backoff and resume from what was received.
+Acks: taking batch k+1 (or the END) acknowledges batch k, at once, with the freed credit: the
+service's acknowledged position is the trainer's exact one (but for the ack in flight), so a
+rank that dies, a trainer restarted without its `state_dict`, a shrink or an elastic restart
+hands back only the batch in progress. Connection failures reconnect with backoff and resume
+from what was received; `reconnect_timeout` counts from the start of the outage.
+
+Liveness (docs/trainer-client.md): gRPC keepalive pings the replica every `keepalive_time_s`
+and drops a connection whose ping goes unanswered for `keepalive_timeout_s` (a frozen or cut
+off replica: the stream fails over to another address of the target); a Heartbeat goes out on
+the stream every `heartbeat_s` without another message, from gRPC's request-sending thread, so
+a trainer busy in a long step, eval or checkpoint keeps its rank's lease, and a frozen trainer
+process does not.
 
 Endpoint: any gRPC target (`host:port`, `dns:///svc:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`);
 the channel fails over between the addresses it resolves with gRPC's own load-balancing policy
@@ -46,7 +51,6 @@ again raises `Reconfigured`.
 from __future__ import annotations
 
 import gc
-import json
 import queue
 import threading
 import time
@@ -58,6 +62,7 @@ from typing import Any
 
 import grpc
 
+from trainer_client.channel import channel_options, open_channel, rotated
 from trainer_client.decode import StreamBatch, TensorKind, decode_batch, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
@@ -164,25 +169,33 @@ class BatchStream:
         certificate_chain: bytes | None = None, max_message_mb: int = 256,
         reconnect_timeout: float = 60.0, backoff: tuple[float, float] = (0.05, 2.0),
         load_balancing: str = "pick_first", tensors: TensorKind = "auto",
+        keepalive_time_s: float = 4.0, keepalive_timeout_s: float = 4.0,
+        heartbeat_s: float = 2.0,
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self.endpoint, self.job, self.rank, self.world_size = endpoint, job, rank, world_size
         self.prefetch = prefetch
         self.client_id = client_id or f"{job}/{rank}/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
+        self.heartbeat_s = heartbeat_s
+        # A call that stayed up this long was a working connection: its failure starts a new
+        # outage (keepalive would have dropped a dead one sooner).
+        self._live_bound = keepalive_time_s + keepalive_timeout_s
         self.tensors = resolve_tensor_kind(tensors)
         self._backoff = backoff
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        n = max_message_mb * 1024 * 1024
-        opts = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
-                ("grpc.service_config",
-                 json.dumps({"loadBalancingConfig": [{load_balancing: {}}]}))]
-        if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
-            channel = grpc.secure_channel(endpoint, creds, options=opts)
-        else:
-            channel = grpc.insecure_channel(endpoint, options=opts)
+        self._target = endpoint  # (a list of addresses: rotated at each reconnection)
+        self._opts = channel_options(max_message_mb=max_message_mb,
+                                     load_balancing=load_balancing,
+                                     keepalive_time_s=keepalive_time_s,
+                                     keepalive_timeout_s=keepalive_timeout_s,
+                                     max_backoff_s=backoff[1])
+        self._credentials = {"root_certificates": root_certificates, "private_key": private_key,
+                             "certificate_chain": certificate_chain}
+        channel = open_channel(endpoint, self._opts, **self._credentials)
         self._link = _Link(channel)
         # Runs at close() or, for a stream never closed, at interpreter exit.
         self._finalizer = weakref.finalize(self, _Link.shut, self._link)
@@ -333,13 +346,11 @@ class BatchStream:
         if isinstance(item, StreamError):
             raise item
         with self._link.lock:
-            # Taking the next item means the previous batch is done: ack it, free its slot
-            # (sent with the others once the queue runs low; an END's ack goes at once).
+            # Taking the next item means the previous batch is done: ack it at once (the
+            # service's position stays the trainer's) and free its slot.
             if isinstance(item, StreamBatch):
                 self._queued_batches -= 1
                 self._unsent_credits += 1
-                if self._queued_batches >= max(1, self.prefetch // 2):
-                    return item
             self._send_ack_locked()
         return item
 
@@ -367,9 +378,10 @@ class BatchStream:
         pos = self._next_step if self._positioned else RESUME_FROM_CURSOR
         epoch = self._epoch
         delay = self._backoff[0]
-        last_progress = time.monotonic()
+        outage_since: float | None = None  # the first failure of the current outage
         job_done = False  # (or this world ended: the server closes, nothing to resume)
         while not link.closing:
+            started = time.monotonic()
             reqs: queue.SimpleQueue = queue.SimpleQueue()
             with link.lock:
                 credits = max(1, self.prefetch - self._queued_batches)
@@ -379,11 +391,11 @@ class BatchStream:
                     resume_step=pos, resume_epoch=epoch, client_id=self.client_id,
                     credits=credits, wire_version=WIRE_VERSION)))
                 link.reqs = reqs
-                link.call = call = self._stub.Stream(iter(reqs.get, None),
+                link.call = call = self._stub.Stream(_requests(reqs, self.heartbeat_s),
                                                      metadata=self._metadata)
             try:
                 for msg in call:
-                    last_progress = time.monotonic()
+                    outage_since = None
                     delay = self._backoff[0]
                     if msg.WhichOneof("kind") == "batch":
                         item = decode_batch(msg.batch, self.tensors)
@@ -417,12 +429,47 @@ class BatchStream:
             if link.closing:
                 return
             retry = code in _RETRYABLE and not details.startswith(MISMATCH_PREFIX)
-            if not retry or time.monotonic() - last_progress > self.reconnect_timeout:
+            now = time.monotonic()
+            if outage_since is None or now - started > self._live_bound:
+                outage_since = now
+            if not retry or now - outage_since > self.reconnect_timeout:
                 self._items.put(StreamError(code, details))
                 return
             self.reconnects += 1
+            self._next_address_first()
             time.sleep(delay)
             delay = min(delay * 2, self._backoff[1])
+
+
+    def _next_address_first(self) -> None:
+        """Reconnect through the target's next address first (`channel.rotated`): a replica
+        that ended the stream itself (it cannot reach the job's state) is still connected,
+        and `pick_first` would choose it again."""
+        target = rotated(self._target)
+        if target is None:
+            return
+        self._target = target
+        channel = open_channel(target, self._opts, **self._credentials)
+        with self._link.lock:
+            old, self._link.channel = self._link.channel, channel
+            self._stub = pb_grpc.DataServiceStub(channel)
+        old.close()
+
+
+def _requests(reqs: queue.SimpleQueue, heartbeat_s: float) -> Iterator[pb.ClientMessage]:
+    """A call's requests: what the stream queues (None ends them), and a Heartbeat whenever
+    nothing went out for `heartbeat_s`. gRPC runs this on its request-sending thread, never
+    the training loop's: a busy trainer still beats, a frozen process does not."""
+    beat = pb.ClientMessage(heartbeat=pb.Heartbeat())
+    while True:
+        try:
+            msg = reqs.get(timeout=heartbeat_s)
+        except queue.Empty:
+            yield beat
+            continue
+        if msg is None:
+            return
+        yield msg
 
 
 def open_streams(endpoint: str, job: str, world_size: int, **kw: Any) -> list[BatchStream]:

@@ -22,7 +22,6 @@ Needs grpcio, protobuf and numpy only (the light `odb-trainer-client` distributi
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import time
@@ -34,6 +33,7 @@ import grpc
 import numpy as np
 
 from trainer_client.batch_stream import StreamError
+from trainer_client.channel import channel_options, open_channel
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
@@ -62,18 +62,18 @@ class RefillStream:
     def __init__(self, endpoint: str, job: str, *, token: str | None = None,
                  consumer_id: str | None = None, root_certificates: bytes | None = None,
                  max_message_mb: int = 256, reconnect_timeout: float = 30.0,
-                 load_balancing: str = "pick_first") -> None:
+                 load_balancing: str = "pick_first", keepalive_time_s: float = 4.0,
+                 keepalive_timeout_s: float = 4.0) -> None:
+        """`keepalive_time_s`, `keepalive_timeout_s`: a silent replica is dropped within their
+        sum and the consumer fails over (`trainer_client.channel`)."""
         self.endpoint, self.job = endpoint, job
         self.consumer_id = consumer_id or f"{job}/consumer/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        n = max_message_mb * 1024 * 1024
-        opts = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
-                ("grpc.service_config",
-                 json.dumps({"loadBalancingConfig": [{load_balancing: {}}]}))]
-        self._channel = (grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(
-            root_certificates), options=opts) if root_certificates is not None
-            else grpc.insecure_channel(endpoint, options=opts))
+        opts = channel_options(max_message_mb=max_message_mb, load_balancing=load_balancing,
+                               keepalive_time_s=keepalive_time_s,
+                               keepalive_timeout_s=keepalive_timeout_s, max_backoff_s=2.0)
+        self._channel = open_channel(endpoint, opts, root_certificates=root_certificates)
         self._stub = pb_grpc.DataServiceStub(self._channel)
         self._reqs: queue.SimpleQueue | None = None
         self._replies: Iterator[pb.RefillReply] | None = None

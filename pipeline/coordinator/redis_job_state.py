@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -21,6 +22,7 @@ from pipeline.coordinator import keys, registry, scripts, step_codec
 from pipeline.coordinator.connection import open_client, unavailable_as_error
 from pipeline.errors import (
     AckAheadOfPlan,
+    AckNotDelivered,
     CheckpointConflict,
     DurabilityTimeout,
     DurabilityUnavailable,
@@ -42,6 +44,7 @@ from pipeline.jobstate.interface import (
     ProducerLease,
     Publication,
     QuarantineEntry,
+    RankAck,
     RankHealth,
     RankLease,
 )
@@ -53,6 +56,8 @@ from pipeline.jobstate.worlds import (
     ScaleResult,
     World,
     WorldTimings,
+    stamp_of_end,
+    stamp_of_step,
 )
 from pipeline.planner.types import EpochEnd, Step, StepInfo
 
@@ -190,6 +195,9 @@ class RedisJobState(JobState):
         if code == "ODB_AHEAD":
             return AckAheadOfPlan(f"job {job!r}: ack of step {rest[0]} but only steps "
                                   f"through {rest[1]} are published")
+        if code == "ODB_UNSENT":
+            return AckNotDelivered(f"job {job!r}: ack of step {rest[0]} by rank {rank}, which "
+                                   f"may have been sent steps through {rest[1]} only")
         if code == "ODB_NOJOB":
             return UnknownJob(f"job {job!r} is not registered in Redis (deleted?)")
         if code == "ODB_WORLD":
@@ -243,6 +251,7 @@ class RedisJobState(JobState):
 
     # ------------------------------------------------------------ the plan
     def publish(self, publication: Publication, *, fence: int) -> int:
+        publication.check_stamps()
         cp = publication.checkpoint
         args: list[Any] = [self.keys.base, fence, cp.epoch, cp.samples_consumed, cp.next_step,
                            step_codec.encode_checkpoint(cp), "1" if publication.done else "0",
@@ -357,7 +366,8 @@ class RedisJobState(JobState):
         if not raw:
             return None
         header = raw.pop(b"h")
-        return step_codec.decode_step(header, {int(r): v for r, v in raw.items()})
+        return self._stamped([step_codec.decode_step(header, {int(r): v
+                                                              for r, v in raw.items()})])[0]
 
     def get_step_for(self, step: int, ranks: Sequence[int]) -> Step | None:
         return self.get_steps_for([(step, ranks)])[0]
@@ -368,7 +378,8 @@ class RedisJobState(JobState):
             for step, ranks in wanted:
                 pipe.hmget(self.keys.step(step), ["h", *ranks])
             raws = pipe.execute()
-        return [self._step_part(raw, ranks) for raw, (_, ranks) in zip(raws, wanted, strict=True)]
+        return self._stamped([self._step_part(raw, ranks)
+                              for raw, (_, ranks) in zip(raws, wanted, strict=True)])
 
     @staticmethod
     def _step_part(raw: list[bytes | None], ranks: Sequence[int]) -> Step | None:
@@ -378,7 +389,16 @@ class RedisJobState(JobState):
         wanted = {r: blob for r, blob in zip(ranks, raw[1:], strict=True) if blob is not None}
         return Step(epoch=h["e"], step=h["n"], info=StepInfo(*h["i"]),
                     batches=tuple(step_codec.decode_batch(wanted[r], r)
-                                  for r in h["r"] if r in wanted))
+                                  for r in h["r"] if r in wanted),
+                    world=step_codec.header_world(h))
+
+    def _stamped(self, steps: list[Step | None]) -> list[Step | None]:
+        """Steps a build before stamping published get their world derived (one more read)."""
+        if all(s is None or s.world.stamped for s in steps):
+            return steps
+        worlds = self.worlds()
+        return [s if s is None or s.world.stamped
+                else replace(s, world=stamp_of_step(worlds, s.step)) for s in steps]
 
     def published_through(self) -> int:
         (v,) = self._meta("published_through")
@@ -393,8 +413,13 @@ class RedisJobState(JobState):
     def epoch_ends(self) -> list[EpochEnd]:
         with unavailable_as_error(self._where):
             raw = self.client.hgetall(self.keys.ends)
-        return sorted((step_codec.decode_epoch_end(v) for v in raw.values()),
+        ends = sorted((step_codec.decode_epoch_end(v) for v in raw.values()),
                       key=lambda e: e.epoch)
+        if all(e.world.stamped for e in ends):
+            return ends
+        worlds = self.worlds()  # ENDs a build before stamping published: derive their world
+        return [e if e.world.stamped else replace(e, world=stamp_of_end(worlds, e))
+                for e in ends]
 
     def is_done(self) -> bool:
         return self._meta("state")[0] == b"done"
@@ -466,12 +491,10 @@ class RedisJobState(JobState):
         k = self.keys
         return [k.meta, k.acked, k.lease_exp, k.lease, k.lapsed, k.counters, k.claimed]
 
-    def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int,
-             soft: bool = False) -> list:
+    def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int) -> list:
         # The script checks the rank (current world for cursors, + draining ranks for leases).
         return self._run(scripts.ack, self._ack_keys(),
-                         [self.keys.base, rank, client_id, _ms(lease_seconds), step,
-                          "1" if soft else "0"], rank=rank)
+                         [self.keys.base, rank, client_id, _ms(lease_seconds), step], rank=rank)
 
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
         if not client_id:
@@ -479,37 +502,26 @@ class RedisJobState(JobState):
         exp, _ = self._ack(rank, client_id, lease_seconds, -1)
         return RankLease(rank, client_id, exp / 1000.0)
 
-    def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
-        if not client_id:
-            raise ValueError("client_id must be non-empty")
-        exp, _ = self._ack(rank, client_id, lease_seconds, -1, soft=True)
-        return int(exp) != -2
-
     def ack(self, rank: int, step: int) -> None:
         if step < 0:
             self._check_rank(rank, self.world_size)
             return
         self._ack(rank, "", 0, step)
 
-    def ack_many(self, acks: Sequence[tuple[int, int]]) -> list[Exception | None]:
+    def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
         out: list[Exception | None] = [None] * len(acks)
         todo = []
-        bound: int | None = None
-        for i, (rank, step) in enumerate(acks):
-            if step >= 0:
-                todo.append(i)  # the script checks the rank
+        args: list[Any] = [self.keys.base, _ms(lease_seconds)]
+        for i, a in enumerate(acks):
+            if not a.client_id:
+                out[i] = ValueError("client_id must be non-empty")
                 continue
-            if bound is None:
-                bound = self.world_size
-            if not 0 <= rank < bound:
-                out[i] = ValueError(f"job {self.job_id!r}: rank {rank} outside 0..{bound - 1}")
+            todo.append(i)  # the script checks the rank, the lease, the plan and the grant
+            args += [a.rank, a.client_id, a.step, "1" if a.renew else "0"]
         if not todo:
             return out
-        args: list[Any] = [self.keys.base]
-        for i in todo:
-            args += acks[i]
         try:
-            replies = self._run(scripts.ack_many, [self.keys.meta, self.keys.acked], args)
+            replies = self._run(scripts.ack_many, [*self._ack_keys(), self.keys.grants], args)
         except UnknownJob as exc:  # the job is gone: every ack gets the error
             replies = [exc] * len(todo)
         for i, res in zip(todo, replies, strict=True):
@@ -517,7 +529,7 @@ class RedisJobState(JobState):
                 out[i] = res
             elif res:
                 msg = res.decode() if isinstance(res, bytes) else str(res)
-                out[i] = self._error_for(msg, acks[i][0]) or RuntimeError(msg)
+                out[i] = self._error_for(msg, acks[i].rank) or RuntimeError(msg)
         return out
 
     def release_rank(self, rank: int, client_id: str) -> None:

@@ -5,6 +5,11 @@ batches of the ranks it serves (one HMGET) instead of the whole W-rank step. The
 canonical (equal values give equal bytes) because write-once compares digests of these bytes:
 `truncated_to` is written as sorted pairs (its keys may be ints, and dict order is not value).
 Sample ids keep their type (int or str) through JSON.
+
+World stamps ("w": [generation, size]) are written for stamped steps and ENDs only, so an
+unstamped value encodes as before stamping. A record a build before stamping published decodes
+with `WorldStamp()` (not stamped); `RedisJobState` derives its stamp from the job's worlds
+(`worlds.stamp_of_step` / `stamp_of_end`) when it reads it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 from pipeline.jobstate.interface import PlannerCheckpoint, QuarantineEntry
 from pipeline.jobstate.worlds import ScaleReason, World
-from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
+from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo, WorldStamp
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
 
@@ -65,18 +70,34 @@ def decode_batch(data: bytes, rank: int) -> Batch:
     )
 
 
+def _stamp(d: dict[str, Any], world: WorldStamp) -> dict[str, Any]:
+    if world.stamped:
+        d["w"] = [int(world.generation), int(world.size)]
+    return d
+
+
+def _unstamp(d: dict) -> WorldStamp:
+    w = d.get("w")
+    return WorldStamp() if w is None else WorldStamp(*w)
+
+
 def encode_header(step: Step) -> bytes:
     # "r": rank order of `batches` as published, so decoding rebuilds an equal tuple.
-    return _dumps({
+    return _dumps(_stamp({
         "e": int(step.epoch), "n": int(step.step),
         "i": [int(step.info.step_samples), int(step.info.step_tokens),
               int(step.info.step_loss_tokens)],
         "r": [int(b.rank) for b in step.batches],
-    }).encode()
+    }, step.world)).encode()
 
 
 def decode_header(data: bytes) -> dict:
     return json.loads(data)
+
+
+def header_world(h: dict) -> WorldStamp:
+    """The world stamp of a decoded header (`WorldStamp()`: published before stamping)."""
+    return _unstamp(h)
 
 
 def encode_step(step: Step) -> tuple[bytes, list[tuple[int, bytes]]]:
@@ -92,22 +113,22 @@ def decode_step(header: bytes, blobs: dict[int, bytes]) -> Step:
     return Step(
         epoch=h["e"], step=h["n"],
         batches=tuple(decode_batch(blobs[r], r) for r in h["r"]),
-        info=StepInfo(*h["i"]),
+        info=StepInfo(*h["i"]), world=_unstamp(h),
     )
 
 
 def encode_epoch_end(end: EpochEnd) -> bytes:
-    return _dumps({
+    return _dumps(_stamp({
         "e": int(end.epoch), "n": int(end.steps),
         "f": [None if s is None else int(s) for s in end.final_step],
         "c": [_sample(s) for s in end.carried_over],
-    }).encode()
+    }, end.world)).encode()
 
 
 def decode_epoch_end(data: bytes) -> EpochEnd:
     d = json.loads(data)
     return EpochEnd(epoch=d["e"], final_step=tuple(d["f"]), steps=d["n"],
-                    carried_over=tuple(_unsample(v) for v in d["c"]))
+                    carried_over=tuple(_unsample(v) for v in d["c"]), world=_unstamp(d))
 
 
 def encode_checkpoint(c: PlannerCheckpoint) -> bytes:

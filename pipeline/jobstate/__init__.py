@@ -8,6 +8,7 @@ from pipeline.jobstate.interface import (
     ProducerLease,
     Publication,
     QuarantineEntry,
+    RankAck,
     RankHealth,
     RankLease,
 )
@@ -23,5 +24,6 @@ from pipeline.jobstate.worlds import (
 )
 
 __all__ = ["Grant", "JobCounters", "JobState", "MemoryJobState", "PlanHead", "PlannerCheckpoint",
-           "ProducerFailure", "ProducerLease", "Publication", "QuarantineEntry", "RankHealth",
-           "RankLease", "ScaleReason", "ScaleRequest", "ScaleResult", "World", "WorldTimings"]
+           "ProducerFailure", "ProducerLease", "Publication", "QuarantineEntry", "RankAck",
+           "RankHealth", "RankLease", "ScaleReason", "ScaleRequest", "ScaleResult", "World",
+           "WorldTimings"]

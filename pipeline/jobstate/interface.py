@@ -11,8 +11,9 @@ Who writes what:
 - the job's one producer: `publish` (steps, END records, checkpoint, counters, quarantine — one
   atomic change, fenced by its lease generation and by the world it planned for),
   `claim_producer`/`renew_producer`, `set_error`;
-- replicas serving ranks: rank leases (`claim_rank`, `heartbeat`, `release_rank`), cursors
-  (`ack`, `ack_many`), delivery grants (`grant`) and a drained rank's exit (`rank_left`);
+- replicas serving ranks: rank leases and cursors on their clients' evidence (`claim_rank` at
+  an Open, `ack_many` for their acks and heartbeats, `release_rank`), delivery grants (`grant`)
+  and a drained rank's exit (`rank_left`); `ack` moves a cursor alone (tools);
 - a reconfiguration (`scale`: an operator's request, an elastic Open, the shrink policy) ends
   the current world at a boundary and starts the next (worlds.py, docs/elastic.md);
 - everybody reads.
@@ -24,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pipeline.errors import RankHeld
 from pipeline.jobstate.worlds import Grant, PlanHead, ScaleRequest, ScaleResult, World, WorldTimings
 from pipeline.planner.types import EpochEnd, Step
 
@@ -33,6 +35,20 @@ class RankLease:
     rank: int
     client_id: str
     expires_at: float  # unix seconds (the state's clock)
+
+
+@dataclass(frozen=True)
+class RankAck:
+    """What a rank's stream reports for its client (`JobState.ack_many`): a sign of life from
+    `client_id` (it renews the rank's lease; with `renew` False only if the client does not
+    hold it live: a replica renews on an ack every so often, not at every one) and, when
+    `step` >= 0, that the rank consumed every step through `step` (-1: nothing new, a
+    heartbeat)."""
+
+    rank: int
+    client_id: str
+    step: int = -1
+    renew: bool = True
 
 
 @dataclass(frozen=True)
@@ -109,7 +125,8 @@ class Publication:
     """One atomic change of the plan by the producer: new steps, END records, the checkpoint
     that produced them, what the input yielded since the previous publication, and whether
     planning is over. Applied all or nothing; a publication whose checkpoint position equals the
-    stored one is a retry and changes nothing (so counters never count twice)."""
+    stored one is a retry and changes nothing (so counters never count twice). Every step and
+    END carries the world it was planned for (`check_stamps`)."""
 
     checkpoint: PlannerCheckpoint
     steps: tuple[Step, ...] = ()
@@ -117,6 +134,16 @@ class Publication:
     samples_in: int = 0  # source rows that became samples since the previous publication
     quarantined: tuple[QuarantineEntry, ...] = ()
     done: bool = False
+
+    def check_stamps(self) -> None:
+        """ValueError unless every step and END is stamped with the checkpoint's world (the
+        planner stamps what it emits: `WorldStamp`)."""
+        for what, n, world in ([("step", s.step, s.world) for s in self.steps]
+                               + [("END of epoch", e.epoch, e.world) for e in self.ends]):
+            if not world.stamped or world.generation != self.checkpoint.world:
+                raise ValueError(f"{what} {n} is stamped for world {world.generation} of "
+                                 f"{world.size} ranks, the publication's checkpoint is for "
+                                 f"world {self.checkpoint.world}")
 
 
 @dataclass(frozen=True)
@@ -150,7 +177,8 @@ class JobState(ABC):
         (`CheckpointConflict`). The checkpoint's `world` must be the current world generation
         (else `WorldChanged`: a reconfiguration ended the world it planned for); the first
         publication for a new world adopts it (`scale` is refused until then). A batch for a
-        rank outside the current world, or two for one rank, is a ValueError. Returns the number
+        rank outside the current world, or two for one rank, or a step or END not stamped with
+        the checkpoint's world (`Publication.check_stamps`) is a ValueError. Returns the number
         of new steps. A publication clears the producer's transient failure."""
 
     @abstractmethod
@@ -244,21 +272,35 @@ class JobState(ABC):
     def release_rank(self, rank: int, client_id: str) -> None:
         """Only the holder can release; releasing is not a lapse."""
 
-    @abstractmethod
     def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
-        """Renew (or retake after a lapse); True if `client_id` holds the lease now. Another
-        live holder is not an error here (nothing changes)."""
+        """Renew (or retake after a lapse); True if `client_id` holds the lease now, False if
+        another client's lease is live (nothing changes). One heartbeat of `ack_many`."""
+        (error,) = self.ack_many([RankAck(rank, client_id)], lease_seconds)
+        if isinstance(error, RankHeld):
+            return False
+        if error is not None:
+            raise error
+        return True
 
     @abstractmethod
     def ack(self, rank: int, step: int) -> None:
         """Rank consumed everything through `step` (monotonic: lower values, -1 included, are
-        ignored); `AckAheadOfPlan` past the published plan; ValueError for a rank outside the
-        world, whatever the step."""
+        ignored), whatever its lease and grant (an operator's or a test's tool: streams use
+        `ack_many`); `AckAheadOfPlan` past the published plan; ValueError for a rank outside
+        the world, whatever the step."""
 
     @abstractmethod
-    def ack_many(self, acks: Sequence[tuple[int, int]]) -> list[Exception | None]:
-        """Several (rank, step) acks in one round trip; per ack its error (as `ack` would raise)
-        or None. Not atomic across ranks."""
+    def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
+        """Rank streams' acks and heartbeats in one round trip; per ack its error or None (not
+        atomic across acks; each is checked before anything of it is written). Each is evidence
+        of life from its client: the rank's lease is renewed for `lease_seconds` (taken if
+        nobody holds a live one; taking over another client's lapsed lease counts as a lapse)
+        unless another client holds a live lease: `RankHeld`, nothing changes (the stream of a
+        client whose lease was taken ends). With `step` >= 0 the rank's cursor moves there
+        (monotonic), unless the step is past the published plan (`AckAheadOfPlan`) or past the
+        rank's delivery grant (`AckNotDelivered`: a cursor never skips a step the rank was not
+        sent). ValueError for an empty client id, or a rank outside the current world (for a
+        heartbeat: outside the current world and the draining ranks of the one it ended)."""
 
     @abstractmethod
     def acked(self, rank: int) -> int:

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from pipeline.errors import (
     AckAheadOfPlan,
+    AckNotDelivered,
     CheckpointConflict,
     Fenced,
     PlanningComplete,
@@ -31,6 +32,7 @@ from pipeline.jobstate.interface import (
     ProducerLease,
     Publication,
     QuarantineEntry,
+    RankAck,
     RankHealth,
     RankLease,
 )
@@ -106,6 +108,7 @@ class MemoryJobState(JobState):
                 raise WorldChanged(f"job {self.job_id!r}: publication planned for world "
                                    f"{cp.world}, the current world is {world.generation} "
                                    f"({world.world_size} ranks from step {world.first_step})")
+            publication.check_stamps()
             for step in publication.steps:
                 self._check_batches(step)
             old = self._checkpoint
@@ -184,7 +187,7 @@ class MemoryJobState(JobState):
         if s is None:
             return None
         want = set(ranks)
-        return Step(s.epoch, s.step, tuple(b for b in s.batches if b.rank in want), s.info)
+        return replace(s, batches=tuple(b for b in s.batches if b.rank in want))
 
     def published_through(self) -> int:
         with self._lock:
@@ -292,11 +295,14 @@ class MemoryJobState(JobState):
         self._check_lease_rank(rank)
         now = self._clock()
         with self._lock:
-            cur = self._leases.get(rank)
-            if cur is not None and cur.client_id != client_id and cur.expires_at > now:
-                raise RankHeld(f"job {self.job_id!r}: rank {rank} is held by client "
-                               f"{cur.client_id!r} for {cur.expires_at - now:.1f}s more")
+            self._check_holder(rank, client_id, now)
             return self._take(rank, client_id, lease_seconds, now)
+
+    def _check_holder(self, rank: int, client_id: str, now: float) -> None:
+        cur = self._leases.get(rank)
+        if cur is not None and cur.client_id != client_id and cur.expires_at > now:
+            raise RankHeld(f"job {self.job_id!r}: rank {rank} is held by client "
+                           f"{cur.client_id!r} for {cur.expires_at - now:.1f}s more")
 
     def release_rank(self, rank: int, client_id: str) -> None:
         self._check_lease_rank(rank)
@@ -306,43 +312,52 @@ class MemoryJobState(JobState):
                 del self._leases[rank]
                 self._heartbeats.pop(rank, None)
 
-    def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
-        if not client_id:
-            raise ValueError("client_id must be non-empty")
-        self._check_lease_rank(rank)
-        now = self._clock()
-        with self._lock:
-            cur = self._leases.get(rank)
-            if cur is not None and cur.client_id != client_id and cur.expires_at > now:
-                return False
-            self._take(rank, client_id, lease_seconds, now)
-            return True
-
-    def _ack_locked(self, rank: int, step: int) -> None:
+    def _check_published(self, step: int) -> None:
         if step > self._through:
             raise AckAheadOfPlan(f"job {self.job_id!r}: ack of step {step} but only steps "
                                  f"through {self._through} are published")
-        self._acked[rank] = max(self._acked[rank], step)
 
     def ack(self, rank: int, step: int) -> None:
         self._check_rank(rank)
         if step < 0:
             return
         with self._lock:
-            self._ack_locked(rank, step)
+            self._check_published(step)
+            self._acked[rank] = max(self._acked[rank], step)
 
-    def ack_many(self, acks: Sequence[tuple[int, int]]) -> list[Exception | None]:
+    def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
+        now = self._clock()
         out: list[Exception | None] = []
         with self._lock:
-            for rank, step in acks:
+            for a in acks:
                 try:
-                    self._check_rank(rank)
-                    if step >= 0:
-                        self._ack_locked(rank, step)
-                    out.append(None)
-                except (AckAheadOfPlan, ValueError) as exc:
+                    self._check_ack(a, now)
+                except (AckAheadOfPlan, AckNotDelivered, RankHeld, ValueError) as exc:
                     out.append(exc)
+                    continue
+                cur = self._leases.get(a.rank)
+                held = cur is not None and cur.client_id == a.client_id and cur.expires_at > now
+                if a.renew or not held:
+                    self._take(a.rank, a.client_id, lease_seconds, now)
+                if a.step >= 0:
+                    self._acked[a.rank] = max(self._acked[a.rank], a.step)
+                out.append(None)
         return out
+
+    def _check_ack(self, a: RankAck, now: float) -> None:
+        """Everything `ack_many` refuses an ack for (under the lock, before any change)."""
+        if not a.client_id:
+            raise ValueError("client_id must be non-empty")
+        if a.step >= 0:
+            self._check_rank(a.rank)
+        else:
+            self._check_lease_rank(a.rank)
+        self._check_holder(a.rank, a.client_id, now)
+        self._check_published(a.step)
+        granted = self._grants.get(a.rank, self._worlds[-1].first_step - 1)
+        if a.step > granted:
+            raise AckNotDelivered(f"job {self.job_id!r}: ack of step {a.step} by rank {a.rank}, "
+                                  f"which may have been sent steps through {granted} only")
 
     def acked(self, rank: int) -> int:
         self._check_rank(rank)

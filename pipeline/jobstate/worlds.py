@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pipeline.planner.types import EpochEnd, WorldStamp
+
 
 class ScaleReason(str, Enum):  # noqa: UP042 (str mixin: stored and shown as text)
     INITIAL = "initial"  # the world the job registered with
@@ -131,13 +133,39 @@ class WorldTimings:
         return max(self.first_batch_at.values()) - self.requested_at
 
 
+def world_of_step(worlds: Sequence[World], step: int) -> World:
+    """The world that owns `step`: the last one starting at or before it (world g owns the
+    steps from its `first_step` on; the batches its boundary returned are still its steps)."""
+    return next((w for w in reversed(worlds) if w.first_step <= step), worlds[0])
+
+
+def stamp_of_step(worlds: Sequence[World], step: int) -> WorldStamp:
+    """The world stamp of a step published before stamping (exact: see `world_of_step`)."""
+    w = world_of_step(worlds, step)
+    return WorldStamp(w.generation, w.world_size)
+
+
+def stamp_of_end(worlds: Sequence[World], end: EpochEnd) -> WorldStamp:
+    """The world stamp of an END published before stamping: the world of its last step (exact:
+    a world's END names only steps of that world). An END without any step (every rank got
+    none) is given the latest world of its size, as builds before stamping assumed."""
+    if end.last_step >= 0:
+        return stamp_of_step(worlds, end.last_step)
+    n = len(end.final_step)
+    w = next((w for w in reversed(worlds) if w.world_size == n), worlds[-1])
+    return WorldStamp(w.generation, w.world_size)
+
+
 def choose_boundary(*, first_step: int, published_through: int, last_end_step: int,
                     grants: Sequence[int], acked: Sequence[int], live: Sequence[bool],
                     position: int | None = None) -> tuple[int, ...]:
     """Each rank's last step in the world that ends (index = rank).
 
     - With a restored `position`: every rank's last step is `position - 1` (what the trainer's
-      checkpoint consumed), within the world's steps.
+      checkpoint consumed), within the world's steps, but never before the last step of an
+      epoch whose END is published: that epoch is closed (its END was delivered, the planner
+      moved on), so its steps after the position stay consumed rather than re-planned into the
+      next epoch (a position inside them is then refused: docs/elastic.md).
     - Otherwise a rank with a live lease may have been sent anything up to its grant, so all
       live ranks end at B = the highest grant among them; B is never before the last step of an
       epoch whose END is published (`last_end_step`), so returned batches are all of the
@@ -151,7 +179,7 @@ def choose_boundary(*, first_step: int, published_through: int, last_end_step: i
         return min(max(n, floor), published_through)
 
     if position is not None:
-        return tuple(clamp(position - 1) for _ in grants)
+        return tuple(clamp(max(position - 1, last_end_step)) for _ in grants)
     b = clamp(max([g for g, ok in zip(grants, live, strict=True) if ok]
                   + [last_end_step, floor]))
     return tuple(b if ok else clamp(a) for a, ok in zip(acked, live, strict=True))

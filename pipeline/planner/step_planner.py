@@ -60,6 +60,7 @@ from pipeline.planner.types import (
     SampleId,
     Step,
     StepInfo,
+    WorldStamp,
 )
 from pipeline.quarantine import QuarantineReason
 
@@ -157,7 +158,10 @@ class StepPlanner:
         mode: DgapMode | str = DgapMode.JOIN,
         seed: int = 0,
         pool_steps: int | None = None,
+        *,
+        generation: int = 0,
     ) -> None:
+        """`generation`: the world the plan is for (0: the job's first; see `WorldStamp`)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         try:
@@ -167,7 +171,7 @@ class StepPlanner:
                 f"mode must be one of {[m.value for m in DgapMode]}, got {mode!r}"
             ) from None
         self.policy = policy
-        self.world_size = world_size
+        self.world = WorldStamp(generation, world_size)  # stamped on every Step and EpochEnd
         self.seed = int(seed)
         self._cm = policy.cost_model
         self._budget = policy.token_budget
@@ -240,7 +244,7 @@ class StepPlanner:
             final = tuple(last for _ in range(self.world_size))
         else:
             final = tuple(self._last_step)
-        events.append(EpochEnd(self.epoch, final, steps, carried))
+        events.append(EpochEnd(self.epoch, final, steps, carried, self.world))
         self._carry = carried
         self.epoch += 1
         self.samples_consumed = 0
@@ -249,8 +253,9 @@ class StepPlanner:
 
     def reconfigure(self, world_size: int, returned: Sequence[Batch], *, first_step: int,
                     pool_steps: int | None = None) -> list[PlanEvent]:
-        """Move the rest of the current epoch onto `world_size` ranks (a reconfiguration: see
-        docs/elastic.md); returns the steps the pool fills at once, numbered from `first_step`.
+        """Move the rest of the current epoch onto the next world (generation + 1) of
+        `world_size` ranks (a reconfiguration: see docs/elastic.md); returns the steps the pool
+        fills at once, numbered from `first_step`.
 
         `returned`: the batches of published steps that the old world will never run (voided),
         in (step, rank) order. Each was a valid batch (budget, visual cap, truncation), and the
@@ -270,7 +275,7 @@ class StepPlanner:
             pool_steps = 1 if world_size == 1 else max(2, -(-256 // world_size))
         if pool_steps < 1:
             raise ValueError(f"pool_steps must be >= 1, got {pool_steps}")
-        self.world_size = world_size
+        self.world = WorldStamp(self.world.generation + 1, world_size)
         self._pool_target = pool_steps * world_size
         self.next_step = first_step
         self._last_step = [None] * world_size  # the epoch's END names the new world's ranks
@@ -304,6 +309,10 @@ class StepPlanner:
         self._ramp()
 
     @property
+    def world_size(self) -> int:
+        return self.world.size
+
+    @property
     def buffered(self) -> int:
         """Samples fed but not yet in a published step (window + pool)."""
         return len(self._former) + sum(len(b.samples) for b in self._pool)
@@ -335,9 +344,12 @@ class StepPlanner:
         mode: DgapMode | str = DgapMode.JOIN,
         seed: int = 0,
         pool_steps: int | None = None,
+        *,
+        generation: int = 0,
     ) -> StepPlanner:
-        """A planner that continues exactly where the one that took `state` was."""
-        p = cls(policy, world_size, mode, seed, pool_steps)
+        """A planner that continues exactly where the one that took `state` was (for world
+        `generation` of `world_size` ranks: the state's checkpoint names it)."""
+        p = cls(policy, world_size, mode, seed, pool_steps, generation=generation)
         if len(state.last_step) != world_size:
             raise ValueError(f"state is for world_size {len(state.last_step)}, not {world_size}")
         p.epoch = state.epoch
@@ -506,7 +518,8 @@ class StepPlanner:
             samples += len(pb.samples)
             loss += b.loss_tokens
         batches.sort(key=lambda b: b.rank)
-        events.append(Step(self.epoch, step, tuple(batches), StepInfo(samples, tokens, loss)))
+        events.append(Step(self.epoch, step, tuple(batches), StepInfo(samples, tokens, loss),
+                           self.world))
 
 
 def _filler_of(

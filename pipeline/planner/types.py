@@ -94,18 +94,35 @@ class StepInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class WorldStamp:
+    """The world a step or an epoch END was planned for (docs/elastic.md): its generation (0 is
+    the world the job registered with; each reconfiguration starts the next) and its number of
+    ranks. The planner stamps what it emits; `size == 0` means "not stamped" (a record a build
+    before stamping published: the job's state derives its stamp when it reads it)."""
+
+    generation: int = 0
+    size: int = 0
+
+    @property
+    def stamped(self) -> bool:
+        return self.size > 0
+
+
+@dataclass(frozen=True, slots=True)
 class Step:
     """The batches (at most one per rank) that run together. Once published it never changes.
 
     `step` is global and monotonic across the job's epochs (epoch e+1 starts after every rank's
     last step of epoch e), so a single integer identifies a resume point.
     A rank that has no batch at a step (join mode, after its final step) is absent from `batches`.
+    `world`: the world whose ranks run it (its size is the batches' `world_size` on the wire).
     """
 
     epoch: int
     step: int
     batches: tuple[Batch, ...]
     info: StepInfo
+    world: WorldStamp = WorldStamp()
 
     def batch_for(self, rank: int) -> Batch | None:
         for b in self.batches:
@@ -131,17 +148,25 @@ class EpochEnd:
     could not fill the last aligned step; they open the next epoch. The job's last epoch carries
     nothing: its remainder forms one closing step, with filler batches for the ranks it cannot
     give a sample (`StepPlanner.end_epoch(last_epoch=True)`).
+    `world`: the world in which the epoch ended (`final_step` names its ranks); an epoch that
+    spans a reconfiguration ends in the later world.
     """
 
     epoch: int
     final_step: tuple[int | None, ...]
     steps: int
     carried_over: tuple[MeasuredSample, ...] = ()
+    world: WorldStamp = WorldStamp()
 
     @property
     def last_step(self) -> int:
         """The epoch's last step on any rank (-1 if it had none)."""
         return max((s for s in self.final_step if s is not None), default=-1)
+
+    def final_for(self, rank: int) -> int | None:
+        """Rank's last step of the epoch; None if it had none (or is not a rank of this END's
+        world: a rank of a later, larger world)."""
+        return self.final_step[rank] if 0 <= rank < len(self.final_step) else None
 
 
 PlanEvent = Step | Quarantined | EpochEnd

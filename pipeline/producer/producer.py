@@ -272,10 +272,12 @@ class Producer:
         planned_for = cp.world if cp is not None else 0
         size = worlds[planned_for].world_size
         if cp is None or not cp.state:
-            planner = StepPlanner(policy, size, self.job.mode, self.job.seed, pool)
+            planner = StepPlanner(policy, size, self.job.mode, self.job.seed, pool,
+                                  generation=planned_for)
         else:
             snap = PlannerState.from_dict(json.loads(cp.state))
-            planner = StepPlanner.restore(snap, policy, size, self.job.mode, self.job.seed, pool)
+            planner = StepPlanner.restore(snap, policy, size, self.job.mode, self.job.seed, pool,
+                                          generation=planned_for)
             log.info("job %s: planner restored at epoch %d row %d, next step %d",
                      self.job.job_id, cp.epoch, cp.samples_consumed, cp.next_step,
                      extra={"job": self.job.job_id})

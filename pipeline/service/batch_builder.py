@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def batch_message(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
-                  collate: str, pad_id: int, world_size: int) -> bytes:
+                  collate: str, pad_id: int) -> bytes:
     batch = step.batch_for(rank)
     if batch is None:
         raise LookupError(f"step {step.step} has no batch for rank {rank}")
@@ -42,5 +42,5 @@ def batch_message(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
         info.rank_samples = len(batch.samples)
         info.rank_tokens = batch.num_tokens
         info.rank_loss_tokens = loss
-    info.world_size = world_size
+    info.world_size = step.world.size  # the world that runs the step
     return batch_message_bytes(out, arrays)

@@ -32,7 +32,6 @@ from pipeline.producer.hosting import ProducerHost
 from pipeline.service.batch_builder import batch_message
 from pipeline.service.payloads import PayloadSource
 from pipeline.service.plan_view import PlanView
-from pipeline.service.rank_cursor import epoch_last_step
 
 log = logging.getLogger(__name__)
 
@@ -169,15 +168,14 @@ class JobRuntime:
             if step is not None:
                 return nxt, step.epoch
         ends = self.state.epoch_ends()
-        epoch = sum(1 for e in ends if epoch_last_step(e) < nxt)
+        epoch = sum(1 for e in ends if e.last_step < nxt)
         # A rank done with the whole job gets its final END again, never a silent stream.
         return nxt, min(epoch, self.job.epochs - 1)
 
-    def build_message(self, step: Step, rank: int, world_size: int) -> bytes:
-        """Rank's batch of `step`, a step of a world of `world_size` ranks."""
-        samples = self.payloads.fetch(step, rank)
-        return batch_message(step, rank, samples, collate=self.collate, pad_id=self.pad_id,
-                             world_size=world_size)
+    def build_message(self, step: Step, rank: int) -> bytes:
+        """Rank's batch of `step` as the wire bytes it is sent as."""
+        return batch_message(step, rank, self.payloads.fetch(step, rank), collate=self.collate,
+                             pad_id=self.pad_id)
 
     def facts(self) -> ReplicaFacts:
         return ReplicaFacts(ranks={r: RankConnection(c.client_id, c.connected, c.delivered)

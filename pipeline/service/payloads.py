@@ -10,7 +10,11 @@ whenever and wherever it is called (restarts redeliver identical batches).
   object manager. When the producer does not hold it — published by a previous producer,
   released after the rank acknowledged it (a trainer rewinding to an older checkpoint), or the
   producer is gone — the samples are rebuilt by id with `SampleStore` (the same `Processor`,
-  same seed: byte-identical). An SDO job plans visits (`<sample_id>#<k>`): each carries the
+  same seed: byte-identical), from the epoch of the step or the one before (a sample carried
+  over by quota mode, or returned by a reconfiguration after its epoch's END, is planned in the
+  next epoch: the producer rebuilds the same way). Every Ray call is bounded (`timeout_s`): a
+  frozen Ray head or object store makes the replica rebuild by id instead (and skip Ray for a
+  while), never wait forever. An SDO job plans visits (`<sample_id>#<k>`): each carries the
   payload of its sample (`payload_id_of`).
 Both count what they fetched per rank (`fetched_by_rank`), so tests and operators can check that
 a replica never reads payloads of ranks it does not serve.
@@ -20,12 +24,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.config import JobConfig
-from pipeline.jobstate.interface import JobState
 from pipeline.planner.types import Batch, MeasuredSample, SampleId, Step
 from pipeline.preprocess.array_source import ArraySource
 from pipeline.preprocess.sample import ProcessedSample
@@ -97,11 +101,13 @@ class ArrayPayloads(_Counting):
 class RayPayloads(_Counting):
     blocking = True
 
-    def __init__(self, job: JobConfig, state: JobState, local: LocalFeed | None = None) -> None:
+    def __init__(self, job: JobConfig, local: LocalFeed | None = None, *,
+                 timeout_s: float = 10.0) -> None:
         super().__init__()
         self.job = job
         self.local = local
-        self.state = state  # END records tell which samples quota mode carried over
+        self.timeout_s = timeout_s
+        self._ray_down_until = 0.0  # Ray did not answer: rebuild by id until then
         self.collate = job.batching.collate
         self.payload_id = payload_id_of(job)
         self._actor_lock = threading.Lock()
@@ -122,18 +128,31 @@ class RayPayloads(_Counting):
     def _refs_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
         import ray
 
-        actor = self._producer()
-        if actor is None:
-            return [None] * len(keys)
+        if time.monotonic() < self._ray_down_until or not ray.is_initialized():
+            return [None] * len(keys)  # (ray.get_actor would start a Ray of its own)
         try:
-            got = ray.get(actor.batch_refs.remote(list(keys)), timeout=30)
-        except Exception:  # the producer died or restarts: rebuild, find it again next time
+            actor = self._producer()
+            if actor is None:
+                return [None] * len(keys)
+            got = ray.get(actor.batch_refs.remote(list(keys)), timeout=self.timeout_s)
+        except Exception as exc:  # the producer died or restarts: rebuild, find it again later
             log.debug("job %s: producer unreachable for payload refs", self.job.job_id,
                       exc_info=True)
             with self._actor_lock:
                 self._actor = None
+            self._ray_unanswered(exc)
             return [None] * len(keys)
         return [got.get(tuple(k)) for k in keys]
+
+    def _ray_unanswered(self, exc: BaseException) -> None:
+        """A Ray call that timed out: Ray (its head, the object store) may be frozen; rebuild
+        by id without asking it for a while."""
+        import ray
+
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            self._ray_down_until = time.monotonic() + self.timeout_s
+            log.warning("job %s: Ray did not answer within %gs; payloads are rebuilt by id for "
+                        "the next %gs", self.job.job_id, self.timeout_s, self.timeout_s)
 
     def fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
         import ray
@@ -148,7 +167,7 @@ class RayPayloads(_Counting):
         ref = self._refs((step.step, rank))
         if ref is not None:
             try:
-                items = from_table(ray.get(ref))
+                items = from_table(ray.get(ref, timeout=self.timeout_s))
                 if len(items) == len(batch.samples) and all(
                         isinstance(p, ProcessedSample)
                         and _matches(p, s, self.collate, self.payload_id(s.sample_id))
@@ -157,9 +176,10 @@ class RayPayloads(_Counting):
                     return items  # type: ignore[return-value]
                 log.error("job %s: staged payload of step %d rank %d does not match its "
                           "plan; rebuilding by id", self.job.job_id, step.step, rank)
-            except Exception:  # the object is lost with its owner: rebuild
+            except Exception as exc:  # the object is lost with its owner, or Ray froze: rebuild
                 log.info("job %s: payload of step %d rank %d lost; rebuilding by id",
                          self.job.job_id, step.step, rank, exc_info=True)
+                self._ray_unanswered(exc)
         out = [self._rebuild(s, step.epoch) for s in batch.samples]
         self._count(rank, len(out))
         return out
@@ -172,12 +192,10 @@ class RayPayloads(_Counting):
                 self._store = SampleStore(self.job)
             store = self._store
         sid = self.payload_id(s.sample_id)
-        # A sample of epoch e's plan came from epoch e, or (quota carry-over) from epoch e-1.
-        candidates = [epoch]
-        prev = next((e for e in self.state.epoch_ends() if e.epoch == epoch - 1), None)
-        if prev is not None and any(str(c.sample_id) == str(s.sample_id)
-                                    for c in prev.carried_over):
-            candidates.append(epoch - 1)
+        # A sample of epoch e's plan came from epoch e, or from epoch e-1 (carried over by quota
+        # mode, or returned by a reconfiguration after its epoch's END): the one that measures
+        # as planned, epoch e first (as the producer's rebuild decides).
+        candidates = [e for e in (epoch, epoch - 1) if e >= 0]
         for e in candidates:
             p = store.get(sid, e)
             if _matches(p, s, self.collate, sid):

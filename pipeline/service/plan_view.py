@@ -16,6 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 
 from pipeline.jobstate.interface import JobState
 from pipeline.jobstate.worlds import PlanHead
@@ -135,9 +136,8 @@ class PlanView:
         got: dict[tuple[int, int], Step | None] = {}
         for (n, ranks), step in zip(wanted, self.state.get_steps_for(wanted), strict=True):
             for r in ranks:
-                got[(n, r)] = None if step is None else Step(
-                    step.epoch, step.step, tuple(b for b in step.batches if b.rank == r),
-                    step.info)
+                got[(n, r)] = None if step is None else replace(
+                    step, batches=tuple(b for b in step.batches if b.rank == r))
         with self._steps_lock:
             for k, v in got.items():
                 if v is not None:

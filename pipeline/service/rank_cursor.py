@@ -8,10 +8,11 @@ Join mode leaves a rank out of the steps after its final one; once the rank has 
 everything it was sent before an epoch's END, it is acknowledged through that epoch's last step
 (`end_ack_due`), so the state can trim steps it has no batch in.
 
-Worlds (docs/elastic.md): a cursor belongs to one world (`world`, `world_size`). It never reads
-past the plan of its world: when the plan's head names a later world it asks for its boundary
-(`Boundary`); once it knows its last step (`limit`) it runs through it, delivers the ENDs of
-epochs that ended in its world, then `Reconfigure`s.
+Worlds (docs/elastic.md): a cursor belongs to one world (`world`, its generation). It never
+reads past the plan of its world: when the plan's head names a later world it asks for its
+boundary (`Boundary`); once it knows its last step (`limit`) it runs through it, delivers the
+ENDs of epochs that ended in its world (an END knows its world: `EpochEnd.world`), then
+`Reconfigure`s.
 """
 
 from __future__ import annotations
@@ -69,11 +70,6 @@ class Reconfigure:
 Action = Send | End | Wait | Missing | Finished | Boundary | Reconfigure
 
 
-def epoch_last_step(end: EpochEnd) -> int:
-    finals = [s for s in end.final_step if s is not None]
-    return max(finals) if finals else -1
-
-
 @dataclass
 class RankCursor:
     rank: int
@@ -84,7 +80,6 @@ class RankCursor:
     # (trigger, target): once the rank acks `trigger`, ack it through `target`.
     end_acks: list[tuple[int, int]] = field(default_factory=list)
     world: int = 0  # the world generation this cursor runs in
-    world_size: int = 0  # its size (an END record of another world is not this cursor's; 0: any)
     limit: int | None = None  # this rank's last step, once its world ended
     next_world_size: int = 0  # the world after it (once it ended)
 
@@ -114,9 +109,9 @@ class RankCursor:
                 self.pos += 1  # join mode: the rank is absent from this step
                 continue
             end = plan.epoch_end(self.epoch)
-            if end is not None and self.world_size and len(end.final_step) != self.world_size:
+            if end is not None and end.world.generation > self.world:
                 end = None  # the epoch ended in the next world, after this rank's last step
-            if end is not None and epoch_last_step(end) < self.pos:
+            if end is not None and end.last_step < self.pos:
                 return End(end)
             if self.limit is not None and self.pos > self.limit:
                 return Reconfigure(self.next_world_size)
@@ -129,7 +124,7 @@ class RankCursor:
     def ended(self, end: EpochEnd) -> None:
         """The END of `end.epoch` was sent."""
         self.epoch = end.epoch + 1
-        last = epoch_last_step(end)
+        last = end.last_step
         if last > self.last_sent:  # steps after this rank's last batch: ack them when done
             self.end_acks.append((self.last_sent, last))
 

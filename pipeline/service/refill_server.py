@@ -33,6 +33,8 @@ from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+MAX_HELD_IDS = 65_536  # a RefillOpen's held ids (they reach Redis and the logs)
+
 
 @dataclass
 class RefillJob:
@@ -84,9 +86,7 @@ class RefillServicer:
                               f"job {job_id!r} has mode {self.other_jobs[job_id]!r}: Refill "
                               "serves `mode: refill` jobs; a training job's ranks use Stream "
                               "(trainer_client.BatchStream)")
-            known = sorted([*self.jobs, *self.other_jobs])
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"unknown job {job_id!r}; this server serves {known}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job_id!r}")
         require_token(self.tokens.get(job_id), context, job_id)
         return rj
 
@@ -108,6 +108,10 @@ class RefillServicer:
                           f"{'nothing' if first is None else first.WhichOneof('kind')}")
         op = first.open
         rj = self.authorized_job(op.job_id, context)
+        if len(op.held_ids) > MAX_HELD_IDS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"held_ids may name at most {MAX_HELD_IDS} requests, got "
+                          f"{len(op.held_ids)}")
         consumer = op.consumer_id or f"anon-{uuid.uuid4().hex[:12]}"
         try:
             released = rj.state.open(consumer, list(op.held_ids), op.retry_seq)

@@ -1,8 +1,9 @@
 """Reconfigurations a replica asks for, and how worlds look on the wire (docs/elastic.md).
 
 - `scale`: the authenticated Scale call (an operator, a launcher, a Kubernetes operator):
-  validates the size, asks the job's state to switch and answers with both worlds; refusals
-  become precise status codes (`ScaleRefusal`).
+  validates the size (`BadRequest`), asks the job's state to switch and answers with both
+  worlds; the state's refusals (`ScaleRefused`, `StateUnavailable`) reach the caller as they
+  are (the gRPC adapter gives each its status code).
 - `shrink`: `rank_failure_policy: shrink`: once ranks of the current world have been gone
   longer than the timeout, the state switches to a world of the live ranks (one replica wins,
   the others find the world already changed).
@@ -14,22 +15,13 @@ from __future__ import annotations
 
 import logging
 
-import grpc
-
-from pipeline.errors import PlanningComplete, ScaleInProgress, StateUnavailable
+from pipeline.errors import BadRequest, PlanningComplete, ScaleInProgress
 from pipeline.jobstate.interface import JobState
 from pipeline.jobstate.worlds import ScaleReason, ScaleRequest, ScaleResult, World, WorldTimings
 from pipeline.service.job_runtime import JobRuntime
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-class ScaleRefusal(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def world_message(w: World, timings: WorldTimings | None) -> pb.World:
@@ -66,15 +58,9 @@ def reconfiguring(state: JobState) -> bool:
 def scale(rt: JobRuntime, world_size: int) -> ScaleResult:
     job = rt.job
     if not 1 <= world_size <= job.world_size_cap():
-        raise ScaleRefusal(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"world_size must be in [1, {job.world_size_cap()}] for job "
-                           f"{job.job_id!r} (its max_world_size), got {world_size}")
-    try:
-        res = rt.state.scale(ScaleRequest(world_size, ScaleReason.SCALE))
-    except (ScaleInProgress, PlanningComplete) as exc:
-        raise ScaleRefusal(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-    except StateUnavailable as exc:
-        raise ScaleRefusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        raise BadRequest(f"world_size must be in [1, {job.world_size_cap()}] for job "
+                         f"{job.job_id!r} (its max_world_size), got {world_size}")
+    res = rt.state.scale(ScaleRequest(world_size, ScaleReason.SCALE))
     if res.changed:
         log.info("job %s: reconfiguration %d -> %d ranks: the old world runs through step %d, "
                  "the new one starts at step %d (%d samples re-planned)", job.job_id,

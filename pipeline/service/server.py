@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pipeline.config import JobConfig, ServiceConfig
+from pipeline.config import GrpcConfig, JobConfig, ServiceConfig
 from pipeline.errors import UserError
 from pipeline.jobstate.interface import JobState
 from pipeline.preprocess.array_source import ArraySource
@@ -35,8 +35,10 @@ from pipeline.service.auth import server_credentials
 from pipeline.service.data_server import DataServicer, add_servicer
 from pipeline.service.exposure import enforce_exposure
 from pipeline.service.job_runtime import JobRuntime
+from pipeline.service.liveness import policy_named
 from pipeline.service.loop_server import LoopServer
 from pipeline.service.payloads import ArrayPayloads, PayloadSource, RayPayloads
+from pipeline.service.rank_stream import RankStreams, StreamSettings
 from pipeline.service.refill_server import RefillJob, RefillServicer
 from pipeline.service.state_factory import make_job_state
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -46,9 +48,23 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name  # "odb.v1.DataService"
 
 
-def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
-    n = max_message_mb * 1024 * 1024
-    return [("grpc.max_send_message_length", n), ("grpc.max_receive_message_length", n)]
+def grpc_options(cfg: GrpcConfig) -> list[tuple[str, int]]:
+    """Message limits (batches are large, requests small) and keepalive: the server pings an
+    idle connection every `keepalive_time_s` and closes it when a ping goes unanswered for
+    `keepalive_timeout_s` (a frozen client, a partition: its streams end); it accepts the
+    clients' own keepalive pings down to `min_client_ping_interval_s`, also between calls, so
+    a client at its defaults never gets GOAWAY "too_many_pings"."""
+    def ms(seconds: float) -> int:
+        return max(1, round(seconds * 1000))
+
+    return [("grpc.max_send_message_length", cfg.max_message_mb * 1024 * 1024),
+            ("grpc.max_receive_message_length", cfg.max_request_mb * 1024 * 1024),
+            ("grpc.keepalive_time_ms", ms(cfg.keepalive_time_s)),
+            ("grpc.keepalive_timeout_ms", ms(cfg.keepalive_timeout_s)),
+            ("grpc.http2.ping_timeout_ms", ms(cfg.keepalive_timeout_s)),  # (what times it out)
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),  # keep pinging an idle stream's peer
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(cfg.min_client_ping_interval_s))]
 
 
 def new_replica_id() -> str:
@@ -106,8 +122,8 @@ def _job_parts(config: ServiceConfig, job: JobConfig, state: JobState,
         host = BootstrapHost(job, state, config.redis_url, holder=f"replica:{replica_id}",
                              settings=settings, ray_ready=ray_ready,
                              fsync_publish=config.fsync_publish)
-        return RayPayloads(job, state, local=host.feed), host
-    return (RayPayloads(job, state),
+        return RayPayloads(job, local=host.feed, timeout_s=config.payload_timeout_seconds), host
+    return (RayPayloads(job, timeout_s=config.payload_timeout_seconds),
             ActorHost(job, state, config.redis_url, settings=settings,
                       fsync_publish=config.fsync_publish))
 
@@ -152,18 +168,19 @@ def start_service(
     # watches and Refill (a refill consumer holds one: room for 32 per job), and the streams'
     # blocking reads and writes (grouped: a few threads serve any number of streams).
     # (Threads are started on demand, so the bounds cost nothing until used.)
-    server = LoopServer(grpc_options(config.grpc.max_message_mb),
+    server = LoopServer(grpc_options(config.grpc),
                         handler_threads=16 + 32 * len(refill_jobs),
                         io_threads=8)
-    servicer = DataServicer(runtimes, toks, replica_id=replica_id,
-                            lease_seconds=config.lease_seconds,
-                            prefetch_steps=config.grpc.prefetch_steps,
-                            resume_grace_s=(config.resume_grace_seconds
-                                            if resume_grace_s is None else resume_grace_s),
-                            rank_timeout_seconds=config.rank_timeout_seconds,
-                            rank_failure_policy=config.rank_failure_policy,
-                            refill=_refill_servicer(refill_jobs, toks, runtimes),
-                            executor=server.io)
+    settings = StreamSettings(
+        lease_seconds=config.lease_seconds, prefetch_steps=config.grpc.prefetch_steps,
+        resume_grace_s=(config.resume_grace_seconds if resume_grace_s is None
+                        else resume_grace_s),
+        state_timeout_seconds=config.state_timeout_seconds,
+        payload_timeout_seconds=config.payload_timeout_seconds)
+    streams = RankStreams(settings, policy_named(config.rank_failure_policy,
+                                                 config.rank_timeout_seconds), server.io)
+    servicer = DataServicer(runtimes, toks, streams=streams, replica_id=replica_id,
+                            refill=_refill_servicer(refill_jobs, toks, runtimes))
     add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

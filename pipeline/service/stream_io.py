@@ -8,6 +8,12 @@ the same time share one round trip for their acks, delivery grants, plan steps, 
 and the failure checks. `CachedPlan` lets a `RankCursor` decide from what the `PlanView` holds; a
 read it would have to make raises `PlanMiss`, and `JobIO.next_action` makes it off the loop and
 asks the cursor again.
+
+Bounds (Guarantee 8): a stream waits at most `state_timeout` seconds for any call to the job's
+state and `payload_timeout` for a batch's payloads; past that the call raises
+`ReplicaUnavailable` (the stream ends UNAVAILABLE and its client reconnects, to another replica
+if it has one), so a partition from Redis or a frozen Ray never holds a stream forever. The
+blocked I/O thread finishes on its own (the state's socket timeouts bound it).
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
+from pipeline.errors import ReplicaUnavailable
+from pipeline.jobstate.interface import RankAck
 from pipeline.jobstate.worlds import Grant, PlanHead
 from pipeline.planner.types import EpochEnd, Step
 from pipeline.service.coalescer import AsyncCoalescer
@@ -67,13 +75,18 @@ class CachedPlan:
 
 
 class JobIO:
-    def __init__(self, rt: JobRuntime, executor: Executor,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, rt: JobRuntime, executor: Executor, loop: asyncio.AbstractEventLoop, *,
+                 lease_seconds: float = 10.0, state_timeout: float = 5.0,
+                 payload_timeout: float = 10.0) -> None:
+        """`lease_seconds`: how long a rank's lease lasts after its client's ack or heartbeat;
+        `state_timeout`, `payload_timeout`: the bounds above."""
         self.rt = rt
         self.executor = executor
         self.loop = loop
-        self._acks: AsyncCoalescer[tuple[int, int], None] = AsyncCoalescer(
-            rt.state.ack_many, executor)
+        self.state_timeout = state_timeout
+        self.payload_timeout = payload_timeout
+        self._acks: AsyncCoalescer[RankAck, None] = AsyncCoalescer(
+            functools.partial(rt.state.ack_many, lease_seconds=lease_seconds), executor)
         self._grants: AsyncCoalescer[tuple[int, int, int], Grant] = AsyncCoalescer(
             rt.state.grant, executor)
         self._steps: AsyncCoalescer[tuple[int, int], Step | None] = AsyncCoalescer(
@@ -87,9 +100,24 @@ class JobIO:
         self._pending_steps: dict[int, asyncio.Task] = {}  # by rank
         rt.add_waker(self._wake_from_any_thread)
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in an I/O thread."""
-        return await self.loop.run_in_executor(self.executor, functools.partial(fn, *args))
+    async def run(self, fn: Callable[..., T], *args: Any, waits_s: float = 0.0) -> T:
+        """`fn(*args)`, a call to the job's state, in an I/O thread, bounded (`waits_s`: how
+        long `fn` may wait on purpose, on top of the bound)."""
+        return await self._bounded(
+            self.loop.run_in_executor(self.executor, functools.partial(fn, *args)),
+            extra_s=waits_s)
+
+    async def _bounded(self, call: Awaitable[T], payloads: bool = False,
+                       extra_s: float = 0.0) -> T:
+        limit = (self.payload_timeout if payloads else self.state_timeout) + extra_s
+        try:
+            async with asyncio.timeout(limit):
+                return await call
+        except TimeoutError:
+            what = "the batch's payloads" if payloads else "the job's state"
+            raise ReplicaUnavailable(
+                f"job {self.rt.job.job_id!r}: this replica could not reach {what} within "
+                f"{limit:g}s; reconnect") from None
 
     # --- the plan ---
     async def next_action(self, cursor: RankCursor) -> Action:
@@ -140,14 +168,14 @@ class JobIO:
 
     async def _read(self, key: tuple) -> Any:
         if key[0] == "head":
-            return await self._heads(None)
+            return await self._bounded(self._heads(None))
         if key[0] == "step":
-            return await self._steps((key[1], key[2]))
+            return await self._bounded(self._steps((key[1], key[2])))
         return await self.run(self.rt.plan.epoch_end, key[1])
 
     async def head(self) -> PlanHead:
         """The plan's head, at most `refresh_seconds` stale."""
-        return self.rt.plan.cached_head() or await self._heads(None)
+        return self.rt.plan.cached_head() or await self._bounded(self._heads(None))
 
     async def tick(self) -> None:
         """Wait until the plan may have changed: the plan's refresh interval, or sooner on
@@ -166,21 +194,21 @@ class JobIO:
             _resolve(self._tick)
 
     # --- writes ---
-    async def ack(self, rank: int, step: int) -> None:
-        """`state.ack`, grouped with the other streams' acks."""
-        if step >= 0:
-            await self._acks((rank, step))
+    async def ack(self, ack: RankAck) -> None:
+        """`state.ack_many` of one ack or heartbeat, grouped with the other streams' (raises
+        its own refusal: `RankHeld`, `AckAheadOfPlan`, `AckNotDelivered`, ValueError)."""
+        await self._bounded(self._acks(ack))
 
     async def grant(self, world: int, rank: int, through: int) -> Grant:
         """`state.grant`, grouped with the other streams' grants."""
-        return await self._grants((world, rank, through))
+        return await self._bounded(self._grants((world, rank, through)))
 
     # --- checks ---
     async def refresh_checks(self, rank_timeout_seconds: float) -> None:
         """Make `rt.error()` and `rt.dead_ranks()` fresh (read at most every CHECK_SECONDS),
         so the stream reads them without I/O (`refresh=False`)."""
         if time.monotonic() - self._checked_at >= CHECK_SECONDS:
-            await self._checks(rank_timeout_seconds)
+            await self._bounded(self._checks(rank_timeout_seconds))
 
     def _read_checks(self, timeouts: Sequence[float]) -> list[None]:
         for t in set(timeouts):
@@ -190,11 +218,12 @@ class JobIO:
         return [None] * len(timeouts)
 
     # --- payloads ---
-    async def build(self, step: Step, rank: int, world_size: int) -> bytes:
+    async def build(self, step: Step, rank: int) -> bytes:
         """The rank's batch as wire bytes; built on the loop unless its payloads need I/O."""
         if self.rt.payloads.blocking:
-            return await self.run(self.rt.build_message, step, rank, world_size)
-        return self.rt.build_message(step, rank, world_size)
+            return await self._bounded(self.loop.run_in_executor(
+                self.executor, self.rt.build_message, step, rank), payloads=True)
+        return self.rt.build_message(step, rank)
 
 
 def _resolve(fut: asyncio.Future) -> None:

@@ -12,8 +12,9 @@ request for the current size changes nothing), so the size tells them apart:
   trainers with a new WORLD_SIZE), made once every rank of the current world ended or lost its
   lease; with a restored position every step before it counts as consumed;
 - anything else: INVALID_ARGUMENT.
-Refusals are raised as `OpenRefused(code, message)` for the servicer to abort with. Reads the
-job's state through the replica's runtime; the only write is the implicit reconfiguration.
+Refusals are domain errors (`BadRequest`, `PositionUnavailable`, the state's `ScaleRefused`);
+the gRPC adapter gives each its status code. Reads the job's state through the replica's
+runtime; the only write is the implicit reconfiguration.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-import grpc
-
-from pipeline.errors import PlanningComplete, RanksLive, ScaleInProgress
+from pipeline.errors import BadRequest, PositionUnavailable, RanksLive, ScaleInProgress
 from pipeline.jobstate.worlds import PlanHead, ScaleReason, ScaleRequest, World
 from pipeline.planner.types import EpochEnd
 from pipeline.service.job_runtime import JobRuntime
@@ -33,13 +32,9 @@ from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 log = logging.getLogger(__name__)
 
 RESUME_FROM_CURSOR = -1  # Open.resume_step: continue at the rank's first unacknowledged step
-
-
-class OpenRefused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+# Requests are small and their fields bounded (they reach Redis and the logs).
+MAX_CREDITS = 1 << 16  # per Open or Ack (a stream holds at most the replica's prefetch window)
+MAX_CLIENT_ID = 256  # characters
 
 
 @dataclass(frozen=True)
@@ -66,13 +61,14 @@ def _epoch_first(ends: list[EpochEnd], epoch: int) -> int:
 
 
 def resolve(op: pb.Open, rt: JobRuntime, *, resume_grace_s: float) -> StreamStart:
-    if op.credits < 0:
-        raise OpenRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"credits must be >= 0, got {op.credits}")
+    if not 0 <= op.credits <= MAX_CREDITS:
+        raise BadRequest(f"credits must be in [0, {MAX_CREDITS}], got {op.credits}")
+    if len(op.client_id) > MAX_CLIENT_ID:
+        raise BadRequest(f"client_id must be at most {MAX_CLIENT_ID} characters, got "
+                         f"{len(op.client_id)}")
     if op.resume_step < RESUME_FROM_CURSOR:
-        raise OpenRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"resume_step must be >= 0 (or {RESUME_FROM_CURSOR}: where the rank left "
-                          f"off), got {op.resume_step}")
+        raise BadRequest(f"resume_step must be >= 0 (or {RESUME_FROM_CURSOR}: where the rank "
+                         f"left off), got {op.resume_step}")
     head = rt.plan.fresh_head()
     if op.world_size != head.world_size:
         worlds = rt.state.worlds()
@@ -81,17 +77,15 @@ def resolve(op: pb.Open, rt: JobRuntime, *, resume_grace_s: float) -> StreamStar
             return _drain_start(op, rt, prev, head)
         if not rt.job.elastic:
             history = " -> ".join(str(w.world_size) for w in worlds)
-            raise OpenRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise BadRequest(
                 f"world_size {op.world_size} does not match job {rt.job.job_id!r}'s world size "
                 f"{head.world_size}" + (f" (world sizes so far: {history})" if prev else "")
                 + "; reconfigure it with `odb-pipeline scale` (or the Scale call), or set "
                 "`elastic: true` on the job so an Open with a new world size does")
         head = _elastic_switch(op, rt, head, worlds)
     if not 0 <= op.rank < head.world_size:
-        raise OpenRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"rank {op.rank} is outside [0, {head.world_size}) for job "
-                          f"{rt.job.job_id!r}")
+        raise BadRequest(f"rank {op.rank} is outside [0, {head.world_size}) for job "
+                         f"{rt.job.job_id!r}")
     return _current_start(op, rt, head, resume_grace_s)
 
 
@@ -114,9 +108,8 @@ def _map_position(rt: JobRuntime, head: PlanHead, step: int, epoch: int) -> int:
     return head.first_step
 
 
-def _inside(rt: JobRuntime, head: PlanHead, step: int, prev: World) -> OpenRefused:
-    return OpenRefused(
-        grpc.StatusCode.OUT_OF_RANGE,
+def _inside(rt: JobRuntime, head: PlanHead, step: int, prev: World) -> PositionUnavailable:
+    return PositionUnavailable(
         f"resume_step {step} of job {rt.job.job_id!r} is inside world {prev.generation} "
         f"({prev.world_size} ranks, which ran through step {prev.last_step} before the switch "
         f"to {head.world_size}): those steps cannot be re-planned. Restore a state saved at or "
@@ -128,9 +121,8 @@ def _elastic_switch(op: pb.Open, rt: JobRuntime, head: PlanHead, worlds: list[Wo
                     ) -> PlanHead:
     job = rt.job
     if not 1 <= op.world_size <= job.world_size_cap():
-        raise OpenRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"world_size {op.world_size} is outside [1, {job.world_size_cap()}] "
-                          f"(job {job.job_id!r}'s max_world_size)")
+        raise BadRequest(f"world_size {op.world_size} is outside [1, {job.world_size_cap()}] "
+                         f"(job {job.job_id!r}'s max_world_size)")
     position = None
     if op.resume_step >= 0:
         position = _map_position(rt, head, op.resume_step, op.resume_epoch)
@@ -138,11 +130,8 @@ def _elastic_switch(op: pb.Open, rt: JobRuntime, head: PlanHead, worlds: list[Wo
         res = rt.state.scale(ScaleRequest(op.world_size, ScaleReason.ELASTIC, position=position,
                                           require_gone=True, expect_generation=head.generation))
     except RanksLive as exc:
-        raise OpenRefused(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{exc}: an Open with world_size {op.world_size} moves the elastic job "
-                          "onto it once they ended or their leases lapsed; retrying") from None
-    except (ScaleInProgress, PlanningComplete) as exc:
-        raise OpenRefused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        raise RanksLive(f"{exc}: an Open with world_size {op.world_size} moves the elastic job "
+                        "onto it once they ended or their leases lapsed; retrying") from None
     if res.changed:
         log.info("job %s: elastic reconfiguration %d -> %d ranks at step %s (Open of rank %d)",
                  job.job_id, res.previous.world_size, res.world.world_size,
@@ -150,31 +139,29 @@ def _elastic_switch(op: pb.Open, rt: JobRuntime, head: PlanHead, worlds: list[Wo
         rt.notify()
     head = rt.plan.fresh_head()
     if head.world_size != op.world_size:
-        raise OpenRefused(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job.job_id!r} was reconfigured to {head.world_size} ranks "
-                          f"meanwhile, not {op.world_size}")
+        raise ScaleInProgress(f"job {job.job_id!r} was reconfigured to {head.world_size} ranks "
+                              f"meanwhile, not {op.world_size}")
     return head
 
 
 def _drain_start(op: pb.Open, rt: JobRuntime, prev: World, head: PlanHead) -> StreamStart:
     if not 0 <= op.rank < prev.world_size:
-        raise OpenRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"rank {op.rank} is outside [0, {prev.world_size}) for world "
-                          f"{prev.generation} of job {rt.job.job_id!r}")
+        raise BadRequest(f"rank {op.rank} is outside [0, {prev.world_size}) for world "
+                         f"{prev.generation} of job {rt.job.job_id!r}")
     last = prev.last_steps[op.rank]
-    ends = [e for e in rt.state.epoch_ends() if len(e.final_step) == prev.world_size]
+    # The ENDs published before its world ended (a later world's END is not its epoch's end).
+    ends = [e for e in rt.state.epoch_ends() if e.world.generation <= prev.generation]
     if op.resume_step == RESUME_FROM_CURSOR:
         pos = last + 1  # no state of its own: the world it was in has ended
         epoch = sum(1 for e in ends if e.last_step < pos)
     else:
         pos, epoch = op.resume_step, op.resume_epoch
         if not 0 <= epoch <= rt.job.epochs:
-            raise OpenRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"resume_epoch {epoch} is outside [0, {rt.job.epochs}]")
+            raise BadRequest(f"resume_epoch {epoch} is outside [0, {rt.job.epochs}]")
         if pos < prev.first_step:
-            raise OpenRefused(grpc.StatusCode.OUT_OF_RANGE,
-                              f"resume_step {pos} is before world {prev.generation} of job "
-                              f"{rt.job.job_id!r} (it starts at step {prev.first_step})")
+            raise PositionUnavailable(f"resume_step {pos} is before world {prev.generation} of "
+                                      f"job {rt.job.job_id!r} (it starts at step "
+                                      f"{prev.first_step})")
     return StreamStart(prev.generation, prev.world_size, pos, min(epoch, rt.job.epochs - 1),
                        limit=last, next_world_size=head.world_size)
 
@@ -186,8 +173,7 @@ def _current_start(op: pb.Open, rt: JobRuntime, head: PlanHead, resume_grace_s: 
         pos, epoch = rt.resume_position(op.rank, head)
         return StreamStart(head.generation, head.world_size, pos, epoch)
     if not 0 <= op.resume_epoch <= job.epochs:
-        raise OpenRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"resume_epoch {op.resume_epoch} is outside [0, {job.epochs}]")
+        raise BadRequest(f"resume_epoch {op.resume_epoch} is outside [0, {job.epochs}]")
     step = _map_position(rt, head, op.resume_step, op.resume_epoch)
     # A step can only have been delivered once published; while a producer restarts the plan
     # may lag, so wait briefly before calling the request impossible.
@@ -197,15 +183,13 @@ def _current_start(op: pb.Open, rt: JobRuntime, head: PlanHead, resume_grace_s: 
             through = rt.plan.fresh_published_through()
             if step <= through + 1:
                 break  # the cache lagged
-            raise OpenRefused(
-                grpc.StatusCode.OUT_OF_RANGE,
+            raise PositionUnavailable(
                 f"resume_step {step} is beyond the plan of job {job.job_id!r}: its last "
                 f"published step is {through}, so step {step} was never delivered")
         rt.wait(0.05)
     trimmed = rt.state.trimmed_through()
     if step <= trimmed:
-        raise OpenRefused(
-            grpc.StatusCode.OUT_OF_RANGE,
+        raise PositionUnavailable(
             f"resume_step {step} of job {job.job_id!r} is in an epoch every rank has finished "
             f"(steps through {trimmed} are no longer kept; the plan of the current and the "
             "previous epoch is): resume from a later checkpoint")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from jobstate.builders import publication, steps
+from jobstate.builders import make_end, publication, steps
 from support.valkey_server import valkey, valkey_binary
 from support.waiting import wait_for
 
@@ -22,7 +22,6 @@ from pipeline.config import JobConfig
 from pipeline.coordinator import RedisJobState
 from pipeline.errors import DurabilityTimeout
 from pipeline.jobstate import Grant, MemoryJobState, ScaleRequest
-from pipeline.planner.types import EpochEnd
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.producer.feed import ArrayFeed
 from pipeline.producer.producer import Outcome, Producer, ProducerSettings
@@ -60,7 +59,7 @@ def test_a_publication_is_visible_only_once_confirmed_on_disk(durable):
     st.publish(publication(steps(0, 1, 2)), fence=gen)
     assert replica.published_through() == 1
     _disk_stalls(admin, True)
-    end = EpochEnd(0, (3, 3), 4)
+    end = make_end(0, (3, 3), 4)
     with pytest.raises(DurabilityTimeout, match="WAITAOF"):
         st.publish(publication(steps(2, 3, 2), ends=(end,), done=True), fence=gen)
     # Written (the checkpoint moved with it) but nobody can see or deliver it.
@@ -83,10 +82,10 @@ def test_a_held_publication_is_shown_by_the_next_confirmed_one(durable):
     gen = st.claim_producer("p", 60)
     _disk_stalls(admin, True)
     with pytest.raises(DurabilityTimeout):
-        st.publish(publication(steps(0, 1, 2), ends=(EpochEnd(0, (1, 1), 2),)), fence=gen)
+        st.publish(publication(steps(0, 1, 2), ends=(make_end(0, (1, 1), 2),)), fence=gen)
     _disk_stalls(admin, False)
     # The producer's retry of the same publication: a no-op write, then everything is shown.
-    assert st.publish(publication(steps(0, 1, 2), ends=(EpochEnd(0, (1, 1), 2),)),
+    assert st.publish(publication(steps(0, 1, 2), ends=(make_end(0, (1, 1), 2),)),
                       fence=gen) == 0
     assert st.published_through() == 1 and [e.epoch for e in st.epoch_ends()] == [0]
     assert st.counters().samples_planned == 8  # the retry counted nothing twice

@@ -15,7 +15,7 @@ from support.valkey_server import valkey, valkey_binary
 
 from pipeline.coordinator import RedisJobState, job_summary, list_jobs, registry
 from pipeline.errors import DurabilityUnavailable, RankHeld, StateUnavailable, StepConflict
-from pipeline.jobstate import QuarantineEntry
+from pipeline.jobstate import QuarantineEntry, RankAck
 from pipeline.redis_client import connect
 from pipeline.redis_server import LocalRedis, find_redis_binary, free_port
 
@@ -116,7 +116,7 @@ def test_redis_going_away_mid_job_is_state_unavailable():
         st.publish(publication([make_step(0, 2)]), fence=gen)
         server.kill()
         for call in (lambda: st.get_step(0), lambda: st.get_step_for(0, [1]),
-                     lambda: st.ack(0, 0), lambda: st.ack_many([(0, 0)]),
+                     lambda: st.ack(0, 0), lambda: st.ack_many([RankAck(0, "c", 0)], 5),
                      lambda: st.claim_rank(0, "c", 5), lambda: st.heartbeat(0, "c", 5),
                      lambda: st.publish(publication([make_step(1, 2)]), fence=gen),
                      lambda: st.renew_producer(gen, 5), lambda: st.claim_producer("q", 5),
@@ -153,7 +153,8 @@ def _exercise_every_call(url: str) -> RedisJobState:
     st.claim_rank(1, "c", 5)
     assert st.heartbeat(1, "c", 5)
     st.ack(1, 5)
-    assert st.ack_many([(0, 5)]) == [None]
+    st.grant([(0, 0, 5)])
+    assert st.ack_many([RankAck(0, "c0", 5)], 5) == [None]
     assert st.trimmed_through() == 1  # epochs 1 and 2 kept
     assert st.get_step_for(5, [0]).batch_for(0) == make_step(5, 2).batch_for(0)
     assert st.lapsed_ranks() == [] and st.timed_out_ranks(60) == {}

@@ -13,6 +13,7 @@ from jobstate.builders import make_step, publication
 from pipeline.coordinator import RedisJobState
 from pipeline.coordinator.step_codec import decode_checkpoint
 from pipeline.errors import Fenced
+from pipeline.jobstate import RankAck
 
 N_STEPS = 60
 
@@ -122,7 +123,8 @@ def test_a_large_world(new_state):
     part = st.get_step_for(1, [2999, 5, 1500])
     assert [b.rank for b in part.batches] == [5, 1500, 2999] and part.info == s1.info
     assert part.batch_for(2999) == s1.batch_for(2999)
-    assert st.ack_many([(r, r % 2) for r in range(w)]) == [None] * w
+    st.grant([(0, r, 1) for r in range(w)])
+    assert st.ack_many([RankAck(r, f"c{r}", r % 2) for r in range(w)], 60) == [None] * w
     assert st.acked_all() == [r % 2 for r in range(w)]
     health = st.rank_health()
-    assert len(health) == w and health[2999].acked == 1 and health[0].client_id is None
+    assert len(health) == w and health[2999].acked == 1 and health[0].client_id == "c0"

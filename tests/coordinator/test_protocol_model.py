@@ -21,6 +21,10 @@ Checked after every rule:
 - each rank sees exactly the batches the plan gives it, learns its last step of an epoch in
   band, and the number of steps it got in an epoch is what the END says (quota: the same for
   all); a rank may replay its current (and previous) epoch and sees the same bytes;
+- a replica reads a rank's step only after raising its delivery grant, and records the rank's
+  acks as its client's (ACK_MANY): an ack renews that client's lease; an ack by a client whose
+  rank another client holds changes nothing; an ack of a published step beyond the grant (never
+  delivered) is refused and the cursor never skips it;
 - acks are monotonic; the checkpoint never goes backwards and never claims unpublished steps;
   counters are exact (input samples once each whatever the restarts, planned samples and
   tokens, each quarantined record once); lapses are reported and counted;
@@ -62,8 +66,8 @@ from hypothesis.stateful import (
 
 from pipeline.config import JobConfig
 from pipeline.coordinator import RedisJobState
-from pipeline.errors import AckAheadOfPlan, Fenced, RankHeld
-from pipeline.jobstate import QuarantineEntry
+from pipeline.errors import AckAheadOfPlan, AckNotDelivered, Fenced, RankHeld
+from pipeline.jobstate import QuarantineEntry, RankAck
 from pipeline.planner.types import MeasuredSample
 from pipeline.producer.producer import Outcome
 
@@ -95,6 +99,7 @@ class RankView:
     state: RedisJobState
     next: int = 0  # the next step it asks for
     acked: int = -1
+    granted: int = -1  # its delivery grant (raised before each read)
     read: dict[int, object] = field(default_factory=dict)  # step -> its batch (None: absent)
     own: dict[int, set[int]] = field(default_factory=dict)  # epoch -> steps with its batch
 
@@ -280,11 +285,37 @@ class ProtocolModel(RuleBasedStateMachine):
             assert view.read[n] == (got.batches[0] if got.batches else None), "replay differs"
         view.read[n] = got.batches[0] if got.batches else None
 
-    def _ack(self, view: RankView, step: int) -> None:
-        view.state.ack(view.rank, step)
+    def _client_of(self, rank: int) -> str:
+        """The client a replica records the rank's acks for: the live lease holder's stream,
+        else the rank's reader (which takes the lease with its ack)."""
+        m = self.rank_leases[rank]
+        return m.holder if m.live and m.holder is not None else f"reader-{rank}"
+
+    def _ack(self, view: RankView, step: int, client: str | None = None) -> None:
+        """The rank's ack as a replica records it (ACK_MANY: the client's lease renewed)."""
+        client = client or self._client_of(view.rank)
+        model = self.rank_leases[view.rank]
+        (err,) = view.state.ack_many([RankAck(view.rank, client, step)], 30)
+        if model.live and model.holder != client:
+            assert isinstance(err, RankHeld), err  # fenced: another client holds the rank
+            event("an ack of a client without the lease was refused")
+            return
+        assert err is None, err
+        self._took_lease(view.rank, client)
         view.acked = max(view.acked, step)
         self.trim_expected = expected_trimmed(self._first_steps(), min(
             v.acked for v in self.ranks))
+
+    def _took_lease(self, r: int, client: str) -> None:
+        model = self.rank_leases[r]
+        if model.holder is not None and model.holder != client:
+            self.lapsed.add(r)  # taken over after a lapse: reported, counted
+            self.lapses += 1
+            event("a lapsed rank was taken over")
+        model.holder, model.live = client, True
+        self.claimed.add(r)
+        if self.first_claim_at is None:
+            self.first_claim_at = time.monotonic()
 
     def _first_steps(self) -> dict[int, int]:
         """Each epoch's first step, for epochs with a published step."""
@@ -310,8 +341,12 @@ class ProtocolModel(RuleBasedStateMachine):
             self.rank_reads(r, count, ack)
 
     def _read_next(self, view: RankView) -> None:
-        """The rank reads step `view.next` if it is published."""
+        """The rank reads step `view.next` if it is published (the replica raises the rank's
+        delivery grant first: never past the published plan)."""
         n = view.next
+        (grant,) = view.state.grant([(0, view.rank, n)])
+        assert grant.through == max(view.granted, min(n, view.state.published_through()))
+        view.granted = grant.through
         got = view.state.get_step_for(n, [view.rank])
         if got is None:
             assert n > view.state.published_through(), f"step {n} gone before it was read"
@@ -333,10 +368,13 @@ class ProtocolModel(RuleBasedStateMachine):
         event("a join rank ended an epoch early")
         self._ack(view, n)
 
-    @rule(r=st.integers(0, 2), how=st.sampled_from(["read", "read", "lower", "ahead"]))
+    @rule(r=st.integers(0, 2), how=st.sampled_from(
+        ["read", "read", "lower", "ahead", "undelivered", "intruder"]))
     def rank_acks(self, r: int, how: str) -> None:
         """A rank acks what it read; or a late duplicate (lower) ack arrives, which changes
-        nothing; or an ack past the plan, which is refused."""
+        nothing; or an ack past the plan, which is refused; or an ack of a published step
+        beyond the rank's grant (never delivered), refused; or an ack by a client that does not
+        hold the rank while another does (its stream must end), refused."""
         view = self.ranks[r % len(self.ranks)]
         if how == "read" and view.next > 0:
             self._ack(view, view.next - 1)
@@ -345,6 +383,13 @@ class ProtocolModel(RuleBasedStateMachine):
         elif how == "ahead":
             with pytest.raises(AckAheadOfPlan):
                 view.state.ack(view.rank, self.state.published_through() + 1)
+        elif how == "undelivered" and view.granted < self.state.published_through():
+            (err,) = view.state.ack_many([RankAck(view.rank, self._client_of(view.rank),
+                                                  view.granted + 1)], 30)
+            assert isinstance(err, AckNotDelivered), err
+            event("an ack of an undelivered step was refused")
+        elif how == "intruder" and self.rank_leases[view.rank].live and view.next > 0:
+            self._ack(view, view.next - 1, client="intruder")
 
     @rule(r=st.integers(0, 2), where=st.floats(0, 1))
     def rank_reconnects(self, r: int, where: float) -> None:

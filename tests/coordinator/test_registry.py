@@ -5,12 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from jobstate.builders import make_step, publication, steps
+from jobstate.builders import make_end, make_step, publication, steps
 
 from pipeline.coordinator import RedisJobState, job_summary, keys, list_jobs, registry
 from pipeline.errors import JobMismatch, SchemaMismatch, UnknownJob, UserError
 from pipeline.jobstate import QuarantineEntry, ScaleRequest
-from pipeline.planner.types import EpochEnd
 
 
 def test_resume_matching_job_and_refuse_mismatches(new_state, redis_url):
@@ -43,7 +42,7 @@ def test_list_jobs_summary_delete_and_expire(new_state, redis_client):
     gen = st.claim_producer("producer-1", 60)
     st.publish(publication(steps(0, 3, 2), rows=12, samples_in=11,
                            quarantined=(QuarantineEntry("rows:3", "parse", "bad json"),),
-                           ends=(EpochEnd(0, (3, 3), 4),)), fence=gen)
+                           ends=(make_end(0, (3, 3), 4),)), fence=gen)
     st.publish(publication(steps(4, 5, 2, epoch=1), epoch=1, rows=4, samples_in=4), fence=gen)
     st.claim_rank(0, "c0", 30)
     st.ack(0, 5)
@@ -96,7 +95,7 @@ def test_every_key_is_under_the_versioned_job_prefix(new_state, redis_client):
     gen = st.claim_producer("p", 60)
     st.publish(publication([make_step(0, 2)], samples_in=2,
                            quarantined=(QuarantineEntry("s:1", "parse"),),
-                           ends=(EpochEnd(0, (0, 0), 1),)), fence=gen)
+                           ends=(make_end(0, (0, 0), 1),)), fence=gen)
     st.claim_rank(0, "c", 0.01)
     st.ack(0, 0)
     st.set_error("boom", fence=gen)

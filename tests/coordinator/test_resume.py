@@ -10,6 +10,7 @@ from jobstate.builders import make_step, publication, steps
 
 from pipeline.coordinator import RedisJobState
 from pipeline.errors import Fenced, RankHeld
+from pipeline.jobstate import RankAck
 
 
 def test_every_call_reloads_its_script_after_noscript(new_state, redis_client):
@@ -22,7 +23,8 @@ def test_every_call_reloads_its_script_after_noscript(new_state, redis_client):
         lambda: st.claim_rank(0, "c0", 60),
         lambda: st.heartbeat(1, "c1", 60),
         lambda: st.ack(0, 1),
-        lambda: st.ack_many([(r, r % 2) for r in range(4)]),
+        lambda: st.grant([(0, r, 1) for r in range(4)]),
+        lambda: st.ack_many([RankAck(r, f"c{r}", r % 2) for r in range(4)], 60),
         lambda: st.release_rank(1, "c1"),
         st.lapsed_ranks,
         lambda: st.timed_out_ranks(1),
@@ -34,7 +36,7 @@ def test_every_call_reloads_its_script_after_noscript(new_state, redis_client):
         call()
     assert st.published_through() == 1 and st.error() == "x"
     assert st.acked_all() == [1, 1, 0, 1]
-    assert [h.client_id for h in st.rank_health()] == ["c0", None, None, None]
+    assert [h.client_id for h in st.rank_health()] == ["c0", None, "c2", "c3"]
     assert st.producer_lease().expires_at == 0  # released
 
 

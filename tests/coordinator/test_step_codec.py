@@ -1,4 +1,5 @@
-"""Step <-> bytes: lossless, canonical (equal values give equal bytes, whatever dict order)."""
+"""Step <-> bytes: lossless, canonical (equal values give equal bytes, whatever dict order);
+records published before world stamps still decode (unstamped)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from hypothesis import strategies as st
 
 from pipeline.coordinator import step_codec
 from pipeline.jobstate import PlannerCheckpoint, QuarantineEntry
-from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
+from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo, WorldStamp
 
 sample_ids = st.one_of(st.integers(-(2**40), 2**40), st.text(min_size=0, max_size=12))
 samples = st.builds(MeasuredSample, sample_ids, st.integers(0, 10**6), st.integers(0, 5000))
@@ -23,8 +24,9 @@ def steps(draw):
         trunc = {s.sample_id: draw(st.integers(0, 100)) for s in ss if draw(st.booleans())}
         batches.append(Batch(r, ss, draw(st.integers(0, 10**7)), draw(st.booleans()), trunc,
                              filler=draw(st.booleans())))
+    world = WorldStamp(draw(st.integers(0, 9)), w) if draw(st.booleans()) else WorldStamp()
     return Step(draw(st.integers(0, 50)), draw(st.integers(0, 10**6)), tuple(batches),
-                StepInfo(draw(st.integers(0, 10**4)), draw(st.integers(0, 10**8))))
+                StepInfo(draw(st.integers(0, 10**4)), draw(st.integers(0, 10**8))), world)
 
 
 @settings(max_examples=150, deadline=None)
@@ -39,12 +41,13 @@ def test_step_round_trip_is_lossless_and_canonical(step):
     rev = Step(step.epoch, step.step, tuple(
         Batch(b.rank, b.samples, b.cost, b.over_budget, dict(reversed(b.truncated_to.items())),
               b.filler)
-        for b in step.batches), step.info)
+        for b in step.batches), step.info, step.world)
     assert step_codec.encode_step(rev) == (header, blobs)
 
 
 def test_epoch_end_and_checkpoint_round_trip():
-    end = EpochEnd(3, (7, None, 9), 5, (MeasuredSample("a", 3), MeasuredSample(4, 5, 6)))
+    end = EpochEnd(3, (7, None, 9), 5, (MeasuredSample("a", 3), MeasuredSample(4, 5, 6)),
+                   WorldStamp(2, 3))
     assert step_codec.decode_epoch_end(step_codec.encode_epoch_end(end)) == end
     ck = PlannerCheckpoint(2, 100, 17, bytes(range(256)))
     assert step_codec.decode_checkpoint(step_codec.encode_checkpoint(ck)) == ck
@@ -63,3 +66,16 @@ def test_encoding_is_compact():
     header, blobs = step_codec.encode_step(step)
     assert len(header) < 60
     assert all(len(b) < 30 for _, b in blobs)  # {"s":[["s:0",900]],"c":900}
+
+
+def test_records_published_before_stamps_decode_unstamped():
+    """The exact bytes a build before world stamps wrote: they decode, unstamped (the job's
+    state then derives the world: tests/jobstate/test_worlds.py)."""
+    header = b'{"e":1,"n":12,"i":[2,30,0],"r":[1,0]}'
+    step = step_codec.decode_step(header, {0: b'{"s":[["a",10]],"c":10}',
+                                           1: b'{"s":[["b",20]],"c":20}'})
+    assert (step.step, [b.rank for b in step.batches], step.world) == (12, [1, 0], WorldStamp())
+    end = step_codec.decode_epoch_end(b'{"e":0,"n":5,"f":[4,null],"c":[]}')
+    assert (end.final_step, end.world, end.world.stamped) == ((4, None), WorldStamp(), False)
+    # An unstamped value still encodes as those builds did (write-once compares the bytes).
+    assert step_codec.encode_step(step)[0] == header

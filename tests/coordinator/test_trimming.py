@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from jobstate.builders import make_step, publication
+from jobstate.builders import make_end, make_step, publication
 
 from pipeline.errors import StepConflict
-from pipeline.planner.types import EpochEnd
+from pipeline.jobstate import RankAck
 
 from .retention import expected_trimmed
 
@@ -33,7 +33,7 @@ class Plan:
         if s:
             self.first_steps[e] = first
         last = first + length - 1 if s else None
-        end = EpochEnd(e, (last,) * self.w, length)
+        end = make_end(e, (last,) * self.w, length)
         self.state.publish(publication(s, epoch=e + 1, rows=0, next_step=first + length,
                                        ends=(end,)), fence=self.gen)
         self.next += length
@@ -82,7 +82,9 @@ def test_grouped_acks_trim_as_single_acks_do(new_state):
         group = []
         for r in rng.sample(range(3), rng.randint(1, 3)):
             group.append((r, min(plan.next - 1, acked[r] + rng.randint(0, 12))))
-        out = st.ack_many([*group, (0, plan.next + 5)])
+        st.grant([(0, r, plan.next - 1) for r in range(3)])
+        out = st.ack_many([RankAck(r, f"c{r}", step) for r, step in group]
+                          + [RankAck(0, "c0", plan.next + 5)], 60)
         assert out[:-1] == [None] * len(group) and "published" in str(out[-1])
         for r, step in group:
             acked[r] = max(acked[r], step)
@@ -141,7 +143,7 @@ def test_trimming_keeps_what_the_ranks_of_an_ended_world_still_drain(new_state):
         s = [make_step(n, 3, epoch=e) for n in range(nxt, nxt + length)]
         nxt += length
         st.publish(publication(s, epoch=e + 1, rows=0, next_step=nxt, world=1,
-                               ends=(EpochEnd(e, (nxt - 1,) * 3, nxt if e == 0 else length),)),
+                               ends=(make_end(e, (nxt - 1,) * 3, nxt if e == 0 else length),)),
                    fence=gen)
     for r in range(3):
         st.ack(r, nxt - 1)

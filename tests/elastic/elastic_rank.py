@@ -32,8 +32,9 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0)
     args = p.parse_args()
     state = Path(args.state)
+    # Heartbeats well within the tests' short leases (1-2 s): a live rank never lapses.
     stream = BatchStream(args.address, args.job, args.rank, args.world, prefetch=2,
-                         backoff=(0.05, 0.25), tensors="numpy")
+                         backoff=(0.05, 0.25), tensors="numpy", heartbeat_s=0.25)
     if args.restore:
         stream.load_state_dict(json.loads(Path(args.restore).read_text()))
 

@@ -116,7 +116,9 @@ def test_a_killed_rank_under_shrink_leaves_a_smaller_world_exactly_once(redis_cl
         dead = old[1].batches()
         kept = [x for x in dead if x["step"] <= dead_last]  # what the dead rank acknowledged
         redone = [x for x in dead if x["step"] > dead_last]  # in progress: handed back
-        assert len(redone) <= 4  # the batch in progress, acks in flight (prefetch 2)
+        # The batch in progress, and the one before if its ack was still in flight: a client
+        # acknowledges each batch as it takes the next (acks never trail by finished steps).
+        assert len(redone) <= 2
         fresh = [x for r in new for x in r.batches()]
         records = kept + [x for r in live for x in r.batches()] + fresh
         assert_exactly_once(records, items)

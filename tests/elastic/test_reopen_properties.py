@@ -65,7 +65,7 @@ def scenarios(draw):
 def _roundtrip(p: StepPlanner, sc: dict, world: int) -> StepPlanner:
     state = PlannerState.from_dict(json.loads(json.dumps(p.snapshot().to_dict())))
     return StepPlanner.restore(state, sc["policy"], world, sc["mode"], sc["seed"],
-                               sc["pool_steps"])
+                               sc["pool_steps"], generation=p.world.generation)
 
 
 def run(sc: dict):
@@ -95,7 +95,7 @@ def run(sc: dict):
                  for r in range(old)}
     returned = [bt for s in steps for bt in s.batches if s.step > last_step[bt.rank]]
     kept = [Step(s.epoch, s.step, tuple(bt for bt in s.batches if s.step <= last_step[bt.rank]),
-                 s.info) for s in steps]
+                 s.info, s.world) for s in steps]
     if sc["snapshot"] == "before":
         p = _roundtrip(p, sc, old)
     p.reopen_epoch()

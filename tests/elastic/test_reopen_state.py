@@ -7,15 +7,14 @@ nothing is made (it has nothing to plan), any other is refused, changing nothing
 from __future__ import annotations
 
 import pytest
-from jobstate.builders import make_step, publication, steps
+from jobstate.builders import make_end, make_step, publication, steps
 from jobstate.conftest import LONG
 
 from pipeline.errors import PlanningComplete, ScaleInProgress
 from pipeline.jobstate import ScaleReason, ScaleRequest
-from pipeline.planner.types import EpochEnd
 
-END0 = EpochEnd(0, (3, 3, 3, 3), 4)
-END1 = EpochEnd(1, (9, 9, 9, 9), 6)
+END0 = make_end(0, (3, 3, 3, 3), 4)
+END1 = make_end(1, (9, 9, 9, 9), 6)
 
 
 def _planned(env):
@@ -51,7 +50,7 @@ def test_a_fully_planned_job_reopens_when_no_live_rank_may_have_its_last_end(env
     with pytest.raises(ScaleInProgress, match="not planned yet"):
         st.scale(ScaleRequest(2))  # the new world's producer has not adopted it yet
     # The producer re-plans for 3 ranks and closes the epoch again: a new END(1) is accepted.
-    end1 = EpochEnd(1, (10, 10, 10), 7)
+    end1 = make_end(1, (10, 10, 10), 7, generation=1)
     st.publish(publication([make_step(10, 3, epoch=1, salt="re")], epoch=2, rows=0,
                            ends=(end1,), done=True, world=1), fence=gen)
     assert st.epoch_ends() == [END0, end1] and st.is_done()

@@ -47,8 +47,9 @@ class Held:
     released, then consumes to its END."""
 
     def __init__(self, address: str, rank: int, world: int) -> None:
+        # (Heartbeats well within the lease: a held rank stays live on a loaded machine.)
         self.stream = BatchStream(address, "sr", rank, world, token=TOKEN, prefetch=1,
-                                  tensors="numpy")
+                                  heartbeat_s=0.5, tensors="numpy")
         self.steps: list[int] = []
         self.gate = threading.Event()
         self.error: BaseException | None = None

@@ -21,6 +21,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
+HEARTBEAT_S = 0.25  # the rank clients' heartbeat: the fault tests' leases are 2-5 s
+
+
 def fault_samples(n: int, seed: int, max_len: int = 600, full_len: int = 0) -> list:
     """The deterministic samples the server processes serve (the test rebuilds the same)."""
     from pipeline.preprocess.array_source import synthetic_samples
@@ -100,11 +103,14 @@ class RankThread:
     counts) per delivered batch, the END infos, and the StreamError that stopped it, if any."""
 
     def __init__(self, address: str, job: str, rank: int, world: int, *, epochs: int = 1,
-                 sleep: float = 0.0) -> None:
+                 sleep: float = 0.0, **stream: Any) -> None:
+        """`stream`: more `BatchStream` settings (keepalive, reconnect_timeout, ...)."""
         from trainer_client import BatchStream
 
         self.rank, self.epochs, self.sleep = rank, epochs, sleep
-        self.stream = BatchStream(address, job, rank, world, prefetch=2, backoff=(0.05, 0.5))
+        # Heartbeats well within the fault tests' short leases (a live rank never lapses).
+        self.stream = BatchStream(address, job, rank, world, **{
+            "prefetch": 2, "backoff": (0.05, 0.5), "heartbeat_s": HEARTBEAT_S, **stream})
         self.records: list[dict] = []
         self.ends: list = []
         self.error: BaseException | None = None
@@ -143,6 +149,25 @@ class RankThread:
     def check(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+def assert_aborted_for(others: Iterable[RankThread], gone: int, since: float, earliest: float,
+                       bound: float) -> None:
+    """Each of `others` ended, cut short, with the fail policy's ABORTED naming rank `gone`,
+    between `earliest` and `bound` seconds after `since` (when that rank went away)."""
+    import grpc
+
+    from trainer_client import StreamError
+
+    for r in others:
+        r.join(bound + 5)
+    for r in others:
+        assert isinstance(r.error, StreamError), f"rank {r.rank}: {r.error!r}"
+        assert r.error.code == grpc.StatusCode.ABORTED
+        assert f"rank {gone} has been gone for" in r.error.details
+        assert "rank_failure_policy=fail" in r.error.details
+        assert earliest <= r.error_at - since <= bound, r.error_at - since
+        assert not r.stream.done  # they were cut short, not finished
 
 
 # ------------------------------------------------------------------ coverage checks

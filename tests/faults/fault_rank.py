@@ -18,6 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+from fault_helpers import HEARTBEAT_S
+
 from trainer_client import BatchStream, StreamError
 
 
@@ -34,7 +36,7 @@ def main() -> None:
     args = p.parse_args()
     state = Path(args.state)
     stream = BatchStream(args.address, args.job, args.rank, args.world, prefetch=2,
-                         backoff=(0.05, 0.5))
+                         backoff=(0.05, 0.5), heartbeat_s=HEARTBEAT_S)
     if state.exists():
         stream.load_state_dict(json.loads(state.read_text()))
     with open(args.out, "a") as log:

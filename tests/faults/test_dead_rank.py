@@ -1,6 +1,6 @@
 """Guarantee 4: a trainer rank killed with SIGKILL must not make the others hang.
 
-rank_failure_policy=fail: once the dead rank's lease (1 s) has been lapsed for
+rank_failure_policy=fail: once the dead rank's lease (2 s) has been lapsed for
 rank_timeout_seconds (2 s), the other ranks' streams end with ABORTED naming the rank, within a
 bound, and GetJob reports it. rank_failure_policy=wait: they keep waiting (no error), and when
 the rank is restarted from its state_dict everything finishes with exact coverage.
@@ -15,6 +15,7 @@ import grpc
 import pytest
 from fault_helpers import (
     RankThread,
+    assert_aborted_for,
     assert_join_coverage,
     job_dict,
     rank_proc,
@@ -25,12 +26,11 @@ from support.waiting import wait_for
 from pipeline.config import ServiceConfig
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.service.server import start_service
-from trainer_client import StreamError
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
-W, N, LEASE, TIMEOUT = 3, 900, 1.0, 2.0
+W, N, LEASE, TIMEOUT = 3, 900, 2.0, 2.0
 
 
 def serve(redis_url: str, policy: str):
@@ -76,17 +76,8 @@ def test_fail_policy_aborts_the_other_ranks_naming_the_dead_one(redis_client, re
     svc, _ = serve(redis_url, "fail")
     try:
         killed_at, others, _, _ = start_and_kill_rank0(svc, tmp_path)
-        bound = LEASE + TIMEOUT + 5.0  # lease lapse + timeout + polling slack
-        for r in others:
-            r.join(bound + 5)
-        for r in others:
-            assert isinstance(r.error, StreamError), f"rank {r.rank}: {r.error!r}"
-            assert r.error.code == grpc.StatusCode.ABORTED
-            assert "rank 0 has been gone for" in r.error.details
-            assert "rank_failure_policy=fail" in r.error.details
-            # not before the lease lapsed + the timeout, and within the bound
-            assert TIMEOUT <= r.error_at - killed_at <= bound, r.error_at - killed_at
-            assert not r.stream.done  # they were cut short, not finished
+        # not before the lease lapsed + the timeout, and within the bound (+ polling slack)
+        assert_aborted_for(others, 0, killed_at, TIMEOUT, LEASE + TIMEOUT + 5.0)
         status = get_job(svc.address)
         assert 0 in status.lapsed_ranks
         assert "rank 0 has been gone for" in status.error
@@ -132,14 +123,7 @@ def test_a_rank_that_never_connects_is_treated_as_a_dead_one(redis_client, redis
     try:
         started = time.monotonic()
         others = [RankThread(svc.address, "dead", r, W, sleep=0.01).start() for r in (1, 2)]
-        for r in others:
-            r.join(TIMEOUT + 20)
-        for r in others:
-            assert isinstance(r.error, StreamError), f"rank {r.rank}: {r.error!r}"
-            assert r.error.code == grpc.StatusCode.ABORTED
-            assert "rank 0 has been gone for" in r.error.details
-            assert TIMEOUT <= r.error_at - started <= TIMEOUT + 10, r.error_at - started
-            assert not r.stream.done
+        assert_aborted_for(others, 0, started, TIMEOUT, TIMEOUT + 10)
         assert "rank 0 has been gone for" in get_job(svc.address).error
     finally:
         svc.stop(grace=0.5)

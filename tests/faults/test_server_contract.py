@@ -65,7 +65,7 @@ def open_msg(job: str, rank: int, world: int, credits: int = 1) -> pb.ClientMess
                                          client_id=f"raw{rank}", credits=credits))
 
 
-def test_ack_past_the_plan_is_invalid_argument(redis_client, redis_url):
+def test_an_ack_of_a_step_never_sent_is_invalid_argument(redis_client, redis_url):
     cfg = cfg_for(job_dict("acks", 2, batching={"pool_steps": 1}), redis_url=redis_url)
     svc = start_service(cfg, sample_sources={"acks": ArraySource(
         synthetic_samples(200, max_len=600, seed=2))})
@@ -78,7 +78,7 @@ def test_ack_past_the_plan_is_invalid_argument(redis_client, redis_url):
                 raw.next()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "ack of step 10000" in err.value.details()
-        assert "only steps through" in err.value.details()
+        assert "acked after it was delivered" in err.value.details()
     finally:
         raw.vanish()
         svc.stop(grace=0.5)

@@ -12,6 +12,7 @@ from hypothesis import strategies as hst
 
 from pipeline.errors import (
     AckAheadOfPlan,
+    AckNotDelivered,
     CheckpointConflict,
     Fenced,
     RankHeld,
@@ -19,10 +20,10 @@ from pipeline.errors import (
     StepConflict,
     StepGap,
 )
-from pipeline.jobstate import JobCounters, PlannerCheckpoint, QuarantineEntry
-from pipeline.planner.types import Batch, EpochEnd, Step, StepInfo
+from pipeline.jobstate import JobCounters, PlannerCheckpoint, QuarantineEntry, RankAck
+from pipeline.planner.types import Batch, Step, StepInfo
 
-from .builders import make_step, publication, steps
+from .builders import make_end, make_step, publication, steps
 from .conftest import LAPSE, LONG, SHORT, Env
 
 
@@ -164,7 +165,7 @@ def test_checkpoint_rules(env):
 def _published(env: Env) -> int:
     gen = env.producer()
     env.state.publish(publication(steps(0, 1), rows=10, samples_in=10, quarantined=(Q_A,),
-                                  ends=(EpochEnd(0, (1, 1, 1, 1), 2),)), fence=gen)
+                                  ends=(make_end(0, (1, 1, 1, 1), 2),)), fence=gen)
     return gen
 
 
@@ -180,7 +181,7 @@ REFUSALS = {
         [make_step(2), make_step(1, salt="y"), make_step(3)], rows=20), StepConflict),
     "gap": (_published, lambda: publication([make_step(3)], rows=20), StepGap),
     "conflicting END": (_published, lambda: publication(
-        [make_step(2)], rows=20, ends=(EpochEnd(0, (1, 1, 1, 0), 2),)), StepConflict),
+        [make_step(2)], rows=20, ends=(make_end(0, (1, 1, 1, 0), 2),)), StepConflict),
     "position backwards": (_published, lambda: publication([make_step(2)], rows=5),
                            CheckpointConflict),
     "next_step backwards": (_published, lambda: publication(rows=20, next_step=1),
@@ -199,7 +200,7 @@ def test_a_refused_publication_writes_nothing(env, refusal):
     gen = setup(env)
     before = snapshot(env)
     pub = dataclasses.replace(make_pub(), samples_in=5, quarantined=(Q_B,),
-                              ends=make_pub().ends or (EpochEnd(1, (2, 2, 2, 2), 1),))
+                              ends=make_pub().ends or (make_end(1, (2, 2, 2, 2), 1),))
     with pytest.raises(error):
         env.state.publish(pub, fence=gen)
     assert snapshot(env) == before
@@ -237,7 +238,7 @@ def test_a_fenced_publication_writes_nothing(env, fence):
     before = snapshot(env)
     with pytest.raises(Fenced):
         env.state.publish(publication(steps(0, 1), rows=5, samples_in=5, quarantined=(Q_A,),
-                                      ends=(EpochEnd(0, (1, 1, 1, 1), 2),), done=True),
+                                      ends=(make_end(0, (1, 1, 1, 1), 2),), done=True),
                           fence=gen)
     assert snapshot(env) == before
 
@@ -279,18 +280,18 @@ def test_epoch_ends_are_write_once_and_listed_by_epoch(make_env):
     st, gen = env.state, env.producer()
     from pipeline.planner.types import MeasuredSample
 
-    end0 = EpochEnd(0, (1, 1, 1, 1), 2, (MeasuredSample("a:9", 40), MeasuredSample(17, 3, 2)))
-    end1 = EpochEnd(1, (2, 2, 2, 2), 1)
+    end0 = make_end(0, (1, 1, 1, 1), 2, (MeasuredSample("a:9", 40), MeasuredSample(17, 3, 2)))
+    end1 = make_end(1, (2, 2, 2, 2), 1)
     st.publish(publication(steps(0, 1), rows=10, ends=(end0,)), fence=gen)
     st.publish(publication(steps(2, 2, epoch=1), epoch=1, rows=10, ends=(end1, end0)),
                fence=gen)  # end0 again, identical: a no-op
     assert st.epoch_ends() == [end0, end1]
     with pytest.raises(StepConflict, match="0"):
         st.publish(publication(epoch=2, rows=0, next_step=3,
-                               ends=(EpochEnd(0, (1, 1, 1, None), 2),)), fence=gen)
+                               ends=(make_end(0, (1, 1, 1, None), 2),)), fence=gen)
     with pytest.raises(StepConflict):  # two different ENDs of one epoch in one publication
         st.publish(publication(epoch=2, rows=0, next_step=3,
-                               ends=(EpochEnd(2, (2, 2, 2, 2), 0), EpochEnd(2, (2, 2, 2, 1), 0))),
+                               ends=(make_end(2, (2, 2, 2, 2), 0), make_end(2, (2, 2, 2, 1), 0))),
                    fence=gen)
     assert st.epoch_ends() == [end0, end1]
 
@@ -600,12 +601,64 @@ def test_cursors_are_the_running_maximum_of_valid_acks(make_env, acks):
 def test_ack_many_reports_each_acks_error_and_applies_the_rest(env):
     st, gen = env.state, env.producer()
     st.publish(publication(steps(0, 2)), fence=gen)
+    st.grant([(0, r, 2) for r in range(4)])
     st.ack(3, 2)
-    out = st.ack_many([(0, 1), (1, 9), (2, 0), (7, 0), (3, 1), (2, -1)])
+    out = st.ack_many([RankAck(0, "a", 1), RankAck(1, "b", 9), RankAck(2, "c", 0),
+                       RankAck(7, "x", 0), RankAck(3, "d", 1), RankAck(2, "c", -1),
+                       RankAck(1, "", 0)], LONG)
     assert out[0] is None and out[2] is None and out[4] is None and out[5] is None
     assert isinstance(out[1], AckAheadOfPlan) and isinstance(out[3], ValueError)
+    assert isinstance(out[6], ValueError)  # an empty client id
     assert st.acked_all() == [1, -1, 0, 2]  # rank 3 kept its higher cursor
-    assert st.ack_many([]) == []
+    # Each accepted ack was its client's sign of life: it holds the lease now.
+    assert [h.client_id for h in st.rank_health()] == ["a", None, "c", "d"]
+    assert st.ack_many([], LONG) == []
+
+
+def test_ack_many_is_fenced_by_the_lease_and_never_skips_an_undelivered_step(env):
+    """An ack or heartbeat of a client whose rank another client holds changes nothing
+    (`RankHeld`: its stream ends); an ack beyond the rank's delivery grant is refused
+    (`AckNotDelivered`), however far the plan is published."""
+    st, gen = env.state, env.producer()
+    st.publish(publication(steps(0, 5)), fence=gen)
+    st.claim_rank(0, "A", LONG)
+    st.grant([(0, 0, 2), (0, 1, 1)])
+    out = st.ack_many([RankAck(0, "B", 1), RankAck(0, "B"), RankAck(0, "A", 3),
+                       RankAck(1, "C", 4), RankAck(1, "C", 1)], LONG)
+    assert isinstance(out[0], RankHeld) and isinstance(out[1], RankHeld)
+    assert isinstance(out[2], AckNotDelivered) and isinstance(out[3], AckNotDelivered)
+    assert out[4] is None
+    assert st.acked_all()[:2] == [-1, 1] and st.rank_health()[0].client_id == "A"
+    assert st.ack_many([RankAck(0, "A", 2)], LONG) == [None] and st.acked(0) == 2
+
+
+def test_ack_many_renews_only_its_clients_lease_and_takes_a_lapsed_one_over(env):
+    st = env.state
+    st.claim_rank(0, "A", SHORT)
+    env.sleep(SHORT / 2)
+    assert st.ack_many([RankAck(0, "A")], 0.6) == [None]  # a heartbeat renews it
+    env.sleep(SHORT)
+    assert not st.rank_health()[0].lapsed
+    env.sleep(0.6)
+    assert st.rank_health()[0].lapsed  # silent for the lease: lapsed, nothing renewed it
+    assert st.ack_many([RankAck(0, "B")], LONG) == [None]  # taken over: a lapse
+    assert st.rank_health()[0].client_id == "B" and st.counters().lease_lapses == 1
+    # A rank outside the world (and not a draining rank of the one it ended): refused.
+    assert isinstance(st.ack_many([RankAck(4, "E")], LONG)[0], ValueError)
+
+
+def test_an_ack_without_renew_retakes_only_a_lease_its_client_does_not_hold_live(env):
+    st, gen = env.state, env.producer()
+    st.publish(publication(steps(0, 1)), fence=gen)
+    st.grant([(0, 0, 1)])
+    st.claim_rank(0, "A", SHORT)
+    expires = st.rank_health()[0].lease_expires_at
+    assert st.ack_many([RankAck(0, "A", 0, renew=False)], LONG) == [None]
+    assert st.rank_health()[0].lease_expires_at == expires  # live and its own: left as it was
+    env.sleep(LAPSE)
+    assert st.ack_many([RankAck(0, "A", 1, renew=False)], LONG) == [None]
+    h = st.rank_health()[0]
+    assert not h.lapsed and h.lease_expires_at > expires and st.acked(0) == 1  # taken back
 
 
 def test_acks_need_no_lease(env):

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.coordinator import RedisJobState
-from pipeline.jobstate import JobState, MemoryJobState, Publication, QuarantineEntry
+from pipeline.jobstate import JobState, MemoryJobState, Publication, QuarantineEntry, RankAck
 from pipeline.planner.types import EpochEnd
 
 from .builders import make_step, publication
@@ -47,7 +47,11 @@ ack_calls = st.one_of(
     st.fixed_dictionaries({"call": st.just("ack"), "rank": st.sampled_from([0, 1, 2, W]),
                            "step": st.integers(-3, 1)}),
     st.fixed_dictionaries({"call": st.just("ack_many"), "acks": st.lists(
-        st.tuples(st.integers(0, W), st.integers(-3, 1)), max_size=3)}),
+        st.tuples(st.integers(0, W), st.sampled_from(["c", "d", ""]), st.integers(-3, 1),
+                  st.booleans()),
+        max_size=3)}),
+    st.fixed_dictionaries({"call": st.just("grant"), "rank": st.integers(0, W),
+                           "through": st.integers(-2, 1)}),
 )
 rank_calls = st.fixed_dictionaries({
     "call": st.sampled_from(["claim_rank", "heartbeat", "release_rank"]),
@@ -106,8 +110,12 @@ class Caller:
                     return s.ack(c["rank"], s.published_through() + c["step"])
                 case "ack_many":
                     through = s.published_through()
-                    return [type(e).__name__ if e else None
-                            for e in s.ack_many([(r, through + d) for r, d in c["acks"]])]
+                    acks = [RankAck(r, client, through + d, renew)
+                            for r, client, d, renew in c["acks"]]
+                    return [type(e).__name__ if e else None for e in s.ack_many(acks, 600)]
+                case "grant":
+                    (g,) = s.grant([(0, c["rank"], s.published_through() + c["through"])])
+                    return type(g).__name__ if isinstance(g, Exception) else g
                 case "claim_rank":
                     return s.claim_rank(c["rank"], c["client"], 600).client_id
                 case "heartbeat":

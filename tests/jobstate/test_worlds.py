@@ -16,9 +16,8 @@ from pipeline.errors import (
 )
 from pipeline.jobstate import Grant, ScaleReason, ScaleRequest, World
 from pipeline.jobstate.worlds import choose_boundary
-from pipeline.planner.types import EpochEnd
 
-from .builders import make_step, publication, steps
+from .builders import make_end, make_step, publication, steps
 from .conftest import LONG, Env
 
 
@@ -98,7 +97,7 @@ def test_live_ranks_end_at_the_highest_grant_gone_ranks_at_their_ack(env: Env):
 def test_the_boundary_never_takes_back_a_published_end(make_env):
     env = make_env(world_size=2)
     st, gen = env.state, env.producer()
-    end0 = EpochEnd(0, (4, 4), 5)
+    end0 = make_end(0, (4, 4), 5)
     st.publish(publication(steps(0, 4, 2), rows=5, ends=(end0,)), fence=gen)
     st.publish(publication(steps(5, 7, 2, epoch=1), epoch=1, rows=3), fence=gen)
     st.claim_rank(0, "c0", LONG)
@@ -121,6 +120,24 @@ def test_a_restored_position_ends_every_rank_before_it_only_once_all_are_gone(en
     res = st.scale(ScaleRequest(3, ScaleReason.ELASTIC, position=5, require_gone=True))
     assert res.previous.last_steps == (4, 4, 4, 4) and res.world.first_step == 8
     assert res.world.reason is ScaleReason.ELASTIC
+
+
+def test_a_restored_position_never_reopens_an_epoch_whose_end_is_published(make_env):
+    """Issue #27 item 4: an elastic Open restored at step 5 after END(0) (last step 9) was
+    published. The old world's epoch 0 stays closed: every rank ends at 9, only epoch 1's
+    steps come back (nothing of epoch 0 re-planned into epoch 1, the END not contradicted)."""
+    env = make_env(world_size=2)
+    st, gen = env.state, env.producer()
+    st.publish(publication(steps(0, 9, 2), rows=10, ends=(make_end(0, (9, 9), 10),)),
+               fence=gen)
+    st.publish(publication(steps(10, 12, 2, epoch=1), epoch=1, rows=3), fence=gen)
+    res = st.scale(ScaleRequest(4, ScaleReason.ELASTIC, position=5, require_gone=True))
+    assert res.previous.last_steps == (9, 9)
+    assert res.previous.returned_samples == 3 * 2 * 2  # steps 10-12, two ranks, two samples
+    assert choose_boundary(first_step=0, published_through=12, last_end_step=9, grants=[0, 0],
+                           acked=[-1, -1], live=[False, False], position=5) == (9, 9)
+    assert choose_boundary(first_step=0, published_through=12, last_end_step=9, grants=[0, 0],
+                           acked=[-1, -1], live=[False, False], position=11) == (10, 10)
 
 
 def test_an_ended_world_answers_grants_with_its_boundary(env: Env):
@@ -208,7 +225,7 @@ def test_no_change_for_the_current_size_or_a_world_that_already_ended(env: Env):
 def test_a_fully_planned_job_cannot_move_once_a_live_rank_may_have_its_last_end(env: Env):
     """(A fully planned job reopens otherwise: tests/elastic/test_reopen_state.py.)"""
     st, gen = env.state, env.producer()
-    st.publish(publication(steps(0, 2), ends=(EpochEnd(0, (2, 2, 2, 2), 3),), done=True),
+    st.publish(publication(steps(0, 2), ends=(make_end(0, (2, 2, 2, 2), 3),), done=True),
                fence=gen)
     st.claim_rank(0, "c0", LONG)
     st.grant([(0, 0, 2)])  # rank 0 was sent its last batch: END(0) may be delivered
@@ -248,3 +265,17 @@ def test_the_new_world_does_not_inherit_the_old_worlds_lapses(env: Env):
     assert res.previous.live_ranks == (1, 2, 3) and res.previous.last_steps[0] == -1
     assert st.timed_out_ranks(0.0) == {} and st.lapsed_ranks() == []
     assert st.claim_rank(0, "new0", LONG).client_id == "new0"  # free at once
+
+
+def test_a_record_published_before_stamps_gets_its_world_from_the_world_records():
+    from pipeline.jobstate.worlds import World, stamp_of_end, stamp_of_step
+    from pipeline.planner.types import EpochEnd, WorldStamp
+
+    worlds = [World(0, 4, 0, last_steps=(3,) * 4, published_through=3),
+              World(1, 2, 4, last_steps=(6, 6), published_through=6), World(2, 4, 7)]
+    assert [stamp_of_step(worlds, n) for n in (0, 3, 4, 6, 7, 50)] == [
+        WorldStamp(0, 4), WorldStamp(0, 4), WorldStamp(1, 2), WorldStamp(1, 2),
+        WorldStamp(2, 4), WorldStamp(2, 4)]
+    assert stamp_of_end(worlds, EpochEnd(0, (5, 6), 7)) == WorldStamp(1, 2)
+    # No step at all to go by: the latest world of its size (what builds before stamps assumed).
+    assert stamp_of_end(worlds, EpochEnd(0, (None,) * 4, 7)) == WorldStamp(2, 4)

@@ -10,7 +10,7 @@ from support.waiting import wait_for
 from pipeline.jobstate import MemoryJobState, PlannerCheckpoint, Publication
 from pipeline.observability import status_view
 from pipeline.observability.plan_totals import PlanTotals, batch_figures
-from pipeline.planner.types import Batch, MeasuredSample, Step, StepInfo
+from pipeline.planner.types import Batch, MeasuredSample, Step, StepInfo, WorldStamp
 
 
 def _batch(rank: int, *lengths: int, truncated: dict | None = None) -> Batch:
@@ -21,7 +21,7 @@ def _batch(rank: int, *lengths: int, truncated: dict | None = None) -> Batch:
 
 def _step(n: int, *batches: Batch) -> Step:
     return Step(0, n, batches, StepInfo(sum(len(b.samples) for b in batches),
-                                        sum(b.num_tokens for b in batches)))
+                                        sum(b.num_tokens for b in batches)), WorldStamp(0, 2))
 
 
 def test_batch_figures_padded_packed_and_truncated() -> None:

@@ -19,6 +19,7 @@ from pipeline.planner.types import (
     Quarantined,
     Step,
     StepInfo,
+    WorldStamp,
 )
 
 MODES = list(DgapMode)
@@ -48,7 +49,7 @@ def ends_of(events):
 @pytest.mark.parametrize("mode", MODES)
 def test_empty_input(mode):
     events, _ = plan([], 4, mode)
-    assert events == [EpochEnd(0, (None,) * 4, 0, ())]
+    assert events == [EpochEnd(0, (None,) * 4, 0, (), WorldStamp(0, 4))]  # stamped
 
 
 def test_fewer_samples_than_ranks_join():

@@ -32,6 +32,7 @@ from pipeline.planner.types import (
     OverBudgetPolicy,
     Quarantined,
     Step,
+    WorldStamp,
 )
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,7 +75,7 @@ def scenarios(draw):
 def _roundtrip(p: StepPlanner, sc: dict, world: int) -> StepPlanner:
     state = PlannerState.from_dict(json.loads(json.dumps(p.snapshot().to_dict())))
     return StepPlanner.restore(state, sc["policy"], world, sc["mode"], sc["seed"],
-                               sc["pool_steps"])
+                               sc["pool_steps"], generation=p.world.generation)
 
 
 def run(sc: dict) -> tuple[list, list, int]:
@@ -116,7 +117,7 @@ def run(sc: dict) -> tuple[list, list, int]:
     # The old world's kept steps without the returned batches of the dead ranks.
     back = {id(bt) for bt in returned}
     old_events = [Step(ev.epoch, ev.step, tuple(bt for bt in ev.batches if id(bt) not in back),
-                       ev.info) if isinstance(ev, Step) else ev for ev in old_events]
+                       ev.info, ev.world) if isinstance(ev, Step) else ev for ev in old_events]
     return old_events, after, first
 
 
@@ -138,6 +139,11 @@ def test_a_reconfiguration_keeps_every_guarantee_across_both_worlds(sc):
     old_events, new_events, first = run(sc)
     policy, mode = sc["policy"], DgapMode(sc["mode"])
     old, new = sc["old"], sc["new"]
+    # Every step and END knows its world: the old one's (0), then the next (1).
+    assert {ev.world for ev in old_events if isinstance(ev, Step | EpochEnd)} <= {
+        WorldStamp(0, old)}
+    assert {ev.world for ev in new_events if isinstance(ev, Step | EpochEnd)} <= {
+        WorldStamp(1, new)}
     # Old world: its ranks only; loss-scale info as planned for the batches it runs.
     for ev in old_events:
         if isinstance(ev, Step):

@@ -3,6 +3,7 @@ job-sized Redis pool."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -14,8 +15,8 @@ from pipeline.coordinator import RedisJobState
 from pipeline.coordinator.connection import unavailable_as_error
 from pipeline.coordinator.redis_job_state import pool_size_for
 from pipeline.errors import AckAheadOfPlan, StateUnavailable
-from pipeline.jobstate import MemoryJobState, PlannerCheckpoint, Publication
-from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo
+from pipeline.jobstate import MemoryJobState, PlannerCheckpoint, Publication, RankAck
+from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo, WorldStamp
 from pipeline.service.coalescer import Coalescer
 from pipeline.service.plan_view import PlanView
 
@@ -40,7 +41,7 @@ def _step(n: int, epoch: int = 0, ranks: tuple[int, ...] = (0,)) -> Step:
     batches = tuple(Batch(rank=r, samples=(MeasuredSample(f"s{n}:{r}", 10),), cost=10)
                     for r in ranks)
     return Step(epoch=epoch, step=n, info=StepInfo(len(ranks), 10 * len(ranks)),
-                batches=batches)
+                batches=batches, world=WorldStamp(0, 8))
 
 
 def _publish(st, *steps: Step, ends: tuple[EpochEnd, ...] = ()) -> None:
@@ -72,7 +73,8 @@ def test_reads_shared_state_once_per_interval_and_step():
     assert view.step_for(1, 0) == inner.get_step(1)
 
     assert view.epoch_end(0) is None
-    _publish(inner, ends=(EpochEnd(epoch=0, steps=2, final_step=(1, None)),))
+    _publish(inner, ends=(EpochEnd(epoch=0, steps=2, final_step=(1, None),
+                                   world=WorldStamp(0, 2)),))
     time.sleep(0.25)
     end = view.epoch_end(0)
     assert end is not None and end.epoch == 0
@@ -171,12 +173,13 @@ def test_grouped_acks_match_single_acks_and_errors_stay_per_caller(redis_url, re
     st = RedisJobState(redis_url, "acks", config_hash="x", world_size=8)
     try:
         _publish(st, *(_step(n) for n in range(3)))
-        acks = Coalescer(st.ack_many)
+        st.grant([(0, r, 2) for r in range(8)])
+        acks = Coalescer(functools.partial(st.ack_many, lease_seconds=60))
         errors: dict[int, BaseException] = {}
 
         def ack(rank: int, step: int) -> None:
             try:
-                acks((rank, step))
+                acks(RankAck(rank, f"c{rank}", step))
             except BaseException as exc:
                 errors[rank] = exc
 

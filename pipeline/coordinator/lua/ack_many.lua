@@ -1,22 +1,50 @@
--- Acks of many ranks in one call (a replica's streams, grouped): cursors only, no lease change.
--- KEYS: meta, acked.  ARGV: base, then (rank, step) pairs, steps >= 0.
--- Returns one reply per pair: '' (recorded) or the error code ACK would raise (ODB_RANK,
--- ODB_AHEAD); a pair's error does not stop the others (each pair is checked before it is written).
+-- Acks and heartbeats of many rank streams in one call (a replica's streams, grouped).
+-- KEYS: meta, acked, lease_exp, lease, lapsed, counters, claimed, grants
+-- ARGV: base, lease_ms, then (rank, client_id, step, renew) quadruples; step < 0: a heartbeat
+-- (no cursor); renew '0': the client's lease is renewed only if it does not hold it live (a
+-- replica renews on an ack only every so often: fewer writes, the same evidence).
+-- Each is its client's sign of life; checked before anything of it is written: the rank
+-- inside the world (the current one for an ack; for a heartbeat also the draining ranks of the
+-- world it ended: ODB_RANK), no other client's live lease (ODB_HELD: a stream whose lease was
+-- taken ends), and for an ack the step published (ODB_AHEAD) and within the rank's delivery
+-- grant (ODB_UNSENT: a cursor never skips a step the rank was not sent). Then the lease is the
+-- client's for lease_ms more (a lapse recorded when another client's lapsed lease is taken
+-- over) and the cursor moves (monotonic). Returns one reply per entry: '' or its error; one
+-- entry's error does not stop the others. Python model: MemoryJobState.ack_many.
+--! include now
 --! include trim
-local m = redis.call('HMGET', KEYS[1], 'world_size', 'published_through')
+--! include lease
+local m = redis.call('HMGET', KEYS[1], 'world_size', 'published_through', 'lease_ranks',
+  'world_first')
 if not m[1] then return redis.error_reply('ODB_NOJOB') end
-local bound, through = tonumber(m[1]), tonumber(m[2])
+local ws, through = tonumber(m[1]), tonumber(m[2])
+local lr, first = tonumber(m[3] or m[1]), tonumber(m[4] or 0)
+local exp = now + tonumber(ARGV[2])
 local out, moved = {}, false
-for i = 2, #ARGV, 2 do
-  local rank, step = ARGV[i], tonumber(ARGV[i + 1])
+for i = 3, #ARGV, 4 do
+  local rank, cid, step = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local r = tonumber(rank)
+  local bound = step >= 0 and ws or lr
+  local err, took_over, held = nil, false, false
   if r < 0 or r >= bound then
-    out[#out + 1] = 'ODB_RANK ' .. rank .. ' ' .. bound
-  elseif step > through then
-    out[#out + 1] = 'ODB_AHEAD ' .. step .. ' ' .. through
+    err = 'ODB_RANK ' .. rank .. ' ' .. bound
   else
-    redis.call('ZADD', KEYS[2], 'GT', step, rank)
-    out[#out + 1], moved = '', true
+    err, took_over, held = lease_check(rank, cid)
+  end
+  if not err and step >= 0 then
+    local granted = tonumber(redis.call('ZSCORE', KEYS[8], rank) or (first - 1))
+    if step > through then err = 'ODB_AHEAD ' .. step .. ' ' .. through
+    elseif step > granted then err = 'ODB_UNSENT ' .. step .. ' ' .. granted end
+  end
+  if err then
+    out[#out + 1] = err
+  else
+    if ARGV[i + 3] == '1' or not held then lease_take(rank, cid, exp, took_over) end
+    if step >= 0 then
+      redis.call('ZADD', KEYS[2], 'GT', step, rank)
+      moved = true
+    end
+    out[#out + 1] = ''
   end
 end
 if moved then trim() end

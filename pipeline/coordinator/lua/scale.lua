@@ -5,9 +5,9 @@
 --       expect_generation (-1: any)
 -- Each rank's last step is `choose_boundary` (pipeline/jobstate/worlds.py), mirrored here: with a
 -- position every rank ends at position - 1; otherwise live ranks (a live lease) end at the
--- highest grant among them, never before the last step of an epoch whose END is published, and
--- the others at what they acknowledged. Returned batches (after a rank's last step, up to the
--- plan's end, held steps of fsync_publish included) leave the planned counters; cursors move to
+-- highest grant among them, and the others at what they acknowledged; never (the position, the
+-- live ranks) before the last step of an epoch whose END is published. Returned batches (after
+-- a rank's last step, up to the plan's end, held steps of fsync_publish included) leave the planned counters; cursors move to
 -- the new world's first step - 1, grants are cleared, live ranks are recorded as draining (their
 -- client) and protect their steps from trimming (`trim_floor`); the leases of the gone ranks, the
 -- lapse history and the claimed set are dropped (they are not the new world's ranks, which reuse
@@ -77,7 +77,7 @@ local function boundary(skip_epoch)  -- each rank's last step, ENDs of epoch `sk
   end
   local L = {}
   if pos >= 0 then
-    for r = 0, w - 1 do L[r] = clamp(pos - 1) end
+    for r = 0, w - 1 do L[r] = clamp(math.max(pos - 1, lastend)) end
     return L
   end
   local b = math.max(lastend, floor)

@@ -106,13 +106,19 @@ class Ack(_message.Message):
     credits: int
     def __init__(self, consumed_step: _Optional[int] = ..., credits: _Optional[int] = ...) -> None: ...
 
+class Heartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ClientMessage(_message.Message):
-    __slots__ = ("open", "ack")
+    __slots__ = ("open", "ack", "heartbeat")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     open: Open
     ack: Ack
-    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class StepInfo(_message.Message):
     __slots__ = ("step_samples", "step_tokens", "rank_samples", "rank_tokens", "step_loss_tokens", "rank_loss_tokens", "world_size")

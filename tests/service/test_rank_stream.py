@@ -1,0 +1,227 @@
+"""The rank stream without a server (`rank_stream.RankStreams` on the test's own event loop):
+every rank gets its batches within its credits and its END, exactly once across ranks; a stream
+that must end raises a domain error (never a gRPC status: only the adapter knows those, and
+the domain modules do not import grpc). Leases live on the client's evidence only (Open, Ack,
+Heartbeat), a stream fenced out by another client ends, an ack never names a step the rank was
+not sent, request fields are capped, and a replica that cannot reach the job's state ends its
+streams within `state_timeout_seconds`."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from stream_harness import StreamClient, StreamJob
+
+from pipeline.coordinator import RedisJobState
+from pipeline.errors import (
+    AckNotDelivered,
+    BadRequest,
+    PositionUnavailable,
+    RankHeld,
+    ReplicaUnavailable,
+)
+from pipeline.redis_server import LocalRedis
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+
+
+@pytest.fixture
+def job():
+    j = StreamJob(world_size=2, samples=40)
+    yield j
+    j.close()
+
+
+def test_every_rank_gets_its_batches_and_its_end_exactly_once(job):
+    async def main():
+        clients = [StreamClient(job, r) for r in range(2)]
+        got = await asyncio.gather(*(c.consume() for c in clients))
+        outcomes = [await c.outcome() for c in clients]
+        return got, outcomes
+
+    got, outcomes = job.run(main())
+    assert outcomes == [None, None]  # both ended cleanly after their final END
+    ids = Counter(i for msgs in got for m in msgs if m.WhichOneof("kind") == "batch"
+                  for i in m.batch.sample_ids)
+    assert sorted(ids) == sorted(str(s.sample_id) for s in job.samples)
+    assert set(ids.values()) == {1}
+    for r, msgs in enumerate(got):
+        assert all(m.batch.rank == r and m.batch.info.world_size == 2
+                   for m in msgs if m.WhichOneof("kind") == "batch")
+        end = msgs[-1].end
+        assert end.job_done and end.final_step == max(m.batch.step for m in msgs[:-1])
+        assert job.state.acked(r) >= end.final_step
+
+
+def test_a_stream_never_sends_beyond_the_clients_credits(job):
+    async def main():
+        c = StreamClient(job, 0, credits=1)
+        first = await c.next()
+        with pytest.raises(TimeoutError):
+            await c.next(timeout=0.5)  # no credit left: nothing more comes
+        c.ack(first.batch.step, credits=1)
+        second = await c.next()
+        c.close()
+        await c.outcome()
+        return first.batch.step, second.batch.step
+
+    first, second = job.run(main())
+    assert second > first
+
+
+@pytest.mark.parametrize(("open_kw", "error", "text"), [
+    ({"rank": 2}, BadRequest, "rank 2 is outside [0, 2)"),
+    ({"resume_step": -3}, BadRequest, "resume_step must be >= 0"),
+    ({"resume_step": 10_000}, PositionUnavailable, "beyond the plan"),
+], ids=["rank", "negative-position", "position-beyond-the-plan"])
+def test_a_refused_open_raises_a_domain_error(job, open_kw, error, text):
+    async def main():
+        rank = open_kw.pop("rank", 0)
+        return await StreamClient(job, rank, **open_kw).outcome()
+
+    exc = job.run(main())
+    assert isinstance(exc, error) and text in str(exc)
+
+
+@pytest.fixture
+def long_job():
+    j = StreamJob(world_size=2, samples=400, lease_seconds=0.6)  # many credits' worth of steps
+    yield j
+    j.close()
+
+
+@pytest.mark.parametrize("ahead", [1, 10_000], ids=["published-not-sent", "past-the-plan"])
+def test_an_ack_of_a_step_the_rank_was_not_sent_ends_the_stream_and_moves_nothing(long_job,
+                                                                                 ahead):
+    job = long_job
+
+    async def main():
+        c = StreamClient(job, 0, credits=1)
+        first = (await c.next()).batch.step
+        await asyncio.sleep(0.2)  # the producer publishes on: step first + 1 exists
+        other = await StreamClient(job, 0, client_id="someone-else").outcome()
+        c.ack(first + ahead)
+        return first, other, await c.outcome()
+
+    first, other, mine = job.run(main())
+    assert job.state.published_through() > first
+    assert isinstance(other, RankHeld) and "retry after the lease lapses" in str(other)
+    assert isinstance(mine, AckNotDelivered) and "acked after it was delivered" in str(mine)
+    assert job.state.acked(0) == -1  # the cursor never skipped the undelivered step
+
+
+def test_a_connected_but_silent_client_loses_its_lease_and_a_heartbeat_renews_it(long_job):
+    job = long_job
+
+    async def main():
+        c = StreamClient(job, 0, credits=1)
+        await c.next()
+        renewed = []
+        for _ in range(4):  # 1.2 s of heartbeats, twice the lease: the lease holds
+            await asyncio.sleep(0.3)
+            c.heartbeat()
+            await asyncio.sleep(0.05)
+            renewed.append(job.state.rank_health()[0].lapsed)
+        await asyncio.sleep(0.9)  # connected, nothing sent for longer than the lease
+        silent = job.state.rank_health()[0]
+        c.heartbeat()  # back: the same client retakes its lease (not a lapse of another)
+        await asyncio.sleep(0.1)
+        back = job.state.rank_health()[0]
+        c.close()
+        return renewed, silent, back
+
+    renewed, silent, back = job.run(main())
+    assert renewed == [False] * 4
+    assert silent.lapsed and silent.client_id == "c0"
+    assert not back.lapsed and back.client_id == "c0"
+    assert job.state.counters().lease_lapses == 0
+
+
+def test_a_stream_whose_rank_another_client_took_ends_at_its_next_heartbeat(long_job):
+    job = long_job
+
+    async def main():
+        c = StreamClient(job, 0, credits=1)
+        await c.next()
+        await asyncio.sleep(0.9)  # lapsed: a restarted trainer's new client takes the rank
+        job.state.claim_rank(0, "the-new-client", 30)
+        c.heartbeat()
+        return await c.outcome()
+
+    exc = job.run(main())
+    assert isinstance(exc, RankHeld) and "the-new-client" in str(exc)
+    assert job.state.rank_health()[0].client_id == "the-new-client"
+
+
+@pytest.mark.parametrize(("open_kw", "ack", "text"), [
+    ({"credits": 70_000}, None, "credits must be in [0, 65536]"),
+    ({"client_id": "x" * 257}, None, "client_id must be at most 256 characters"),
+    ({}, 70_000, "Ack credits must be in [0, 65536]"),
+    ({}, -1, "Ack credits must be in [0, 65536]"),
+], ids=["open-credits", "client-id", "ack-credits", "negative-ack-credits"])
+def test_request_fields_are_capped(long_job, open_kw, ack, text):
+    job = long_job
+
+    async def main():
+        c = StreamClient(job, 0, **open_kw)
+        if ack is not None:
+            await c.next()
+            c.send(pb.ClientMessage(ack=pb.Ack(consumed_step=-1, credits=ack)))
+        return await c.outcome()
+
+    exc = job.run(main())
+    assert isinstance(exc, BadRequest) and text in str(exc)
+
+
+def test_a_replica_that_cannot_reach_the_jobs_state_ends_its_streams_within_the_bound():
+    """Redis frozen (SIGSTOP: the socket stays open, nothing answers): the stream ends with
+    `ReplicaUnavailable` within `state_timeout_seconds`, so its client reconnects (to another
+    replica, if it has one); nothing it sent was beyond the rank's recorded grant."""
+    with LocalRedis() as redis:
+        state = RedisJobState(redis.url, "j", config_hash="x", world_size=2)
+        job = StreamJob(world_size=2, samples=400, state=state, state_timeout_seconds=1.0)
+
+        async def main():
+            c = StreamClient(job, 0, credits=1)
+            first = (await c.next()).batch.step
+            os.kill(redis.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                c.ack(first, credits=1)
+                got = [m.batch.step async for m in c.messages_until_end()]
+                return first, got, await c.outcome(), time.monotonic() - t0
+            finally:
+                os.kill(redis.proc.pid, signal.SIGCONT)
+
+        try:
+            first, got, exc, waited = job.run(main())
+            granted = state.grant([(0, 0, -1)])[0].through
+        finally:
+            job.close()
+            state.close()
+    assert isinstance(exc, ReplicaUnavailable) and "could not reach the job's state" in str(exc)
+    assert waited < 1.0 + 3.0  # the bound, plus slack for a loaded machine
+    assert all(n <= granted for n in [first, *got])
+
+
+DOMAIN = ["rank_stream.py", "rank_cursor.py", "liveness.py", "world_open.py", "scaling.py",
+          "stream_io.py", "job_runtime.py"]
+
+
+@pytest.mark.parametrize("module", DOMAIN)
+def test_only_the_adapter_knows_grpc(module):
+    """The stream, its policies and the world rules raise domain errors; `data_server.py` (the
+    adapter) is the one place that turns them into status codes."""
+    path = Path(__file__).parents[2] / "pipeline" / "service" / module
+    tree = ast.parse(path.read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom)}
+    assert "grpc" not in imported
