@@ -192,8 +192,6 @@ def fail_over(cluster: Cluster, tmp_path: Path, job: str, fault: AbstractContext
         kill_all(ranks)
 
 
-@pytest.mark.xfail(strict=True, reason="#27: no gRPC keepalive: the clients of a frozen "
-                   "replica never notice it (they wait on its open sockets)")
 def test_frozen_replica_its_ranks_fail_over_within_the_keepalive_bound(cluster, tmp_path):
     fail_over(cluster, tmp_path, "frozen-replica", frozen(cluster.topo.replicas[1].pid),
               FAILOVER_BOUND_S + SLACK_S)
@@ -206,8 +204,6 @@ def test_killed_replica_its_ranks_fail_over_at_once(cluster, tmp_path):
 
 
 @pytest.mark.parametrize("cut", ["both-ways", "answers"])
-@pytest.mark.xfail(strict=True, reason="#27: no gRPC keepalive: clients partitioned from their "
-                   "replica wait on a silent connection forever")
 def test_partitioned_replica_its_ranks_fail_over_within_the_keepalive_bound(
         cluster, tmp_path, cut):
     """The proxy between the trainers and replica 1 black-holes traffic without closing
@@ -219,8 +215,6 @@ def test_partitioned_replica_its_ranks_fail_over_within_the_keepalive_bound(
               FAILOVER_BOUND_S + SLACK_S)
 
 
-@pytest.mark.xfail(strict=True, reason="#27: no state timeout: a replica cut from Redis holds "
-                   "its streams while redis-py retries, and its clients never fail over")
 def test_replica_cut_from_redis_ends_its_streams_and_its_ranks_fail_over(cluster, tmp_path):
     """Replica 1 loses Redis (black hole both ways, its sockets open): within the state
     timeout it ends its rank streams (it cannot vouch for any step it has no recorded grant
@@ -230,10 +224,6 @@ def test_replica_cut_from_redis_ends_its_streams_and_its_ranks_fail_over(cluster
               STATE_TIMEOUT_S + FAILOVER_BOUND_S + SLACK_S, sleep=0.25, lift_mid_epoch=True)
 
 
-@pytest.mark.xfail(strict=True, reason="#27: a successor takes over, but a replica renews its "
-                   "ranks' leases only between the batches it sends: while its payload reads wait "
-                   "on the frozen producer, the leases of ranks alive lapse (and, past the rank "
-                   "timeout, the job is aborted)")
 def test_frozen_producer_is_fenced_and_a_successor_publishes_no_step_twice(cluster, tmp_path):
     """The job's producer actor is frozen mid-plan (silent on every link, Redis included): its
     lease lapses and a successor takes it over from the checkpoint; the epoch ends while the
@@ -263,11 +253,6 @@ def test_frozen_producer_is_fenced_and_a_successor_publishes_no_step_twice(clust
         kill_all(ranks)
 
 
-@pytest.mark.xfail(strict=False, reason="#27: a replica renews its ranks' leases itself, "
-                   "between the batches it sends: a hang that catches the producer mid-plan stalls "
-                   "the payload reads past lease + rank timeout, and the job is aborted for ranks "
-                   "that are alive (not strict: when the plan was complete before the hang, it "
-                   "passes on main too)")
 def test_frozen_ray_head_the_job_goes_on_and_nothing_hangs(cluster, tmp_path):
     """The Ray head's GCS frozen mid-epoch for longer than every timeout of the service, lease +
     rank timeout included. The ranks go on for a while (payloads come from the object store and

@@ -184,8 +184,6 @@ def test_a_busy_rank_keeps_its_lease(runs):
     assert_exactly_once(delivered_ids(run.ranks), run.ids)
 
 
-@pytest.mark.xfail(strict=True, reason="#27: the replica renews a connected rank's lease "
-                   "itself: a frozen rank's lease never lapses, `fail` never fires")
 def test_fail_aborts_the_others_naming_the_frozen_rank_in_bound(runs):
     run = runs["fail"].result()
     for r in run.ranks[1:]:
@@ -201,8 +199,6 @@ def test_fail_aborts_the_others_naming_the_frozen_rank_in_bound(runs):
         assert RANK_TIMEOUT_S <= took <= POLICY_BOUND_S, took
 
 
-@pytest.mark.xfail(strict=True, reason="#27: the replica renews a connected rank's lease "
-                   "itself: a frozen rank's lease never lapses")
 def test_wait_keeps_the_others_waiting_and_the_thawed_rank_resumes(runs):
     run = runs["wait"].result()
     assert "lapsed" in run.seen, "rank 0's lease did not lapse while it was frozen"
@@ -212,8 +208,6 @@ def test_wait_keeps_the_others_waiting_and_the_thawed_rank_resumes(runs):
     assert_exactly_once(delivered_ids(run.ranks), run.ids)
 
 
-@pytest.mark.xfail(strict=True, reason="#27: the replica renews a connected rank's lease "
-                   "itself: a frozen rank's lease never lapses, `shrink` never fires")
 def test_shrink_finishes_the_epoch_without_the_frozen_rank_exactly_once(runs):
     run = runs["shrink"].result()
     assert "reconfigured" in run.seen, "ranks 1, 2 never left the world of 3"
