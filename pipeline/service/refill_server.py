@@ -14,8 +14,9 @@ nothing is admitted twice); a handler waiting for its consumer's next message is
 server's own stop, which cancels that read; the one Redis call an ask makes is bounded by the
 client's timeouts.
 
-Status codes (precise, never a generic UNKNOWN): NOT_FOUND an unknown job; FAILED_PRECONDITION
-a training job (Stream serves those); UNAUTHENTICATED a missing or wrong token;
+Status codes (precise, never a generic UNKNOWN): NOT_FOUND an unknown job (no served job named);
+UNAUTHENTICATED a missing or wrong token; FAILED_PRECONDITION a training job, to a caller holding
+its token (Stream serves those);
 INVALID_ARGUMENT no Open first, a negative capacity, or unknown / repeated ids in `finished`
 (the whole ask is refused before anything is applied); UNAVAILABLE Redis unreachable or the
 replica stopping (the client retries the ask with the same call_seq, which returns the same
@@ -96,7 +97,7 @@ class RefillServicer:
     def __init__(self, jobs: dict[str, RefillJob], tokens: dict[str, str | None],
                  other_jobs: dict[str, str]) -> None:
         self.jobs = jobs
-        self.tokens = tokens
+        self.tokens = tokens  # every served job's (None: open)
         self.other_jobs = other_jobs  # training job id -> its mode (FAILED_PRECONDITION)
         self._stopping = threading.Event()
 
@@ -112,18 +113,19 @@ class RefillServicer:
             j.producer.stop()
 
     def authorized_job(self, job_id: str, context: grpc.ServicerContext) -> RefillJob:
+        """The refill job a call names, once its token checked; an unknown job is NOT_FOUND
+        without naming any served job, and a training job's mode is told only to a caller
+        holding its token (an unauthenticated caller learns nothing about other jobs)."""
         rj = self.jobs.get(job_id)
-        if rj is None:
-            if job_id in self.other_jobs:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"job {job_id!r} has mode {self.other_jobs[job_id]!r}: Refill "
-                              "serves `mode: refill` jobs; a training job's ranks use Stream "
-                              "(trainer_client.BatchStream)")
-            known = sorted([*self.jobs, *self.other_jobs])
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"unknown job {job_id!r}; this server serves {known}")
+        if rj is None and job_id not in self.other_jobs:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job_id!r}")
         require_token(self.tokens.get(job_id), context, job_id)
-        return rj
+        if rj is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"job {job_id!r} has mode {self.other_jobs[job_id]!r}: Refill "
+                          "serves `mode: refill` jobs; a training job's ranks use Stream "
+                          "(trainer_client.BatchStream)")
+        return rj  # type: ignore[return-value]
 
     def job_status(self, job_id: str, replica_id: str) -> pb.JobStatus:
         """GetJob's answer for a refill job (the caller checked the token)."""

@@ -195,5 +195,4 @@ def _refill_servicer(jobs: dict[str, RefillJob], tokens: dict[str, str | None],
                      runtimes: Mapping[str, JobRuntime]) -> RefillServicer | None:
     if not jobs:
         return None
-    return RefillServicer(jobs, {j: tokens.get(j) for j in jobs},
-                          {j: rt.mode for j, rt in runtimes.items()})
+    return RefillServicer(jobs, tokens, {j: rt.mode for j, rt in runtimes.items()})

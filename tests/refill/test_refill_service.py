@@ -259,6 +259,7 @@ def test_bad_calls_get_precise_status_codes(served):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "free_tokens must be >= 0, got -5" in msg
     code, msg = code_of(lambda: ask(stub, open_msg("nope"), ask_msg(10)))
     assert code == grpc.StatusCode.NOT_FOUND and "unknown job 'nope'" in msg
+    assert "gen" not in msg and "train" not in msg  # nothing about the jobs served
     code, msg = code_of(lambda: ask(stub, open_msg("train"), ask_msg(10)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "mode 'join'" in msg
     code, msg = code_of(lambda: ask(stub, ask_msg(10)))
@@ -285,13 +286,23 @@ def test_bad_calls_get_precise_status_codes(served):
 
 
 def test_a_job_token_guards_refill(tmp_path, redis_url, redis_client):
-    cfg = refill_config(refill_job(chats_slice(tmp_path, 10)), redis_url=redis_url)
-    svc = start_service(cfg, tokens={"gen": "s3cret"})
+    train = {"job_id": "train", "world_size": 1, "source": {"paths": ["arrays"]}}
+    cfg = refill_config(refill_job(chats_slice(tmp_path, 10)), train, redis_url=redis_url)
+    svc = start_service(cfg, tokens={"gen": "s3cret", "train": "t0ken"}, sample_sources={
+        "train": ArraySource(synthetic_samples(4, lengths=[10] * 4))})
     try:
         with RefillStream(svc.address, "gen", token="wrong") as s, \
                 pytest.raises(StreamError) as exc:
             s.refill(10)
         assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
+        # A training job's mode is told only to a caller with its token.
+        for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                            ("t0ken", grpc.StatusCode.FAILED_PRECONDITION)):
+            with RefillStream(svc.address, "train", token=token) as s, \
+                    pytest.raises(StreamError) as exc:
+                s.refill(10)
+            assert exc.value.code == code and ("mode 'join'" in exc.value.details) == bool(
+                token)
         with RefillStream(svc.address, "gen", token="s3cret") as s:
             assert isinstance(s.refill(10), list)
             assert s.job_status().refill.consumers == 1
