@@ -100,7 +100,7 @@ class RefillProducer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._processor: Processor | None = None
-        self.error: str | None = None
+        self.error: str | None = None  # the last step's failure, until a step succeeds
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"refill-{self.job.job_id}",
@@ -130,6 +130,7 @@ class RefillProducer:
                     self._stop.wait(0.05)
                     continue
                 self._step()
+                self.error = None  # what failed before works again (status stops showing it)
             except Exception as exc:  # Redis down a while, a source gone: retry, say why
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("job %s: refill producer: %s", self.job.job_id, self.error,
