@@ -4,6 +4,7 @@ lapsed lease told at once to drop its work, and a stop that leaves no handler th
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from refill_helpers import CHATS, chats_slice, refill_config, refill_job
 from support.waiting import wait_for
 
+from pipeline.cli import main
 from pipeline.config import JobConfig
 from pipeline.coordinator.refill_state import RefillState
 from pipeline.preprocess.process import Processor
@@ -88,7 +90,7 @@ def test_an_image_prompt_reaches_the_consumer_with_its_pixels(tmp_path, redis_ur
 
 
 def test_the_loser_of_a_lapsed_lease_is_told_at_once_to_drop_its_work(tmp_path, redis_url,
-                                                                      redis_client):
+                                                                      redis_client, capsys):
     """Two consumers, one goes silent past its lease: the other takes its requests over, and
     the silent one's very next ask says which to stop (not only a later report, as `stale`)."""
     job = refill_job(chats_slice(tmp_path, 20), generation_tokens=64, lease_seconds=2.0)
@@ -120,6 +122,12 @@ def test_the_loser_of_a_lapsed_lease_is_told_at_once_to_drop_its_work(tmp_path, 
         done = state.completions()
         assert [done[i] for i in mine] == ["heir"] * len(mine)
         assert state.counts().lease_lapses == 1
+        # Redis alone (no replica asked) lists and shows the job, its lapse counted.
+        capsys.readouterr()
+        assert main(["status", "--redis-url", redis_url, "--json"]) == 0
+        (job,) = json.loads(capsys.readouterr().out)["jobs"]
+        assert (job["job_id"], job["mode"], job["refill"]["lease_lapses"]) == ("gen", "refill", 1)
+        assert job["refill"]["readmitted"] == len(mine) and job["open"] is None
     finally:
         svc.stop(grace=0.2)
 
