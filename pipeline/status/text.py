@@ -104,7 +104,7 @@ def _job(job: JobStatus, show_records: bool) -> list[str]:
                 lines.append("    (records are listed by the service's metrics endpoint and "
                              "Redis: give --metrics-endpoint or --redis-url)")
             for rec in q.records or ():
-                detail = "" if rec.detail == rec.reason else f"  {rec.detail}"
+                detail = "" if rec.detail in ("", rec.reason) else f"  {rec.detail}"
                 lines.append(f"    {rec.sample_id}  {rec.reason}{detail}")
     ex = job.exposure
     if ex:
