@@ -139,7 +139,11 @@ def _redis_job_status(client: Any, job_id: str) -> JobStatus | None:
     """A job from Redis alone, built as a replica builds it (but its connections and totals),
     with what only the registry records."""
     from pipeline.coordinator import RedisJobState, job_summary
-    from pipeline.observability.status_view import refill_job_status, training_job_status
+    from pipeline.observability.status_view import (
+        MAX_RECORDS,
+        refill_job_status,
+        training_job_status,
+    )
 
     s = job_summary(client, job_id)
     if s is None:
@@ -156,9 +160,6 @@ def _redis_job_status(client: Any, job_id: str) -> JobStatus | None:
 
 
 # --- asking every source -----------------------------------------------------------------------
-MAX_RECORDS = 1000  # quarantine records read per job (the count is always exact)
-
-
 def job_ids(src: Sources) -> list[str]:
     if src.jobs:
         return list(src.jobs)
