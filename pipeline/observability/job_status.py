@@ -89,6 +89,17 @@ class ProducerStatus:
 
 
 @dataclass(frozen=True)
+class ProducerTrouble:
+    """A transient producer failure being retried (streams wait; the next publication clears
+    it). A permanent one is the job's `error`."""
+
+    message: str
+    cause: str  # a label of pipeline.producer.failures.Cause
+    attempts: int
+    since: float  # unix s: the streak's first failure
+
+
+@dataclass(frozen=True)
 class Planned:
     samples: int  # in published steps (fillers excluded)
     tokens: int
@@ -207,6 +218,7 @@ class JobStatus:
     collate: str | None = None
     token_budget: int | None = None
     producer: ProducerStatus | None = None
+    producer_trouble: ProducerTrouble | None = None
     uptime_s: float | None = None
     ranks: tuple[RankStatus, ...] | None = None
     lapsed_ranks: tuple[int, ...] | None = None

@@ -113,6 +113,10 @@ def _job(job: JobStatus) -> str:
             + "</h2>")
     if job.error:
         head += f'<p class="failed">producer failed: {escape(job.error)}</p>'
+    if job.producer_trouble:
+        t = job.producer_trouble
+        head += (f'<p class="trouble">producer retrying ({escape(t.cause)}, {t.attempts} '
+                 f"failure(s) so far): {escape(t.message)}</p>")
     body = _refill(job, job.refill) if job.refill is not None else _training(job)
     return f'<section class="job" data-job="{jid}">{head}{body}</section>'
 

@@ -23,6 +23,7 @@ from pipeline.observability.job_status import (
     JobStatus,
     Planned,
     ProducerStatus,
+    ProducerTrouble,
     QuarantineRecord,
     QuarantineStatus,
     RankOnReplica,
@@ -156,6 +157,7 @@ def training_job_status(job_id: str, state: JobState, *, job: JobConfig | None =
     ends = state.epoch_ends()
     finals = [-1 if s is None else s for s in ends[-1].final_step] if done and ends else None
     lease = state.producer_lease()
+    failure = state.producer_failure()
     error = error if error is not None else state.error()
     worlds = world_statuses(state)
     totals = throughput = None
@@ -180,6 +182,8 @@ def training_job_status(job_id: str, state: JobState, *, job: JobConfig | None =
         token_budget=job.batching.token_budget if job else None,
         producer=None if lease is None else ProducerStatus(lease.generation, lease.holder,
                                                            lease.expires_at > now),
+        producer_trouble=None if failure is None or failure.permanent else ProducerTrouble(
+            failure.message, failure.cause, failure.attempts, failure.since),
         uptime_s=uptime, ranks=tuple(ranks), lapsed_ranks=tuple(sorted(lapsed)),
         worlds=worlds, reconfiguring=reconfiguring(worlds),
         epoch_ends=tuple(EpochEndStatus(e.epoch, e.steps,

@@ -69,6 +69,10 @@ def _ranks(job: JobStatus) -> list[str]:
     if prod:
         lines.append(f"  producer generation {prod.generation} "
                      f"({'live' if prod.live else 'no live lease'}) held by {prod.holder}")
+    trouble = job.producer_trouble
+    if trouble:
+        lines.append(f"  producer retrying ({trouble.cause}, {trouble.attempts} failure(s) so "
+                     f"far): {trouble.message}")
     header = ("rank", "delivered*", "acked", "lag", "connected*", "heartbeat", "stalled",
               "lapsed", "client")
     rows = [header] + [(

@@ -17,6 +17,7 @@ from pipeline.observability.job_status import (
     JobStatus,
     Planned,
     ProducerStatus,
+    ProducerTrouble,
     QuarantineRecord,
     QuarantineStatus,
     RankOnReplica,
@@ -48,6 +49,7 @@ TRAINING = JobStatus(
     job_id="sft", mode="join", state="running", done=False, error="boom", open=True,
     world_size=2, epochs=2, published_through=41, samples_in=500, planned=Planned(480, 9000),
     collate="padded", token_budget=1024, producer=ProducerStatus(3, "replica:a", True),
+    producer_trouble=ProducerTrouble("source gone a while", "source_unreadable", 2, 5.0),
     uptime_s=12.5, ranks=RANKS, lapsed_ranks=(1,), worlds=WORLDS, reconfiguring=False,
     epoch_ends=(EpochEndStatus(0, 20, (19, 18), 2),), totals=Totals(7, 70, 1600, 100, 1800),
     throughput=Throughput("uptime", 12.5, 5.6, 128.0, 0.56),
@@ -133,3 +135,19 @@ def test_a_served_jobs_getjob_answer_is_the_replicas_own_status() -> None:
         assert getattr(got, field) == getattr(mine, field), field
     assert got.published_through <= mine.published_through  # the plan only grows
     assert [r.acked_step for r in got.ranks] == [r.acked_step for r in mine.ranks]
+
+
+def test_a_producer_retrying_is_trouble_not_a_failure() -> None:
+    from pipeline.jobstate.memory import MemoryJobState
+    from pipeline.observability.status_view import training_job_status
+
+    st = MemoryJobState("j", 2, "join")
+    gen = st.claim_producer("p", 60)
+    st.set_error("source gone a while", fence=gen, cause="source_unreadable", transient=True)
+    job = training_job_status("j", st)
+    assert (job.state, job.error) == ("waiting", None)
+    assert (job.producer_trouble.message, job.producer_trouble.cause) == (
+        "source gone a while", "source_unreadable")
+    st.set_error("no such file", fence=gen, cause="source_missing")
+    job = training_job_status("j", st)
+    assert (job.state, job.error, job.producer_trouble) == ("failed", "no such file", None)
