@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import grpc
+import pytest
 from obs_helpers import JOB, ranks_stopped_at_known_steps, served
 from support.waiting import wait_for
 
@@ -118,6 +119,9 @@ def test_answers_merge_field_by_field_in_order_of_authority() -> None:
     assert (r.basis, r.admissions_per_s, r.completions_per_s) == ("interval", 2.0, 1.0)
 
 
+@pytest.mark.xfail(strict=True, reason="#30: GetJob still builds its own reply; wiring it to "
+                   "status_view.training_job_status + status_proto.to_proto waits for the "
+                   "data_server split (core) to land")
 def test_a_served_jobs_getjob_answer_is_the_replicas_own_status() -> None:
     with served() as (svc, _), ranks_stopped_at_known_steps(svc) as (_, acked, delivered):
         rt = svc.runtimes[JOB]
