@@ -3,7 +3,7 @@
     odb-pipeline scale --job sft-1 --world-size 8
     odb-pipeline scale --endpoint svc:50051 --job sft-1 --world-size 8 --token-env ODB_TOKEN
 
-Finds the service as `status` does (`pipeline.observability.status_sources`: --endpoint, else
+Finds the service as `status` does (`pipeline.status.sources`: --endpoint, else
 the local service as `serve` configured itself; the job's token from --token/--token-env or
 its `token_env`; TLS likewise) and makes the authenticated Scale call on any replica. The
 service ends the current world at a step every rank can reach, ends each of its ranks there with
@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from pipeline.errors import UserError
-from pipeline.observability import status_sources
+from pipeline.status import sources as status_sources
 
 RPC_TIMEOUT_S = 30.0
 

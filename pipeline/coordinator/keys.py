@@ -122,8 +122,8 @@ class JobKeys:
 
     # --- refill jobs (docs/refill.md): written by the scripts coordinator/lua/refill_*.lua ---
     @property
-    def refill_meta(self) -> str:  # hash: producer lease, source cursor, exhausted flag
-        return self.base + "refill:meta"
+    def refill_meta(self) -> str:  # hash: producer lease, source position (epoch, cursor),
+        return self.base + "refill:meta"  # exhausted flag
 
     @property
     def refill_info(self) -> str:  # hash: request id -> "cost,seq,over,prompt,generation"
@@ -132,6 +132,10 @@ class JobKeys:
     @property
     def refill_payload(self) -> str:  # hash: request id -> prompt input_ids, raw int32 LE
         return self.base + "refill:req"
+
+    @property
+    def refill_pixels(self) -> str:  # hash: request id -> its prompt's images (refill_state)
+        return self.base + "refill:pixels"
 
     @property
     def refill_waiting(self) -> str:  # zset: admissible request id -> seq (arrival order)
@@ -144,12 +148,15 @@ class JobKeys:
     def refill_held(self, consumer: str) -> str:  # set: ids leased to one consumer (in Lua too)
         return f"{self.base}refill:held:{consumer}"
 
+    def refill_lost(self, consumer: str) -> str:  # set: ids taken from it at its lease's lapse,
+        return f"{self.base}refill:lost:{consumer}"  # reported `revoked` by its next ask (Lua)
+
     @property
     def refill_consumers(self) -> str:  # zset: consumer id -> lease expiry (ms, Redis clock)
         return self.base + "refill:consumers"
 
     @property
-    def refill_calls(self) -> str:  # hash: consumer id -> "<call seq>|<admitted ids>" (retries)
+    def refill_calls(self) -> str:  # hash: consumer id -> its last ask's reply, JSON (retries)
         return self.base + "refill:calls"
 
     @property
@@ -157,7 +164,8 @@ class JobKeys:
         return self.base + "refill:done"
 
     @property
-    def refill_counters(self) -> str:  # hash: enqueued, admitted, completed, readmitted, ...
+    def refill_counters(self) -> str:  # hash: enqueued, admitted, readmitted, lease_lapses,
+        # quarantined, reason:<reason>, e<epoch>:enqueued|completed|quarantined
         return self.base + "refill:counters"
 
     @property
@@ -165,11 +173,10 @@ class JobKeys:
         return self.base + "refill:quarantine"
 
     def refill_keys(self) -> list[str]:
-        """The keys only a refill job has (the per-consumer held sets are found from
-        `refill_consumers` and `refill_owner`)."""
-        return [self.refill_meta, self.refill_info, self.refill_payload, self.refill_waiting,
-                self.refill_owner, self.refill_consumers, self.refill_calls, self.refill_done,
-                self.refill_counters, self.refill_quarantine]
+        """The keys only a refill job has (but the per-consumer held and lost sets)."""
+        return [self.refill_meta, self.refill_info, self.refill_payload, self.refill_pixels,
+                self.refill_waiting, self.refill_owner, self.refill_consumers, self.refill_calls,
+                self.refill_done, self.refill_counters, self.refill_quarantine]
 
     def organization_keys(self) -> list[str]:
         """The keys only an SDO job has (its producer writes them: `RedisLedgerStore`)."""

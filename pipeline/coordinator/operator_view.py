@@ -1,6 +1,7 @@
 """Operator reads for `odb-pipeline status`: which jobs exist and where each one stands.
 
 Read-only and cheap: a handful of commands per job (the per-rank part is one script, O(W)).
+A `mode: refill` job has no plan or ranks: its summary carries its refill counts instead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pipeline.coordinator import registry
 from pipeline.coordinator.connection import unavailable_as_error
 from pipeline.coordinator.redis_job_state import RedisJobState
 from pipeline.coordinator.redis_ledger_store import RedisLedgerStore
+from pipeline.coordinator.refill_state import RefillCounts, RefillState
 from pipeline.jobstate.interface import JobCounters, ProducerLease, RankHealth
 
 
@@ -29,6 +31,11 @@ class JobSummary:
     epoch_ends: int  # END records published
     exposure: dict | None  # SDO jobs: the exposure ledger's summary (epochs, min, max, p50,
     #                        max_epochs_unseen) after the last planned epoch; None otherwise
+    refill: RefillCounts | None = None  # a refill job's counts (then no ranks or plan)
+    refill_records: list[dict] | None = None  # ... and its first quarantine records
+
+
+QUARANTINE_RECORDS = 1000  # a refill job's records read (its list keeps at most these)
 
 
 def list_jobs(client: redis.Redis) -> list[str]:
@@ -42,6 +49,12 @@ def job_summary(client: redis.Redis, job_id: str) -> JobSummary | None:
         rec = registry.read_job(client, job_id)
         if rec is None:
             return None
+        if rec.mode == "refill":
+            rf = RefillState(client, job_id)
+            return JobSummary(job=rec, retained_steps=0, min_acked=-1, ranks=[],
+                              lapsed_ranks=[], counters=JobCounters(), producer=None,
+                              error=None, epoch_ends=0, exposure=None, refill=rf.counts(),
+                              refill_records=rf.quarantine(QUARANTINE_RECORDS))
         st = RedisJobState.attach(client, job_id)  # a view never creates or alters the job
         ranks = st.rank_health()
         n_ends = client.hlen(st.keys.ends)

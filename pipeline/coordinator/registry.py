@@ -3,19 +3,23 @@
 A job id is bound to its config hash, world size and mode the first time it registers. A
 restart with the same three resumes; anything else is refused with a message that says what
 differs, because silently serving a stale plan to a different config (or world size) would
-break coverage and alignment.
+break coverage and alignment. A `mode: refill` job registers too (`register_refill_job`: no
+world size; its state is its `refill:*` keys), so every job of a Redis is listed, summarized,
+expired and deleted the same way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis
 
-from pipeline.coordinator import keys, scripts
+from pipeline.coordinator import keys, refill_scripts, scripts
 from pipeline.errors import JobMismatch, SchemaMismatch
 
 if TYPE_CHECKING:
@@ -37,10 +41,14 @@ class JobRecord:
     created_at: float  # unix seconds, Redis clock
 
 
+# Who may call a job is no part of its plan: changing it never refuses a resume.
+_NOT_HASHED = {"token_env", "allow_unauthenticated"}
+
+
 def config_hash(job: JobConfig) -> str:
     """What a job's plan depends on, hashed: everything in its config but the auth token's env
     var name. Same hash = the stored plan is valid for this config."""
-    data = job.model_dump(mode="json", exclude={"token_env"})
+    data = job.model_dump(mode="json", exclude=_NOT_HASHED)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -50,10 +58,30 @@ def register_job(client: redis.Redis, job_id: str, *, config_hash: str, world_si
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     k = keys.JobKeys(job_id)
-    try:
+    mine = {"config_hash": config_hash, "world_size": world_size, "mode": mode}
+    with _refusals(job_id, mine):
         created = scripts.register(
             client, [keys.SCHEMA_VERSION_KEY, keys.JOBS_KEY, k.meta, k.acked],
             [keys.SCHEMA_VERSION, job_id, config_hash, world_size, mode, seed])
+    return bool(created)
+
+
+def register_refill_job(client: redis.Redis, job_id: str, *, config_hash: str,
+                        seed: int = 0) -> bool:
+    """Create a `mode: refill` job, or verify a resume matches it. True if created."""
+    mine = {"config_hash": config_hash, "mode": "refill"}
+    with _refusals(job_id, mine):
+        created = refill_scripts.register_job(
+            client, [keys.SCHEMA_VERSION_KEY, keys.JOBS_KEY, keys.JobKeys(job_id).meta],
+            [keys.SCHEMA_VERSION, job_id, config_hash, seed])
+    return bool(created)
+
+
+@contextmanager
+def _refusals(job_id: str, mine: dict[str, object]) -> Iterator[None]:
+    """The registration scripts' refusals as SchemaMismatch / JobMismatch."""
+    try:
+        yield
     except redis.ResponseError as exc:
         msg = str(exc)
         if msg.startswith("ODB_SCHEMA"):
@@ -62,16 +90,14 @@ def register_job(client: redis.Redis, job_id: str, *, config_hash: str, world_si
                 f"v{keys.SCHEMA_VERSION}: migrate it or use another Redis/db") from None
         if msg.startswith("ODB_JOB"):
             _, field, stored = msg.split(maxsplit=2)
-            mine = {"config_hash": config_hash, "world_size": world_size, "mode": mode}[field]
             hint = ("a resume must use the world size the job started with"
                     if field == "world_size" else
                     "the job id is stale or belongs to another job; pick a new job_id or "
                     "delete the old job")
             raise JobMismatch(
                 f"job {job_id!r} exists in Redis with {field}={stored}, this server has "
-                f"{field}={mine}: refused ({hint})") from None
+                f"{field}={mine[field]}: refused ({hint})") from None
         raise
-    return bool(created)
 
 
 def _int(v: bytes | None, default: int = 0) -> int:
@@ -110,6 +136,10 @@ def list_jobs(client: redis.Redis) -> list[str]:
 def _job_keys(client: redis.Redis, job_id: str) -> list[str]:
     k = keys.JobKeys(job_id)
     rec = read_job(client, job_id)
+    if rec is not None and rec.mode == "refill":  # + each consumer's held and lost sets
+        consumers = [key.decode() for key in client.scan_iter(match=f"{k.base}refill:*:*",
+                                                              count=1000)]
+        return [k.meta, *k.refill_keys(), *consumers]
     steps = []
     if rec is not None:
         steps = [k.step(n) for n in range(rec.trimmed_through + 1, rec.published_through + 1)]

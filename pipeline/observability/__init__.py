@@ -1,4 +1,6 @@
-"""The operator's view (issue #7): Prometheus metrics, the status page and JSON, structured logs.
+"""The operator's view: one typed job status (`job_status.py`, built by `status_view.py`) and
+its exporters (GetJob's reply, `/status.json`, the status page, Prometheus), structured logs.
+The `odb-pipeline status` client that reads them is `pipeline.status`.
 
 Imports stay light (no Ray, no torch): the service and `odb-pipeline status` both load this.
 """

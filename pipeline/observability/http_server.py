@@ -159,11 +159,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
             elif url.path in ("/", "/status"):
                 refresh = int(q.get("refresh", ["2"])[0])
-                html = status_page.render(view.snapshot(), refresh_s=max(1, refresh))
+                html = status_page.render(view.status(), refresh_s=max(1, refresh))
                 self._send(200, html.encode(), "text/html; charset=utf-8")
             elif url.path == "/status.json":
                 job = q.get("job", [None])[0]
-                if job is not None and job not in view.runtimes:
+                if job is not None and job not in view.job_ids():
                     body = {"error": f"unknown job {job!r}; this server serves "
                                      f"{view.job_ids()}"}
                     self._send(404, json.dumps(body).encode(), "application/json")
@@ -188,7 +188,7 @@ def start_metrics_server(port: int, running_service: RunningService, *,
     """Serve metrics + status for `running_service` on `host`:`port` (0 = a free port), in a
     daemon thread, stopped with the service. `status_token`: what the status pages require
     when `host` is beyond loopback (None there: they are off). Returns (server, bound port)."""
-    view = ServiceView(running_service.runtimes, running_service.replica_id)
+    view = ServiceView.of(running_service)
     httpd = MetricsServer((host, port), view, status_token=status_token,
                           health=running_service.health).start()
     running_service.on_stop.append(httpd.close)

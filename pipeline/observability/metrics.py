@@ -1,4 +1,5 @@
-"""Prometheus metrics: a custom Collector that reads the live jobs on every scrape.
+"""Prometheus metrics: a custom Collector that renders the replica's `ServiceStatus` on every
+scrape.
 
 Nothing is incremented on the hot path; each scrape asks `ServiceView` (which reads the job
 state and the published plan), so the figures cannot drift from what the service did. Job-wide
@@ -6,54 +7,95 @@ series are the same on every replica (aggregate them with `max by (job_id, rank)
 what only one replica knows carries a `replica` label. Counter names below get `_total` on the
 wire (prometheus-client convention). The job label is `job_id`, not `job`: Prometheus sets `job`
 on every scraped series itself (the scrape job), and a clash would rename ours to `exported_job`.
+
+Label values are bounded and hold no per-record details: job ids, rank numbers, the replica id,
+modes, phases, epochs and quarantine reasons from the closed vocabulary (`pipeline.quarantine`;
+anything else is counted as `other`). Record ids, details, client ids and error texts are only
+on the status pages and JSON.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pipeline.observability.job_status import JobStatus, RankStatus, RefillStatus
 from pipeline.observability.status_view import ServiceView
+from pipeline.quarantine import QuarantineReason
 
-# Per rank, summed from the plan up to each rank's acknowledged step: (name, help, key).
-_RANK_COUNTERS = (
-    ("odb_samples_emitted", "Samples the rank consumed (acknowledged)", "samples_emitted"),
+_REASONS = {r.value for r in QuarantineReason}
+
+# (name, help, value of a rank): counters, then gauges.
+_RANK_COUNTERS: tuple[tuple[str, str, Callable[[RankStatus], Any]], ...] = (
+    ("odb_samples_emitted", "Samples the rank consumed (acknowledged)",
+     lambda r: r.samples_emitted),
     ("odb_tokens_emitted", "Input tokens the rank consumed (after truncation)",
-     "tokens_emitted"),
+     lambda r: r.tokens_emitted),
     ("odb_padded_tokens", "Pad positions in the rank's consumed padded batches (0 packed)",
-     "padded_tokens"),
-    ("odb_batches_emitted", "Batches the rank consumed", "batches_emitted"),
+     lambda r: r.padded_tokens),
+    ("odb_batches_emitted", "Batches the rank consumed", lambda r: r.batches_emitted),
     ("odb_batch_cost", "Sum of the planner cost of consumed batches (budget utilisation)",
-     "batch_cost"),
+     lambda r: r.batch_cost),
 )
-_RANK_GAUGES = (
-    ("odb_rank_acked_step", "Last step the rank acknowledged (-1 none)", "acked_step"),
-    ("odb_rank_lag_steps", "Published steps of the rank not yet acknowledged", "lag_steps"),
+_RANK_GAUGES: tuple[tuple[str, str, Callable[[RankStatus], Any]], ...] = (
+    ("odb_rank_acked_step", "Last step the rank acknowledged (-1 none)", lambda r: r.acked_step),
+    ("odb_rank_lag_steps", "Published steps of the rank not yet acknowledged",
+     lambda r: r.lag_steps),
     ("odb_rank_stalled", "1 when the rank has waiting steps and no ack progress for 30 s",
-     "stalled"),
-    ("odb_rank_lapsed", "1 when the rank's lease expired without release", "lapsed"),
+     lambda r: r.stalled),
+    ("odb_rank_lapsed", "1 when the rank's lease expired without release", lambda r: r.lapsed),
     ("odb_rank_seconds_since_progress", "Seconds since the rank's acked step last moved",
-     "seconds_since_progress"),
+     lambda r: r.seconds_since_progress),
 )
-# This replica's own view of a rank's stream: (name, help, key in rank["replica"]).
-_REPLICA_RANK_GAUGES = (
+# This replica's own view of a rank's stream.
+_REPLICA_RANK_GAUGES: tuple[tuple[str, str, Callable[[RankStatus], Any]], ...] = (
     ("odb_replica_rank_connected", "1 while the rank has a stream open on this replica",
-     "connected"),
+     lambda r: r.replica and r.replica.connected),
     ("odb_replica_rank_delivered_step", "Last step this replica sent to the rank (-1 none)",
-     "delivered_step"),
+     lambda r: r.replica and r.replica.delivered_step),
 )
-_JOB_GAUGES = (
-    ("odb_step_published", "Highest published step (-1 none)", "published_through"),
-    ("odb_token_budget", "The job's token budget per batch", "token_budget"),
-    ("odb_world_size", "The job's world size", "world_size"),
-    ("odb_job_done", "1 once every epoch is planned", "done"),
+_JOB_GAUGES: tuple[tuple[str, str, Callable[[JobStatus], Any]], ...] = (
+    ("odb_step_published", "Highest published step (-1 none)", lambda j: j.published_through),
+    ("odb_token_budget", "The job's token budget per batch", lambda j: j.token_budget),
+    ("odb_world_size", "The job's world size", lambda j: j.world_size),
+    ("odb_job_done", "1 once every epoch is planned", lambda j: j.done),
 )
+# A refill job's requests (docs/refill.md).
+_REFILL_COUNTERS: tuple[tuple[str, str, Callable[[RefillStatus], Any]], ...] = (
+    ("odb_refill_enqueued", "Requests made from the source (every epoch)",
+     lambda f: f.enqueued),
+    ("odb_refill_admitted", "Admissions (a re-admitted request counts again); rate() = "
+     "admissions per second", lambda f: f.admitted),
+    ("odb_refill_completed", "Requests completed (each once per epoch)", lambda f: f.completed),
+    ("odb_refill_readmitted", "Leases given back (consumer gone or reopened without them)",
+     lambda f: f.readmitted),
+    ("odb_refill_lease_lapses", "Consumers whose lease lapsed while they held requests",
+     lambda f: f.lease_lapses),
+)
+_REFILL_GAUGES: tuple[tuple[str, str, Callable[[RefillStatus], Any]], ...] = (
+    ("odb_refill_waiting", "Requests waiting for admission", lambda f: f.waiting),
+    ("odb_refill_in_flight", "Requests admitted and not finished", lambda f: f.in_flight),
+    ("odb_refill_consumers", "Consumers holding a live lease", lambda f: f.consumers),
+    ("odb_refill_exhausted", "1 once every source row of every epoch was read",
+     lambda f: f.exhausted),
+    ("odb_refill_epoch", "The epoch the refill producer reads", lambda f: f.epoch),
+)
+_OTHER = ("odb_replica_samples_fetched_total", "odb_samples_in_total", "odb_samples_planned_total",
+          "odb_quarantined_total", "odb_job_info", "odb_job_open", "odb_job_failed",
+          "odb_producer_generation", "odb_producer_live", "odb_service_start_time_seconds",
+          "odb_world_generation", "odb_reconfiguration_seconds",
+          "odb_reconfiguration_first_batch_seconds")
 
 
 def _n(value: object) -> float:
     return float(value) if value is not None else float("nan")
+
+
+def _reason(reason: str) -> str:
+    return reason if reason in _REASONS else "other"
 
 
 class OdbCollector(Collector):
@@ -61,27 +103,37 @@ class OdbCollector(Collector):
         self.view = view
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.view.snapshot()
-        replica = snap["replica_id"]
-        rank_counters = {key: CounterMetricFamily(name, doc, labels=["job_id", "rank"])
-                         for name, doc, key in _RANK_COUNTERS}
-        rank_gauges = {key: GaugeMetricFamily(name, doc, labels=["job_id", "rank"])
-                       for name, doc, key in _RANK_GAUGES}
-        replica_gauges = {key: GaugeMetricFamily(name, doc, labels=["job_id", "rank", "replica"])
-                          for name, doc, key in _REPLICA_RANK_GAUGES}
+        status = self.view.status()
+        replica = status.replica_id
+        rank_counters = [(CounterMetricFamily(n, d, labels=["job_id", "rank"]), f)
+                         for n, d, f in _RANK_COUNTERS]
+        rank_gauges = [(GaugeMetricFamily(n, d, labels=["job_id", "rank"]), f)
+                       for n, d, f in _RANK_GAUGES]
+        replica_gauges = [(GaugeMetricFamily(n, d, labels=["job_id", "rank", "replica"]), f)
+                          for n, d, f in _REPLICA_RANK_GAUGES]
+        job_gauges = [(GaugeMetricFamily(n, d, labels=["job_id"]), f) for n, d, f in _JOB_GAUGES]
+        refill_counters = [(CounterMetricFamily(n, d, labels=["job_id"]), f)
+                           for n, d, f in _REFILL_COUNTERS]
+        refill_gauges = [(GaugeMetricFamily(n, d, labels=["job_id"]), f)
+                         for n, d, f in _REFILL_GAUGES]
+        refill_epoch = CounterMetricFamily("odb_refill_epoch_completed",
+                                           "Requests of the epoch completed",
+                                           labels=["job_id", "epoch"])
         fetched = CounterMetricFamily("odb_replica_samples_fetched",
                                       "Sample payloads this replica fetched for the rank",
                                       labels=["job_id", "rank", "replica"])
-        job_gauges = {key: GaugeMetricFamily(name, doc, labels=["job_id"])
-                      for name, doc, key in _JOB_GAUGES}
         samples_in = CounterMetricFamily("odb_samples_in",
                                          "Source rows that became samples (all epochs)",
                                          labels=["job_id"])
         planned = CounterMetricFamily("odb_samples_planned", "Samples in published steps",
                                       labels=["job_id"])
         quarantined = CounterMetricFamily("odb_quarantined",
-                                          "Distinct records set aside, by reason",
-                                          labels=["job_id", "reason"])
+                                          "Records set aside, by reason", labels=["job_id",
+                                                                                  "reason"])
+        info = GaugeMetricFamily("odb_job_info", "1 for every job this replica serves, by mode",
+                                 labels=["job_id", "mode"])
+        open_ = GaugeMetricFamily("odb_job_open", "1 when the job is served without a "
+                                  "credential (no token)", labels=["job_id"])
         failed = GaugeMetricFamily("odb_job_failed", "1 when the job's producer failed",
                                    labels=["job_id"])
         generation = GaugeMetricFamily("odb_producer_generation",
@@ -100,53 +152,59 @@ class OdbCollector(Collector):
             "odb_reconfiguration_first_batch_seconds",
             "The latest reconfiguration, from its request to the rank's first batch in the new "
             "world", labels=["job_id", "rank"])
-        for job in snap["jobs"]:
-            jid = job["job_id"]
-            for r in job["ranks"]:
-                labels = [jid, str(r["rank"])]
-                for key, fam in rank_counters.items():
-                    fam.add_metric(labels, r[key])
-                for key, fam in rank_gauges.items():
-                    fam.add_metric(labels, _n(r[key]))
-                for key, fam in replica_gauges.items():
-                    fam.add_metric([*labels, replica], _n(r["replica"][key]))
-                fetched.add_metric([*labels, replica], r["replica"]["samples_fetched"])
-            for key, fam in job_gauges.items():
-                fam.add_metric([jid], _n(job[key]))
-            samples_in.add_metric([jid], job["samples_in"])
-            planned.add_metric([jid], job["planned"]["samples"])
-            for reason, n in job["quarantine"]["by_reason"].items():
-                quarantined.add_metric([jid, reason], n)
-            failed.add_metric([jid], 1.0 if job["error"] else 0.0)
-            prod = job["producer"]
-            generation.add_metric([jid], prod["generation"] if prod else 0.0)
-            live.add_metric([jid], 1.0 if prod and prod["live"] else 0.0)
-            latest = job["worlds"][-1]
-            world_gen.add_metric([jid], latest["generation"])
-            if latest["generation"] > 0:
+        for job in status.jobs:
+            jid = job.job_id
+            info.add_metric([jid, job.mode], 1.0)
+            open_.add_metric([jid], 1.0 if job.open else 0.0)
+            failed.add_metric([jid], 1.0 if job.error else 0.0)
+            for reason, n in (job.quarantine.by_reason or {}).items() if job.quarantine else ():
+                quarantined.add_metric([jid, _reason(reason)], n)
+            if job.refill is not None:
+                for fam, f in refill_counters + refill_gauges:
+                    fam.add_metric([jid], _n(f(job.refill)))
+                for e in job.refill.by_epoch:
+                    refill_epoch.add_metric([jid, str(e.epoch)], e.completed)
+                continue
+            for r in job.ranks or ():
+                labels = [jid, str(r.rank)]
+                for fam, f in rank_counters + rank_gauges:
+                    fam.add_metric(labels, _n(f(r)))
+                for fam, f in replica_gauges:
+                    fam.add_metric([*labels, replica], _n(f(r)))
+                if r.replica is not None:
+                    fetched.add_metric([*labels, replica], r.replica.samples_fetched or 0)
+            for fam, f in job_gauges:
+                fam.add_metric([jid], _n(f(job)))
+            samples_in.add_metric([jid], job.samples_in or 0)
+            planned.add_metric([jid], job.planned.samples if job.planned else 0)
+            prod = job.producer
+            generation.add_metric([jid], prod.generation if prod else 0.0)
+            live.add_metric([jid], 1.0 if prod and prod.live else 0.0)
+            latest = job.worlds[-1] if job.worlds else None
+            if latest is None:
+                continue
+            world_gen.add_metric([jid], latest.generation)
+            if latest.generation > 0:
                 for phase in ("adopted", "drained", "first_batch"):
-                    if latest[f"{phase}_s"] is not None:
-                        switch.add_metric([jid, phase], latest[f"{phase}_s"])
-                for r, t in latest["first_batch_s_by_rank"].items():
-                    first_batch.add_metric([jid, str(r)], t)
+                    t = getattr(latest, f"{phase}_s")
+                    if t is not None:
+                        switch.add_metric([jid, phase], t)
+                for r, t in (latest.first_batch_s_by_rank or {}).items():
+                    if t is not None:
+                        first_batch.add_metric([jid, str(r)], t)
         start = GaugeMetricFamily("odb_service_start_time_seconds",
                                   "Unix time the metrics view of this replica started")
         start.add_metric([], self.view.started_at)
-        yield from rank_counters.values()
-        yield from rank_gauges.values()
-        yield from replica_gauges.values()
-        yield from job_gauges.values()
-        yield from (fetched, samples_in, planned, quarantined, failed, generation, live, start,
-                    world_gen, switch, first_batch)
+        for group in (rank_counters, rank_gauges, replica_gauges, job_gauges, refill_counters,
+                      refill_gauges):
+            yield from (fam for fam, _ in group)
+        yield from (refill_epoch, fetched, samples_in, planned, quarantined, info, open_,
+                    failed, generation, live, start, world_gen, switch, first_batch)
 
 
 def metric_names() -> set[str]:
     """Every family name this collector can emit (as written in PromQL: counters with _total)."""
-    names = {f"{n}_total" for n, _, _ in _RANK_COUNTERS}
-    names |= {n for n, _, _ in _RANK_GAUGES + _REPLICA_RANK_GAUGES + _JOB_GAUGES}
-    names |= {"odb_replica_samples_fetched_total", "odb_samples_in_total",
-              "odb_samples_planned_total", "odb_quarantined_total", "odb_job_failed",
-              "odb_producer_generation", "odb_producer_live", "odb_service_start_time_seconds",
-              "odb_world_generation", "odb_reconfiguration_seconds",
-              "odb_reconfiguration_first_batch_seconds"}
-    return names
+    names = {f"{n}_total" for n, _, _ in _RANK_COUNTERS + _REFILL_COUNTERS}
+    names |= {n for n, _, _ in _RANK_GAUGES + _REPLICA_RANK_GAUGES + _JOB_GAUGES
+              + _REFILL_GAUGES}
+    return names | set(_OTHER) | {"odb_refill_epoch_completed_total"}

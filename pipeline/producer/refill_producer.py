@@ -7,6 +7,9 @@ tokenizer and chat template), turns each sample into a request and enqueues them
 the new cursor in one fenced script. A replica that dies leaves the cursor where its last
 enqueue put it; the next holder continues from there, and a row is never enqueued twice. The
 queue is bounded (`refill.queue_depth` waiting requests): reading stops while it is full.
+A job of `epochs: N` reads its source N times, epoch by epoch (preprocessing seeded by the epoch,
+as for training jobs), and makes each epoch's requests under ids of their own. A request of an
+image record carries the images of its prompt, as preprocessing stored them.
 A refill job needs no planner: consumers' capacities do the batching.
 """
 
@@ -19,13 +22,14 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import JobConfig, RefillConfig
-from pipeline.coordinator.refill_state import RefillState
+from pipeline.coordinator.refill_state import RefillState, RequestPayload, SourcePosition
 from pipeline.preprocess.process import Processor
 from pipeline.preprocess.records import decode_line
 from pipeline.preprocess.sample import IGNORE_INDEX, ProcessedSample, QuarantinedRecord
 from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk
+from pipeline.preprocess.vision import MERGE_SIZE
 from pipeline.quarantine import QuarantineReason
-from pipeline.refill.request import Priced, RefillRequest, price
+from pipeline.refill.request import Priced, arrival_seq, price, request_id
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,21 @@ def prompt_and_answer(sample: ProcessedSample) -> tuple[np.ndarray, int]:
     return sample.input_ids[:start], int(len(sample.input_ids) - start)
 
 
+def prompt_images(sample: ProcessedSample, prompt: np.ndarray,
+                  image_pad_id: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(pixel_values, image_grid_thw) of the sample's images whose visual tokens are in the
+    prompt: whole images, in order (None, None without any)."""
+    pixels, grid = sample.pixel_values, sample.image_grid_thw
+    if pixels is None or grid is None or not len(grid):
+        return None, None
+    per_image = np.prod(grid, axis=1) // MERGE_SIZE**2
+    pads = int(np.count_nonzero(prompt == image_pad_id))
+    n = int(np.searchsorted(np.cumsum(per_image), pads, side="right"))
+    if n == 0:
+        return None, None
+    return pixels[: int(np.prod(grid[:n], axis=1).sum())], grid[:n]
+
+
 def planned_generation(rule: RefillConfig, record: Any, answer_tokens: int) -> int:
     """The job's rule, else the record's field, else the reference answer's length."""
     if rule.generation_tokens is not None:
@@ -58,15 +77,19 @@ def planned_generation(rule: RefillConfig, record: Any, answer_tokens: int) -> i
     return answer_tokens
 
 
-def to_request(rule: RefillConfig, sample: ProcessedSample, record: Any,
-               seq: int) -> tuple[Priced, np.ndarray]:
+def to_request(rule: RefillConfig, sample: ProcessedSample, record: Any, epoch: int,
+               image_pad_id: int) -> RequestPayload | Priced:
+    """The sample's request of `epoch` with its payload, or why it is set aside."""
     prompt, answer = prompt_and_answer(sample)
     try:
         gen = planned_generation(rule, record, answer)
     except ValueError as exc:
-        return Priced(None, QuarantineReason.BAD_RECORD.value, str(exc)), prompt
-    return price(sample.sample_id, seq, len(prompt), gen, rule.max_request_tokens,
-                 rule.over_budget), prompt
+        return Priced(None, QuarantineReason.BAD_RECORD.value, str(exc))
+    priced = price(request_id(sample.sample_id, epoch), arrival_seq(epoch, sample.row),
+                   len(prompt), gen, rule.max_request_tokens, rule.over_budget)
+    if priced.request is None:
+        return priced
+    return RequestPayload(priced.request, prompt, *prompt_images(sample, prompt, image_pad_id))
 
 
 class RefillProducer:
@@ -77,7 +100,7 @@ class RefillProducer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._processor: Processor | None = None
-        self.error: str | None = None
+        self.error: str | None = None  # the last step's failure, until a step succeeds
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"refill-{self.job.job_id}",
@@ -107,39 +130,55 @@ class RefillProducer:
                     self._stop.wait(0.05)
                     continue
                 self._step()
+                self.error = None  # what failed before works again (status stops showing it)
             except Exception as exc:  # Redis down a while, a source gone: retry, say why
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("job %s: refill producer: %s", self.job.job_id, self.error,
                             exc_info=True)
                 self._stop.wait(1.0)
 
+    def _processor_for(self, epoch: int) -> Processor:
+        if self._processor is None or self._processor.epoch != epoch:
+            self._processor = Processor(self.job, epoch)  # augmentation is seeded by the epoch
+        return self._processor
+
     def _step(self) -> None:
-        """Read, preprocess and enqueue the next chunk of rows after the cursor."""
-        if self._processor is None:
-            self._processor = Processor(self.job, 0)  # one pass over the source: epoch 0
-        cursor = self.state.cursor()
-        chunks = plan_chunks(expand_sources(self.job.source), CHUNK_ROWS, cursor, limit=CHUNK_ROWS)
-        if not chunks:
-            self.state.enqueue(self.holder, cursor, True, [])
+        """Read, preprocess and enqueue the next chunk of rows after the stored position."""
+        pos = self.state.position()
+        files = expand_sources(self.job.source)
+        chunks = plan_chunks(files, CHUNK_ROWS, pos.row, limit=CHUNK_ROWS)
+        if not chunks:  # nothing (left) in this epoch's source
+            self._enqueue(pos, pos.row, more=False, requests=[], quarantined=[])
             return
         chunk = chunks[0]
         rows = read_chunk(chunk)
-        items = self._processor.process(chunk.file, rows)
-        requests: list[tuple[RefillRequest, np.ndarray]] = []
+        processor = self._processor_for(pos.epoch)
+        items = processor.process(chunk.file, rows)
+        requests: list[RequestPayload] = []
         quarantined: list[dict] = []
-        for i, ((_, raw), item) in enumerate(zip(rows, items, strict=True)):
+        for (_, raw), item in zip(rows, items, strict=True):
             if isinstance(item, QuarantinedRecord):
                 quarantined.append({"sample_id": item.sample_id, "reason": item.reason.value,
-                                    "detail": item.detail})
+                                    "detail": item.detail, "epoch": pos.epoch})
                 continue
-            priced, prompt = to_request(self.rule, item, raw, cursor + i)
-            if priced.request is None:
-                quarantined.append({"sample_id": item.sample_id, "reason": priced.reason,
-                                    "detail": priced.detail})
+            made = to_request(self.rule, item, raw, pos.epoch, processor.image_pad_id)
+            if isinstance(made, Priced):
+                quarantined.append({"sample_id": item.sample_id, "reason": made.reason,
+                                    "detail": made.detail, "epoch": pos.epoch})
             else:
-                requests.append((priced.request, prompt))
-        end = cursor + len(rows)
-        more = plan_chunks(expand_sources(self.job.source), CHUNK_ROWS, end, limit=1)
-        if not self.state.enqueue(self.holder, end, not more, requests, quarantined):
-            log.info("job %s: refill producer lost its lease; rows from %d left to the next "
-                     "holder", self.job.job_id, cursor)
+                requests.append(made)
+        end = pos.row + len(rows)
+        more = bool(plan_chunks(files, CHUNK_ROWS, end, limit=1))
+        self._enqueue(pos, end, more=more, requests=requests, quarantined=quarantined)
+
+    def _enqueue(self, pos: SourcePosition, end_row: int, *, more: bool,
+                 requests: list[RequestPayload], quarantined: list[dict]) -> None:
+        """Enqueue the rows from `pos` to `end_row`; past an epoch's last row the position
+        moves to the next epoch's first (or the source is exhausted after the last epoch)."""
+        last_epoch = pos.epoch + 1 >= self.job.epochs
+        end = (SourcePosition(pos.epoch, end_row) if more or last_epoch
+               else SourcePosition(pos.epoch + 1, 0))
+        if not self.state.enqueue(self.holder, pos, end, not more and last_epoch, requests,
+                                  quarantined):
+            log.info("job %s: refill producer lost its lease; rows from epoch %d row %d left "
+                     "to the next holder", self.job.job_id, pos.epoch, pos.row)

@@ -14,6 +14,12 @@ A `finished` report is judged before anything is applied (the strict choice):
 - an id completed by another consumer or leased to another one (the reporter's lease lapsed and
   it was re-admitted there) -> `stale`: not applied, returned so the consumer can drop it.
 So each request completes exactly once whoever reports it and however often.
+
+A consumer whose lease lapsed may still be working on what it held. Its next call says so: the
+ids taken from it (`revoked`: re-admitted, maybe decoding elsewhere already) that it neither
+reports finished in that call nor gets back in that call's admission, so it can stop them
+instead of finishing work another consumer does too (a reopening narrows them to the ids it
+names as still held: a restarted consumer holds nothing to stop).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class RefillOutcome:
     admitted: list[RefillRequest]
     completed: list[str]  # newly completed by this report (exactly once)
     stale: list[str]      # finished ids another consumer owns now (not applied)
+    revoked: list[str] = field(default_factory=list)  # taken from it at a lapse: stop them
 
 
 @dataclass
@@ -41,6 +48,8 @@ class Counters:
     admitted: int = 0     # admissions (a re-admitted request counts again)
     completed: int = 0
     readmitted: int = 0   # leases that lapsed or were given up on reopening
+    lease_lapses: int = 0  # consumers whose lease lapsed while they held requests
+    completed_by_epoch: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,6 +59,7 @@ class LeaseTable:
     leased: dict[str, tuple[RefillRequest, str]] = field(default_factory=dict)
     completed: dict[str, str] = field(default_factory=dict)  # id -> the consumer that did it
     expiry: dict[str, int] = field(default_factory=dict)     # consumer -> lease expiry (ms)
+    lost: dict[str, set[str]] = field(default_factory=dict)  # consumer -> ids taken at a lapse
     counters: Counters = field(default_factory=Counters)
     scan: int = DEFAULT_SCAN
 
@@ -64,9 +74,15 @@ class LeaseTable:
     def expire(self, now_ms: int) -> list[str]:
         """Re-admit every request of consumers whose lease passed; returns their ids."""
         dead = {c for c, t in self.expiry.items() if t <= now_ms}
-        for c in dead:
+        out = []
+        for c in sorted(dead):
             del self.expiry[c]
-        return self._release(lambda owner: owner in dead)
+            taken = self._release(lambda owner, c=c: owner == c)
+            if taken:
+                self.lost.setdefault(c, set()).update(taken)
+                self.counters.lease_lapses += 1
+            out += taken
+        return out
 
     def open(self, consumer: str, held: Sequence[str], now_ms: int) -> list[str]:
         """A consumer (re)connects still holding `held`: its other leases are re-admitted now
@@ -75,6 +91,10 @@ class LeaseTable:
         keep = set(held)
         released = self._release(lambda owner: owner == consumer, keep=keep)
         self.expiry[consumer] = now_ms + self.lease_ms
+        # Of what a lapse took, only what it says it still works on is worth telling it.
+        lost = self.lost.pop(consumer, set()) & keep
+        if lost:
+            self.lost[consumer] = lost
         return released
 
     def refill(self, consumer: str, free_tokens: int, finished: Sequence[str],
@@ -83,6 +103,7 @@ class LeaseTable:
             raise RefillRejected(f"free_tokens must be >= 0, got {free_tokens}")
         self._check_known(finished)
         self.expire(now_ms)
+        lost = self.lost.pop(consumer, set())
         completed, stale = [], []
         for rid in finished:
             if rid in self.completed:
@@ -92,10 +113,12 @@ class LeaseTable:
             if rid in self.leased and self.leased[rid][1] != consumer:
                 stale.append(rid)
                 continue
-            self.leased.pop(rid, None)
-            self.waiting.pop(rid, None)
+            held = self.leased.pop(rid, None)
+            req = held[0] if held is not None else self.waiting.pop(rid)
             self.completed[rid] = consumer
             self.counters.completed += 1
+            by_epoch = self.counters.completed_by_epoch
+            by_epoch[req.epoch] = by_epoch.get(req.epoch, 0) + 1
             completed.append(rid)
         self.expiry[consumer] = now_ms + self.lease_ms
         idle = not any(owner == consumer for _, owner in self.leased.values())
@@ -104,7 +127,8 @@ class LeaseTable:
             del self.waiting[r.request_id]
             self.leased[r.request_id] = (r, consumer)
         self.counters.admitted += len(got)
-        return RefillOutcome(got, completed, stale)
+        kept = {*finished, *(r.request_id for r in got)}
+        return RefillOutcome(got, completed, stale, sorted(lost - kept))
 
     # --- derived ---
     @property

@@ -6,6 +6,11 @@ planned generation tokens come from a per-job rule (`generation_tokens: N`), a p
 (`generation_tokens_field: name`), or the length of the record's reference answer. Its cost is
 what it occupies in a consumer at most: prompt tokens plus planned generation tokens (the KV
 cache / token slots it holds until it finishes).
+
+A job of `epochs: N` makes one request per sample and epoch, each completed once: the request
+of epoch 0 is named by its sample id, a later epoch's by `<sample id>@<epoch>`. Arrival order
+runs through the epochs (`arrival_seq`): every row of an epoch comes after every row of the
+epochs before it, so an epoch's requests are admitted before the next epoch's.
 """
 
 from __future__ import annotations
@@ -14,6 +19,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 OverBudget = Literal["quarantine", "alone", "truncate"]
+
+EPOCH_ROWS = 2**32  # source rows per epoch in arrival order (`arrival_seq`); the Lua uses it too
+
+
+def arrival_seq(epoch: int, row: int) -> int:
+    """A request's place in arrival order: epoch by epoch, then source row."""
+    return epoch * EPOCH_ROWS + row
+
+
+def request_id(sample_id: str, epoch: int) -> str:
+    """The request of `sample_id` in `epoch` (epoch 0: the sample id itself)."""
+    return sample_id if epoch == 0 else f"{sample_id}@{epoch}"
 
 
 @dataclass(frozen=True)
@@ -29,6 +46,14 @@ class RefillRequest:
     @property
     def cost(self) -> int:
         return self.prompt_tokens + self.generation_tokens
+
+    @property
+    def epoch(self) -> int:
+        return self.seq // EPOCH_ROWS
+
+    @property
+    def sample_id(self) -> str:
+        return self.request_id.removesuffix(f"@{self.epoch}") if self.epoch else self.request_id
 
 
 @dataclass(frozen=True)

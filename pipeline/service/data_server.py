@@ -34,11 +34,13 @@ from pipeline.errors import (
     WireMismatch,
     WrongJobMode,
 )
+from pipeline.observability.status_proto import to_proto
+from pipeline.observability.status_view import training_job_status
 from pipeline.service import scaling
 from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.liveness import RankFailurePolicy, rank_failure
-from pipeline.service.rank_stream import MODE, RankStreams
+from pipeline.service.rank_stream import RankStreams
 from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -102,28 +104,13 @@ def add_servicer(servicer: DataServicer, server: grpc.aio.Server) -> None:
         "odb.v1.DataService", handlers),))
 
 
-def job_status(rt: JobRuntime, replica_id: str, policy: RankFailurePolicy) -> pb.JobStatus:
-    """GetJob's answer for a training job: the job's state plus this replica's connections."""
-    st = rt.state
-    counts = st.counters()
-    head = st.head()
-    out = pb.JobStatus(
-        job_id=rt.job.job_id, world_size=head.world_size, mode=MODE[rt.mode],
-        epochs=rt.job.epochs, published_through=head.published_through,
-        done=st.is_done(), samples_in=counts.samples_in, quarantined=counts.quarantined,
-        lapsed_ranks=st.lapsed_ranks(), error=rt.error() or rank_failure(rt, policy) or "",
-        replica_id=replica_id, worlds=scaling.worlds_message(st),
-        reconfiguring=scaling.reconfiguring(st),
-    )
-    for r, a in enumerate(st.acked_all()):
-        conn = rt.ranks.get(r)
-        out.ranks.add(rank=r, acked_step=a, client_id=conn.client_id if conn else "",
-                      connected=bool(conn and conn.connected),
-                      delivered_step=conn.delivered if conn else -1)
-    for end in st.epoch_ends():
-        out.epoch_ends.add(epoch=end.epoch, steps=end.steps, carried_over=len(end.carried_over),
-                           final_step=[-1 if s is None else s for s in end.final_step])
-    return out
+def job_status(rt: JobRuntime, replica_id: str, policy: RankFailurePolicy, *, open_: bool
+               ) -> pb.JobStatus:
+    """GetJob's answer for a training job: the job's typed status (its state plus this
+    replica's connections), rendered as the proto."""
+    return to_proto(training_job_status(
+        rt.job.job_id, rt.state, job=rt.job, open=open_,
+        error=rt.error() or rank_failure(rt, policy), facts=rt.facts(), replica_id=replica_id))
 
 
 async def _client_messages(requests: AsyncIterator[pb.ClientMessage]
@@ -171,7 +158,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
             return self.refill.job_status(request.job_id, self.replica_id)
         try:
             rt = self._lookup(request.job_id, context.invocation_metadata())
-            return job_status(rt, self.replica_id, self.streams.policy)
+            return job_status(rt, self.replica_id, self.streams.policy,
+                              open_=self.tokens.get(request.job_id) is None)
         except OdbError as exc:
             context.abort(status_of(exc), str(exc))
 

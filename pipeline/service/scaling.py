@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 
 from pipeline.errors import BadRequest, PlanningComplete, ScaleInProgress
-from pipeline.jobstate.interface import JobState
 from pipeline.jobstate.worlds import ScaleReason, ScaleRequest, ScaleResult, World, WorldTimings
 from pipeline.service.job_runtime import JobRuntime
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -37,22 +36,6 @@ def world_message(w: World, timings: WorldTimings | None) -> pb.World:
         if first is not None:
             out.first_batch_seconds = first
     return out
-
-
-def worlds_message(state: JobState) -> list[pb.World]:
-    """The job's world-size history on the wire."""
-    return [world_message(w, state.world_timings(w.generation)) for w in state.worlds()]
-
-
-def reconfiguring(state: JobState) -> bool:
-    """The latest switch is not complete: its plan is not published, or a rank that was live at
-    the boundary has not had its END(reconfigure) yet."""
-    worlds = state.worlds()
-    if len(worlds) < 2:
-        return False
-    t = state.world_timings(worlds[-1].generation)
-    return t is None or t.adopted_at is None or any(r not in t.left_at
-                                                     for r in worlds[-2].live_ranks)
 
 
 def scale(rt: JobRuntime, world_size: int) -> ScaleResult:

@@ -39,7 +39,7 @@ from pipeline.service.liveness import policy_named
 from pipeline.service.loop_server import LoopServer
 from pipeline.service.payloads import ArrayPayloads, PayloadSource, RayPayloads
 from pipeline.service.rank_stream import RankStreams, StreamSettings
-from pipeline.service.refill_server import RefillJob, RefillServicer
+from pipeline.service.refill_server import RefillJob, RefillServicer, connect_refill_job
 from pipeline.service.state_factory import make_job_state
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
@@ -79,6 +79,8 @@ class RunningService:
     health: health.HealthServicer
     replica_id: str
     on_stop: list = field(default_factory=list)  # callables run at stop (metrics server, ...)
+    refill_jobs: dict[str, RefillJob] = field(default_factory=dict)  # `mode: refill` jobs
+    open_jobs: frozenset[str] = frozenset()  # jobs served without a credential (no token)
 
     @property
     def address(self) -> str:
@@ -154,7 +156,7 @@ def start_service(
     refill_jobs: dict[str, RefillJob] = {}
     for job in config.jobs:
         if job.mode == "refill":
-            refill_jobs[job.job_id] = _refill_job(config, job, replica_id)
+            refill_jobs[job.job_id] = connect_refill_job(config, job, replica_id)
             toks[job.job_id] = (tokens[job.job_id] if tokens and job.job_id in tokens
                                 else job.token())
             continue
@@ -202,27 +204,12 @@ def start_service(
         on_stop.append(servicer.refill.stop)
     log.info("replica %s serving %d job(s) on %s (tls=%s)", replica_id,
              len(runtimes) + len(refill_jobs), addr, creds is not None)
-    return RunningService(server, port, runtimes, health_servicer, replica_id, on_stop)
-
-
-def _refill_job(config: ServiceConfig, job: JobConfig, replica_id: str) -> RefillJob:
-    """A `mode: refill` job's parts on this replica: its Redis state and its producer."""
-    from pipeline.coordinator.refill_state import RefillState
-    from pipeline.producer.refill_producer import RefillProducer
-
-    if not config.redis_url:
-        raise UserError(f"job {job.job_id!r}: a `mode: refill` job keeps its leases and "
-                        "completions in Redis: configure redis_url (serve's embedded default "
-                        "does)")
-    assert job.refill is not None
-    state = RefillState.connect(config.redis_url, job.job_id,
-                                lease_seconds=job.refill.lease_seconds)
-    return RefillJob(job, state, RefillProducer(job, state, holder=f"replica:{replica_id}"))
+    return RunningService(server, port, runtimes, health_servicer, replica_id, on_stop,
+                          refill_jobs, frozenset(j for j, t in toks.items() if t is None))
 
 
 def _refill_servicer(jobs: dict[str, RefillJob], tokens: dict[str, str | None],
                      runtimes: Mapping[str, JobRuntime]) -> RefillServicer | None:
     if not jobs:
         return None
-    return RefillServicer(jobs, {j: tokens.get(j) for j in jobs},
-                          {j: rt.mode for j, rt in runtimes.items()})
+    return RefillServicer(jobs, tokens, {j: rt.mode for j, rt in runtimes.items()})

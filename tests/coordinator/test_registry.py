@@ -129,3 +129,41 @@ def test_connect_from_job_config(redis_client, redis_url):
         RedisJobState.connect(redis_url, job.model_copy(update={"seed": 6}))
     with pytest.raises(JobMismatch, match="world_size"):
         RedisJobState.connect(redis_url, JobConfig(**{**job.model_dump(), "world_size": 4}))
+
+
+def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, redis_url):
+    """A `mode: refill` job is in the registry like any job: resumed with the same config,
+    refused with another, summarized with its counts, its every key expired and deleted."""
+    import numpy as np
+
+    from pipeline.config import JobConfig
+    from pipeline.coordinator.refill_state import RefillState, RequestPayload, SourcePosition
+    from pipeline.refill.request import RefillRequest
+
+    job = JobConfig(job_id="rf", mode="refill", source={"paths": ["p.jsonl"]})
+    h = registry.config_hash(job)
+    assert registry.register_refill_job(redis_client, "rf", config_hash=h)
+    assert not registry.register_refill_job(redis_client, "rf", config_hash=h)  # a resume
+    with pytest.raises(JobMismatch, match="config_hash"):
+        registry.register_refill_job(redis_client, "rf", config_hash="other")
+    RedisJobState(redis_url, "train", config_hash="c", world_size=1).close()
+    with pytest.raises(JobMismatch, match="mode=join"):
+        registry.register_refill_job(redis_client, "train", config_hash=h)
+    st = RefillState(redis_client, "rf")
+    assert st.hold_producer("p", 10_000)
+    reqs = [RequestPayload(RefillRequest(f"s:{i}", 3, 3, seq=i), np.arange(3, dtype=np.int32))
+            for i in range(3)]
+    assert st.enqueue("p", SourcePosition(0, 0), SourcePosition(0, 3), True, reqs,
+                      [{"sample_id": "s:3", "reason": "bad_record"}])
+    st.refill("c", 6, [], 1)  # a consumer with a held set
+    assert list_jobs(redis_client) == ["rf", "train"]
+    s = job_summary(redis_client, "rf")
+    assert (s.job.mode, s.job.state) == ("refill", "serving")
+    assert (s.refill.enqueued, s.refill.in_flight, s.refill.quarantined) == (3, 1, 1)
+    assert s.refill_records == [{"sample_id": "s:3", "reason": "bad_record"}]
+    mine = {k.decode() for k in redis_client.keys("*{rf}*")}
+    assert st.keys.refill_held("c") in mine and st.keys.meta in mine
+    registry.expire_job(redis_client, "rf", 100)
+    assert all(0 < redis_client.ttl(k) <= 100 for k in mine)
+    registry.delete_job(redis_client, "rf")
+    assert not redis_client.keys("*{rf}*") and list_jobs(redis_client) == ["train"]

@@ -32,6 +32,11 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     queries = _queries(dash)
     referenced = {m for q in queries for m in _METRIC.findall(q)}
     assert len(referenced) >= 15, referenced
+    # Refill jobs too: waiting, in flight, completed, re-admitted, consumers, admissions per
+    # second and lease lapses; the job variable lists every job, refill jobs included.
+    assert {"odb_refill_waiting", "odb_refill_in_flight", "odb_refill_completed_total",
+            "odb_refill_readmitted_total", "odb_refill_consumers", "odb_refill_admitted_total",
+            "odb_refill_lease_lapses_total", "odb_job_info"} <= referenced, referenced
     with served() as (_svc, port):
         text = scrape(port)
     exported = {f.name for f in text_string_to_metric_families(text)}

@@ -109,3 +109,39 @@ def test_every_declared_metric_is_exported() -> None:
     missing = {n for n in metric_names() if n not in exported
                and n.removesuffix("_total") not in exported}
     assert not missing, missing
+
+
+def test_metrics_hold_no_per_record_details() -> None:
+    """Record ids, their details and client ids are on the status JSON, never in a metric
+    label; every label comes from a bounded set."""
+    import json
+
+    from pipeline.preprocess.array_source import synthetic_samples
+    from pipeline.preprocess.sample import QuarantinedRecord
+    from pipeline.quarantine import QuarantineReason
+
+    bad = QuarantinedRecord("private-notes.jsonl", 3, QuarantineReason.BAD_JSON,
+                            "Expecting value near 'password=hunter2'")
+    with served([bad, *synthetic_samples(40, seed=3, max_len=128, vocab=100)]) as (svc, port):
+        rank = Rank(svc.address, 0, 1).start()
+        try:
+            rank.wait_taken()
+            wait_for(lambda: svc.runtimes[JOB].state.counters().quarantined == 1,
+                     what="the bad record")
+            job = json.loads(scrape(port, "/status.json?quarantine=1"))["jobs"][0]
+            client = job["ranks"][0]["client_id"]
+            assert client and job["quarantine"]["records"] == [
+                {"sample_id": "private-notes.jsonl:3", "reason": "bad_json",
+                 "detail": bad.detail}]
+            text = scrape(port)
+        finally:
+            rank.release()
+    for private in (client, "private-notes", "hunter2", "Expecting value"):
+        assert private not in text
+    reasons = {r.value for r in QuarantineReason} | {"other"}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            assert set(s.labels) <= {"job_id", "rank", "replica", "reason", "phase", "mode",
+                                     "epoch"}, s
+            assert s.labels.get("reason", "bad_json") in reasons
+            assert s.labels.get("job_id", JOB) == JOB and s.labels.get("rank", "0").isdigit()

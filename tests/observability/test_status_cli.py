@@ -109,7 +109,7 @@ def test_status_quarantine_counts_and_lists_records(capsys) -> None:
                                                           "huge:0"}
         # Without --quarantine only the counts are printed.
         out = _status(capsys, "--metrics-endpoint", f"127.0.0.1:{mport}")
-        assert "records" not in out["jobs"][0]["quarantine"]
+        assert out["jobs"][0]["quarantine"]["records"] is None
         # The same counts on /metrics, one series per reason.
         with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as resp:
             fams = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}

@@ -103,11 +103,16 @@ def test_every_request_is_in_one_place_and_completes_exactly_once(waiting, scrip
             table.open(consumer, [], now)
             held[consumer] = []
             continue
+        before = set(held[consumer])
         finished, held[consumer] = held[consumer][:k], held[consumer][k:]
         out = table.refill(consumer, free, finished, now)
         assert sum(r.cost for r in out.admitted) <= free
         completions += out.completed
         assert set(out.completed) | set(out.stale) <= set(finished)
+        # What a lapse took from it, told once: never what it reports or gets back now.
+        assert set(out.revoked) <= before - set(finished) - {r.request_id for r in out.admitted}
+        assert not any(table.leased.get(rid, (None, ""))[1] == consumer for rid in out.revoked)
+        held[consumer] = [rid for rid in held[consumer] if rid not in out.revoked]
         # A lapsed lease can come back to the consumer that still holds it: the same id, held once.
         held[consumer] += [r.request_id for r in out.admitted
                            if r.request_id not in held[consumer]]

@@ -44,12 +44,13 @@ def wait_exhausted(state: RefillState, timeout: float = 60.0) -> None:
 
 @pytest.fixture
 def served(tmp_path, redis_url, redis_client):
-    """A refill job `gen` of the first chats and a training job `train`, on one server."""
+    """A refill job `gen` of the first chats, two epochs, and a training job `train`, on one
+    server."""
     train = {"job_id": "train", "world_size": 1, "source": {"paths": ["arrays"]},
              "batching": {"token_budget": 2048, "max_window_samples": 64}}
-    cfg = refill_config(refill_job(chats_slice(tmp_path, ROWS), max_request_tokens=3000,
-                                   over_budget="quarantine", queue_depth=16), train,
-                        redis_url=redis_url)
+    cfg = refill_config({**refill_job(chats_slice(tmp_path, ROWS), max_request_tokens=3000,
+                                      over_budget="quarantine", queue_depth=128), "epochs": 2},
+                        train, redis_url=redis_url)
     svc = start_service(cfg, sample_sources={
         "train": ArraySource(synthetic_samples(20, lengths=[100] * 20))})
     yield svc, RefillState.connect(redis_url, "gen")
@@ -94,22 +95,26 @@ def test_random_capacities_never_receive_more_than_offered(served):
     assert not any(t.is_alive() for t in threads)
     assert not problems
     assert len(seen) == len(set(seen)) == len(good_ids(state)) > 0
+    assert {rid for rid in seen if rid.endswith("@1")} == {f"{rid}@1" for rid in seen
+                                                            if "@" not in rid}  # each epoch
     c = state.counts()
-    assert c.enqueued + c.quarantined == ROWS - 1 or c.enqueued + c.quarantined == ROWS
+    assert c.enqueued + c.quarantined in (2 * (ROWS - 1), 2 * ROWS)
+    assert [(e.epoch, e.completed) for e in c.by_epoch] == [(0, c.enqueued // 2),
+                                                            (1, c.enqueued // 2)]
     # Status over GetJob: what `odb-pipeline status` shows.
     st = RefillStream(svc.address, "gen").job_status()
     assert st.mode == pb.REFILL and st.done
     assert (st.refill.completed, st.refill.in_flight) == (c.enqueued, 0)
     assert st.refill.quarantined == c.quarantined > 0  # images not shipped next to the slice
     # ... and the operator's command.
-    from pipeline.observability import status_format
-    from pipeline.observability.status_query import Sources, collect
+    from pipeline.status import text
+    from pipeline.status.query import Sources, collect
 
-    job = collect(Sources(endpoint=svc.address, jobs=["gen"]))["jobs"][0]
-    assert job["mode"] == "refill" and job["state"] == "done"
-    assert job["refill"]["completed"] == c.enqueued and job["refill"]["in_flight"] == 0
-    assert f"refill: in_flight=0  completed={c.enqueued}  readmitted=0" in status_format.render(
-        {"generated_at": 0, "sources": {}, "jobs": [job]})
+    report = collect(Sources(endpoint=svc.address, jobs=["gen"]))
+    job = report.jobs[0]
+    assert job.mode == "refill" and job.state == "done"
+    assert job.refill.completed == c.enqueued and job.refill.in_flight == 0
+    assert f"refill: in_flight=0  completed={c.enqueued}  readmitted=0" in text.render(report)
 
 
 def test_requests_are_the_real_prompts(served):
@@ -184,8 +189,8 @@ def test_a_server_restart_mid_way_loses_and_duplicates_nothing(tmp_path, redis_u
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cfg = refill_config(refill_job(chats_slice(tmp_path, ROWS), queue_depth=8,
-                                   max_request_tokens=3000),
+    cfg = refill_config({**refill_job(chats_slice(tmp_path, ROWS), queue_depth=8,
+                                      max_request_tokens=3000), "epochs": 2},
                         redis_url=redis_url).model_copy(deep=True)
     cfg = cfg.model_validate({**cfg.model_dump(), "grpc": {"port": port}})
     svc = start_service(cfg)
@@ -220,8 +225,9 @@ def test_a_server_restart_mid_way_loses_and_duplicates_nothing(tmp_path, redis_u
         assert not errors and not t.is_alive()
         assert len(confirmed) == len(set(confirmed)) == len(good_ids(state))
         assert set(state.completions()) == good_ids(state)
-        c = state.counts()
-        assert c.exhausted and c.enqueued + c.quarantined in (ROWS - 1, ROWS)
+        c = state.counts()  # every request once in each of the two epochs
+        assert c.exhausted and c.enqueued + c.quarantined in (2 * (ROWS - 1), 2 * ROWS)
+        assert sum(rid.endswith("@1") for rid in confirmed) == c.enqueued // 2
     finally:
         svc.stop(grace=0.2)
 
@@ -253,6 +259,7 @@ def test_bad_calls_get_precise_status_codes(served):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "free_tokens must be >= 0, got -5" in msg
     code, msg = code_of(lambda: ask(stub, open_msg("nope"), ask_msg(10)))
     assert code == grpc.StatusCode.NOT_FOUND and "unknown job 'nope'" in msg
+    assert "gen" not in msg and "train" not in msg  # nothing about the jobs served
     code, msg = code_of(lambda: ask(stub, open_msg("train"), ask_msg(10)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "mode 'join'" in msg
     code, msg = code_of(lambda: ask(stub, ask_msg(10)))
@@ -279,13 +286,23 @@ def test_bad_calls_get_precise_status_codes(served):
 
 
 def test_a_job_token_guards_refill(tmp_path, redis_url, redis_client):
-    cfg = refill_config(refill_job(chats_slice(tmp_path, 10)), redis_url=redis_url)
-    svc = start_service(cfg, tokens={"gen": "s3cret"})
+    train = {"job_id": "train", "world_size": 1, "source": {"paths": ["arrays"]}}
+    cfg = refill_config(refill_job(chats_slice(tmp_path, 10)), train, redis_url=redis_url)
+    svc = start_service(cfg, tokens={"gen": "s3cret", "train": "t0ken"}, sample_sources={
+        "train": ArraySource(synthetic_samples(4, lengths=[10] * 4))})
     try:
         with RefillStream(svc.address, "gen", token="wrong") as s, \
                 pytest.raises(StreamError) as exc:
             s.refill(10)
         assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
+        # A training job's mode is told only to a caller with its token.
+        for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                            ("t0ken", grpc.StatusCode.FAILED_PRECONDITION)):
+            with RefillStream(svc.address, "train", token=token) as s, \
+                    pytest.raises(StreamError) as exc:
+                s.refill(10)
+            assert exc.value.code == code and ("mode 'join'" in exc.value.details) == bool(
+                token)
         with RefillStream(svc.address, "gen", token="s3cret") as s:
             assert isinstance(s.refill(10), list)
             assert s.job_status().refill.consumers == 1

@@ -1,7 +1,9 @@
 -- ARGV: base, consumer, lease_ms, free_tokens, scan, call_seq, n_finished, finished ids...
--- Reply: {'ok', admitted ids (array), completed ids, stale ids} or
+-- Reply: {'ok', admitted ids (array), completed ids, stale ids, revoked ids} or
 --        {'rejected', unknown ids, twice ids} (nothing applied) or
 --        a retried call (same call_seq): the very reply of the first time, from the record.
+-- `revoked`: ids taken from this consumer when its lease lapsed, which it neither reports
+-- finished now nor gets back in this admission: it should stop them (pipeline.refill.leases).
 --! include now
 --! include refill_helpers
 local consumer, lease = ARGV[2], tonumber(ARGV[3])
@@ -12,7 +14,7 @@ if prev then
   local rec = cjson.decode(prev)
   if rec[1] == call then
     redis.call('ZADD', K_CONS, now + lease, consumer)
-    return {'ok', rec[2], rec[3], rec[4]}
+    return {'ok', rec[2], rec[3], rec[4], rec[5] or {}}
   end
 end
 local unknown, twice, seen = {}, {}, {}
@@ -24,6 +26,9 @@ for i = 8, 7 + nf do
 end
 if #unknown > 0 or #twice > 0 then return {'rejected', unknown, twice} end
 expire(now)
+local K_LOST = base .. 'refill:lost:' .. consumer
+local lost = redis.call('SMEMBERS', K_LOST)
+redis.call('DEL', K_LOST)
 local completed, stale = {}, {}
 for i = 8, 7 + nf do
   local id = ARGV[i]
@@ -40,6 +45,8 @@ for i = 8, 7 + nf do
     end
     redis.call('ZREM', K_WAIT, id)
     redis.call('HSET', K_DONE, id, consumer)
+    local _, seq = info_of(id)
+    redis.call('HINCRBY', K_CNT, 'e' .. epoch_of(seq) .. ':completed', 1)
     completed[#completed + 1] = id
   end
 end
@@ -63,9 +70,15 @@ if free > 0 then
     redis.call('ZREM', K_WAIT, id)
     redis.call('HSET', K_OWNER, id, consumer)
     redis.call('SADD', held, id)
+    seen[id] = true
   end
   if #admitted > 0 then redis.call('HINCRBY', K_CNT, 'admitted', #admitted) end
 end
+local revoked = {}
+for _, id in ipairs(lost) do
+  if not seen[id] then revoked[#revoked + 1] = id end
+end
+table.sort(revoked)
 redis.call('HSET', base .. 'refill:calls', consumer,
-  cjson.encode({call, admitted, completed, stale}))
-return {'ok', admitted, completed, stale}
+  cjson.encode({call, admitted, completed, stale, revoked}))
+return {'ok', admitted, completed, stale, revoked}

@@ -265,7 +265,7 @@ class ScaleReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., changed: _Optional[bool] = ..., world: _Optional[_Union[World, _Mapping]] = ..., previous: _Optional[_Union[World, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "refill")
+    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "open", "refill")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,7 @@ class JobStatus(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     WORLDS_FIELD_NUMBER: _ClassVar[int]
     RECONFIGURING_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
     REFILL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
@@ -297,8 +298,9 @@ class JobStatus(_message.Message):
     replica_id: str
     worlds: _containers.RepeatedCompositeFieldContainer[World]
     reconfiguring: bool
+    open: bool
     refill: RefillCounts
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., open: _Optional[bool] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
 
 class RefillOpen(_message.Message):
     __slots__ = ("job_id", "consumer_id", "held_ids", "retry_seq")
@@ -331,39 +333,51 @@ class RefillMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[RefillOpen, _Mapping]] = ..., ask: _Optional[_Union[RefillAsk, _Mapping]] = ...) -> None: ...
 
 class RefillRequest(_message.Message):
-    __slots__ = ("id", "input_ids", "cost", "prompt_tokens", "generation_tokens", "over_budget")
+    __slots__ = ("id", "input_ids", "cost", "prompt_tokens", "generation_tokens", "over_budget", "pixel_values", "image_grid_thw", "pixel_norm", "epoch", "sample_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OVER_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    PIXEL_NORM_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     input_ids: Tensor
     cost: int
     prompt_tokens: int
     generation_tokens: int
     over_budget: bool
-    def __init__(self, id: _Optional[str] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., cost: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., over_budget: _Optional[bool] = ...) -> None: ...
+    pixel_values: Tensor
+    image_grid_thw: Tensor
+    pixel_norm: PixelNorm
+    epoch: int
+    sample_id: str
+    def __init__(self, id: _Optional[str] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., cost: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., over_budget: _Optional[bool] = ..., pixel_values: _Optional[_Union[Tensor, _Mapping]] = ..., image_grid_thw: _Optional[_Union[Tensor, _Mapping]] = ..., pixel_norm: _Optional[_Union[PixelNorm, _Mapping]] = ..., epoch: _Optional[int] = ..., sample_id: _Optional[str] = ...) -> None: ...
 
 class RefillReply(_message.Message):
-    __slots__ = ("requests", "completed", "stale", "done", "waiting", "in_flight")
+    __slots__ = ("requests", "completed", "stale", "done", "waiting", "in_flight", "revoked")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[RefillRequest]
     completed: _containers.RepeatedScalarFieldContainer[str]
     stale: _containers.RepeatedScalarFieldContainer[str]
     done: bool
     waiting: int
     in_flight: int
-    def __init__(self, requests: _Optional[_Iterable[_Union[RefillRequest, _Mapping]]] = ..., completed: _Optional[_Iterable[str]] = ..., stale: _Optional[_Iterable[str]] = ..., done: _Optional[bool] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    revoked: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RefillRequest, _Mapping]]] = ..., completed: _Optional[_Iterable[str]] = ..., stale: _Optional[_Iterable[str]] = ..., done: _Optional[bool] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., revoked: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RefillCounts(_message.Message):
-    __slots__ = ("enqueued", "waiting", "in_flight", "completed", "readmitted", "admitted", "quarantined", "consumers", "exhausted")
+    __slots__ = ("enqueued", "waiting", "in_flight", "completed", "readmitted", "admitted", "quarantined", "consumers", "exhausted", "lease_lapses", "epoch", "epochs", "by_epoch")
     ENQUEUED_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +387,10 @@ class RefillCounts(_message.Message):
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     CONSUMERS_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_LAPSES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    BY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     enqueued: int
     waiting: int
     in_flight: int
@@ -382,4 +400,20 @@ class RefillCounts(_message.Message):
     quarantined: int
     consumers: int
     exhausted: bool
-    def __init__(self, enqueued: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., completed: _Optional[int] = ..., readmitted: _Optional[int] = ..., admitted: _Optional[int] = ..., quarantined: _Optional[int] = ..., consumers: _Optional[int] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+    lease_lapses: int
+    epoch: int
+    epochs: int
+    by_epoch: _containers.RepeatedCompositeFieldContainer[RefillEpochCounts]
+    def __init__(self, enqueued: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., completed: _Optional[int] = ..., readmitted: _Optional[int] = ..., admitted: _Optional[int] = ..., quarantined: _Optional[int] = ..., consumers: _Optional[int] = ..., exhausted: _Optional[bool] = ..., lease_lapses: _Optional[int] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., by_epoch: _Optional[_Iterable[_Union[RefillEpochCounts, _Mapping]]] = ...) -> None: ...
+
+class RefillEpochCounts(_message.Message):
+    __slots__ = ("epoch", "enqueued", "completed", "quarantined")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENQUEUED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    enqueued: int
+    completed: int
+    quarantined: int
+    def __init__(self, epoch: _Optional[int] = ..., enqueued: _Optional[int] = ..., completed: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...

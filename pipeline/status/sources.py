@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 
 from pipeline.errors import UserError
-from pipeline.observability.status_query import Sources
+from pipeline.status.query import Sources
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,139 @@
+"""The human-readable rendering of a `StatusReport` (the default output of `status`): a training
+job with its ranks, a refill job with its requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.observability.job_status import JobStatus, RefillStatus, WorldStatus
+from pipeline.status.report import StatusReport
+
+
+def _v(x: Any, fmt: str = "{}") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    return fmt.format(x)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _world(w: WorldStatus) -> str:
+    """`4 [0-37]` for an ended world; `2 [38-] (scale: plan 0.04s, first batch 0.31s)`."""
+    span = f"[{w.first_step}-{'' if w.last_step is None else w.last_step}]"
+    out = f"{w.world_size} {span}"
+    if w.generation > 0:
+        timing = [f"{label} {t:.2f}s" for label, t in (
+            ("plan", w.adopted_s), ("drained", w.drained_s), ("first batch", w.first_batch_s))
+            if t is not None]
+        out += f" ({w.reason}" + (": " + ", ".join(timing) if timing else "") + ")"
+    return out
+
+
+def _refill(rf: RefillStatus) -> list[str]:
+    epochs = (f"  epoch={rf.epoch + 1}/{rf.epochs}" if rf.epochs and rf.epochs > 1 else "")
+    lines = [f"  refill: in_flight={rf.in_flight}  completed={rf.completed}  "
+             f"readmitted={rf.readmitted}  waiting={rf.waiting}  "
+             f"enqueued={rf.enqueued}{'' if rf.exhausted else '+'}  "
+             f"consumers={rf.consumers}  lease_lapses={rf.lease_lapses}{epochs}"]
+    if rf.rates is not None:
+        r = rf.rates
+        lines.append(f"  rates ({r.basis}, {r.window_s:.1f} s): {r.admissions_per_s:.2f} "
+                     f"admissions/s  {r.completions_per_s:.2f} completions/s")
+    if len(rf.by_epoch) > 1:
+        lines.append("  by epoch: " + "  ".join(
+            f"{e.epoch}: {e.completed}/{e.enqueued}" for e in rf.by_epoch))
+    return lines
+
+
+def _ranks(job: JobStatus) -> list[str]:
+    lines = []
+    worlds = job.worlds or ()
+    if len(worlds) > 1:
+        lines.append("  world sizes: " + " -> ".join(_world(w) for w in worlds)
+                     + ("  (reconfiguring)" if job.reconfiguring else ""))
+    t = job.throughput
+    if t:
+        extra = f"  {t.steps_per_s:.2f} steps/s" if t.steps_per_s is not None else ""
+        lines.append(f"  throughput ({t.basis}, {t.window_s:.1f} s): "
+                     f"{t.samples_per_s:.1f} samples/s  {t.tokens_per_s:.0f} tokens/s  "
+                     f"{t.batches_per_s:.2f} batches/s{extra}")
+    if job.totals:
+        lines.append(f"  padding efficiency {_pct(job.padding_efficiency)}  "
+                     f"budget utilisation {_pct(job.budget_utilisation)}  "
+                     f"(token budget {_v(job.token_budget)})")
+    prod = job.producer
+    if prod:
+        lines.append(f"  producer generation {prod.generation} "
+                     f"({'live' if prod.live else 'no live lease'}) held by {prod.holder}")
+    trouble = job.producer_trouble
+    if trouble:
+        lines.append(f"  producer retrying ({trouble.cause}, {trouble.attempts} failure(s) so "
+                     f"far): {trouble.message}")
+    header = ("rank", "delivered*", "acked", "lag", "connected*", "heartbeat", "stalled",
+              "lapsed", "client")
+    rows = [header] + [(
+        str(r.rank), _v(r.replica.delivered_step if r.replica else None),
+        _v(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
+        _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
+    ) for r in job.ranks or ()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    lines.append(f"  * as seen by replica {job.replica.id if job.replica else '-'}")
+    return lines
+
+
+def _job(job: JobStatus, show_records: bool) -> list[str]:
+    where = ("" if job.refill is not None else
+             f"  world_size={_v(job.world_size)}  published_through="
+             f"{_v(job.published_through)}")
+    lines = [f"job {job.job_id}  state={job.state}  mode={job.mode}{where}  "
+             f"samples_in={_v(job.samples_in)}"
+             + ("  OPEN (served without a credential)" if job.open else "")]
+    if job.error:
+        lines.append(f"  ERROR: {job.error}")
+    lines += _refill(job.refill) if job.refill is not None else _ranks(job)
+    q = job.quarantine
+    if q is not None:
+        reasons = q.by_reason
+        lines.append(f"  quarantined {q.total}"
+                     + (": " + ", ".join(f"{k}={n}" for k, n in reasons.items())
+                        if reasons else ""))
+        if show_records:
+            if q.records is None:
+                lines.append("    (records are listed by the service's metrics endpoint and "
+                             "Redis: give --metrics-endpoint or --redis-url)")
+            for rec in q.records or ():
+                detail = "" if rec.detail in ("", rec.reason) else f"  {rec.detail}"
+                lines.append(f"    {rec.sample_id}  {rec.reason}{detail}")
+    ex = job.exposure
+    if ex:
+        lines.append(f"  exposure (sdo ledger) after {ex['epochs']} planned epoch(s): min "
+                     f"{ex['min']}  p50 {ex['p50']}  max {ex['max']} visits per sample; "
+                     f"longest unseen run {ex['max_epochs_unseen']} epoch(s)")
+    if job.coordinator is not None:
+        c = job.coordinator
+        lines.append(f"  redis: state={c.state}  retained_steps={c.retained_steps}  "
+                     f"min_acked={c.min_acked}")
+    return lines
+
+
+def _sources(src: dict[str, Any]) -> list[str]:
+    """Where the answers came from, when `status` found the service itself."""
+    if not src.get("local_service"):
+        return []
+    lines = [f"service: {src['local_service']}  grpc={_v(src.get('endpoint'))}"
+             f"{' (tls)' if src.get('tls') else ''}  metrics={_v(src.get('metrics'))}"]
+    lines += [f"  GetJob not asked for job {job}: {why}"
+              for job, why in (src.get("grpc_skipped") or {}).items()]
+    return [*lines, ""]
+
+
+def render(report: StatusReport, show_records: bool = False) -> str:
+    body = ("\n\n".join("\n".join(_job(j, show_records)) for j in report.jobs)
+            if report.jobs else "no jobs")
+    return "\n".join([*_sources(report.sources), body])
