@@ -93,8 +93,10 @@ def test_four_then_two_then_three_ranks_in_one_epoch_exactly_once(redis_client, 
 def test_a_killed_rank_under_shrink_leaves_a_smaller_world_exactly_once(redis_client, redis_url,
                                                                         tmp_path):
     items = samples(1200, seed=2)
-    # A lease long enough that a live rank's heartbeat never misses it on a loaded machine.
-    with served(redis_url, "sh", 3, items, lease_seconds=2.0, rank_timeout_seconds=1.0,
+    # A lease long enough that a live rank's heartbeat never misses it on a loaded machine, and
+    # a timeout long enough that both ranks of the new world claim within it (a rank of a new
+    # world that never claims is timed from the world's first claim).
+    with served(redis_url, "sh", 3, items, lease_seconds=2.0, rank_timeout_seconds=4.0,
                 rank_failure_policy="shrink") as svc:
         old = [RankProc(tmp_path, svc.address, "sh", r, 3, sleep=0.05) for r in range(3)]
         wait_for(lambda: _progress(old, 3), 60, "every rank to take 3 batches")
@@ -136,7 +138,7 @@ def test_a_rank_lost_in_the_last_steps_of_a_fully_planned_job_under_shrink(redis
     rank's unconsumed batches and the survivors' ungranted tail are re-planned for 2 ranks, and
     the new world finishes the epoch: every sample exactly once."""
     items = samples(400, seed=5)
-    with served(redis_url, "fp", 3, items, lease_seconds=2.0, rank_timeout_seconds=1.0,
+    with served(redis_url, "fp", 3, items, lease_seconds=2.0, rank_timeout_seconds=4.0,
                 rank_failure_policy="shrink", grpc={"port": 0, "prefetch_steps": 16}) as svc:
         state = RedisJobState.attach(redis_url, "fp")
         old = [RankProc(tmp_path, svc.address, "fp", r, 3, sleep=0.5) for r in range(3)]
