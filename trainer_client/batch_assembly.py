@@ -11,7 +11,8 @@ or is larger than the chunk size raises `ChunkError`, naming what it got and wha
 The batch exists only once its last byte is written (`complete`): a stream cut mid-batch drops
 the assembler, and the service sends the batch again whole.
 
-`read_chunk` takes a Chunk's fields straight out of the serialized ServerMessage, its data as a
+`StreamReader` turns one call's server messages into whole batches and ENDs. `read_chunk` takes
+a Chunk's fields straight out of the serialized ServerMessage, its data as a
 view of the received bytes: parsing it with the stubs would copy every chunk twice more (into
 the message, then out of it as a new bytes object), several times the cost of the one copy
 into the tensor.
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from trainer_client.decode import StreamBatch, stream_batch, torch_dtypes
+from trainer_client.decode import StreamBatch, decode_batch, stream_batch, torch_dtypes
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire_format import NUMPY_DTYPES
 
@@ -34,6 +35,41 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # protobuf wire types
 
 class ChunkError(ValueError):
     """A chunked batch that does not add up (its header, or a chunk out of place)."""
+
+
+class StreamReader:
+    """One call's serialized server messages -> whole batches and ENDs (None while a chunked
+    batch is incomplete). A new call gets a new reader: a batch cut off with its call is
+    dropped, never handed out."""
+
+    def __init__(self, kind: Literal["torch", "numpy"] = "torch") -> None:
+        self.kind = kind
+        self._batch: BatchAssembler | None = None
+
+    def read(self, raw: bytes) -> StreamBatch | pb.End | None:
+        chunk = read_chunk(raw)
+        if chunk is not None:
+            if self._batch is None:
+                raise ChunkError(f"a chunk (tensor {chunk[0]} offset {chunk[1]}) with no "
+                                 "batch header before it")
+            self._batch.add(*chunk)
+        else:
+            msg = pb.ServerMessage.FromString(raw)
+            kind = msg.WhichOneof("kind")
+            if kind == "batch":
+                return decode_batch(msg.batch, self.kind)
+            if kind == "end":
+                return msg.end
+            if kind != "batch_header":
+                raise ChunkError(f"a server message of unknown kind {kind!r}")
+            if self._batch is not None:
+                raise ChunkError(f"step {msg.batch_header.batch.step}: a batch header before "
+                                 f"step {self._batch.header.step} was complete")
+            self._batch = BatchAssembler(msg.batch_header, self.kind)
+        if not self._batch.complete:
+            return None
+        done, self._batch = self._batch, None
+        return done.batch()
 
 
 class BatchAssembler:

@@ -68,6 +68,12 @@ class StreamBatch(dict):
     pixel_norm: PixelNorm | None = None
     loader_state: dict[str, Any] | None = None  # set by StreamLoader: its state after this batch
 
+    @property
+    def nbytes(self) -> int:
+        """Its tensors' bytes: what it holds of the stream's byte window (`prefetch_bytes`)."""
+        return sum(int(t.nbytes) if _is_numpy(t) else t.numel() * t.element_size()
+                   for t in self.values())
+
     def digest(self) -> str:
         """SHA-256 of step, sample ids, pixel normalization and every tensor's name, dtype,
         shape and bytes: equal digests mean byte-identical batches (how a resumed rank can

@@ -37,6 +37,10 @@ WIRE_DTYPES: dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
 
 MISMATCH_PREFIX = "wire version mismatch"
 
+# A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
+# tells what a job's largest batch means against it.
+DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
+
 
 def version_mismatch(client_version: int, server_version: int = WIRE_VERSION) -> str | None:
     """None when the versions agree, else the FAILED_PRECONDITION details naming both."""

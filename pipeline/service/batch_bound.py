@@ -86,10 +86,10 @@ def batch_size_notice(job: JobConfig, bound: BatchBound, *, prefetch_bytes: int,
     chunks = -(-bound.nbytes // chunk_bytes)
     held = max(1, min(prefetch_steps, prefetch_bytes // bound.nbytes))
     return (
-        f"job {job.job_id!r}: a batch may reach {bound.nbytes / MB:,.1f} MB (token_budget "
-        f"{b.token_budget} with up to {bound.visual_tokens} visual tokens of {bound.pixel_dtype} "
-        f"pixel patches: {bound.full_size_images} images at image_max_pixels "
-        f"{p.image_max_pixels}); it travels in up to {chunks} chunks of "
+        f"job {job.job_id!r}: a batch of images may reach {bound.nbytes / MB:,.1f} MB "
+        f"(token_budget {b.token_budget} with up to {bound.visual_tokens} visual tokens of "
+        f"{bound.pixel_dtype} pixel patches: {bound.full_size_images} images at "
+        f"image_max_pixels {p.image_max_pixels}); it travels in up to {chunks} chunks of "
         f"{chunk_bytes / MiB:g} MiB (grpc.max_message_mb is {max_message_bytes / MiB:g}). A "
         f"trainer with the default prefetch_bytes ({prefetch_bytes / MiB:g} MiB) holds "
         f"{held} such batch{'es' if held > 1 else ''} besides the one it trains on "

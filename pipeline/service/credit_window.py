@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.errors import BadRequest
 
-class CreditError(ValueError):
+
+class CreditError(BadRequest):
     """A client's credits do not add up (negative, or more bytes returned than it held)."""
 
 

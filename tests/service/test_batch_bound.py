@@ -81,12 +81,12 @@ def test_the_notice_names_the_size_the_chunks_and_what_a_trainer_holds():
                                prefetch_steps=4, max_message_bytes=64 * MiB,
                                chunk_bytes=4 * MiB)
     assert notice == (
-        "job 'vlm': a batch may reach 77.3 MB (token_budget 16384 with up to 16384 visual "
-        "tokens of uint8 pixel patches: 12 images at image_max_pixels 1048576); it travels in "
-        "up to 19 chunks of 4 MiB (grpc.max_message_mb is 64). A trainer with the default "
-        "prefetch_bytes (256 MiB) holds 3 such batches besides the one it trains on (309 MB); "
-        "set BatchStream(prefetch_bytes=...) for its memory, or lower batching.token_budget, "
-        "batching.max_visual_tokens or preprocess.image_max_pixels")
+        "job 'vlm': a batch of images may reach 77.3 MB (token_budget 16384 with up to 16384 "
+        "visual tokens of uint8 pixel patches: 12 images at image_max_pixels 1048576); it "
+        "travels in up to 19 chunks of 4 MiB (grpc.max_message_mb is 64). A trainer with the "
+        "default prefetch_bytes (256 MiB) holds 3 such batches besides the one it trains on "
+        "(309 MB); set BatchStream(prefetch_bytes=...) for its memory, or lower "
+        "batching.token_budget, batching.max_visual_tokens or preprocess.image_max_pixels")
 
 
 def test_no_notice_while_a_batch_fits_a_message_and_the_window():

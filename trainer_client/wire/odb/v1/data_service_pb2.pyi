@@ -305,7 +305,7 @@ class ScaleReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., changed: _Optional[bool] = ..., world: _Optional[_Union[World, _Mapping]] = ..., previous: _Optional[_Union[World, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "open", "refill")
+    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "open", "batch_size_notice", "refill")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class JobStatus(_message.Message):
     WORLDS_FIELD_NUMBER: _ClassVar[int]
     RECONFIGURING_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_NOTICE_FIELD_NUMBER: _ClassVar[int]
     REFILL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
@@ -339,8 +340,9 @@ class JobStatus(_message.Message):
     worlds: _containers.RepeatedCompositeFieldContainer[World]
     reconfiguring: bool
     open: bool
+    batch_size_notice: str
     refill: RefillCounts
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., open: _Optional[bool] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., open: _Optional[bool] = ..., batch_size_notice: _Optional[str] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
 
 class RefillOpen(_message.Message):
     __slots__ = ("job_id", "consumer_id", "held_ids", "retry_seq")
