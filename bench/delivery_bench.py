@@ -15,7 +15,7 @@ Measured side by side in one run, on loopback:
   4. TLS: the 1-replica delivery of 1. with gRPC over TLS (a CA and certificate made at run time
      by deploy/tls/make-certs.sh, the ranks verifying it), its rounds alternated with the
      plaintext ones, reported side by side (MB/s, CPU per batch by role);
-  5. VLM-size batches (`--part vlm`, issue #32): 10-80 MB of uint8 patches in 4 MiB chunks,
+  5. VLM-size batches (`--part vlm`, issue #32): 10-80 MB of uint8 patches in 1 MiB chunks,
      raw TCP and bare gRPC carrying the same chunked bytes to 4 clients: MB/s, the sender's CPU
      per MB and the clients' RSS.
 Replicas are separate processes (`start_service` over a private redis-server) serving an
@@ -55,6 +55,8 @@ from replica_procs import (  # noqa: E402
     job_samples,
     start_producer,
 )
+
+from pipeline.service.chunk_framing import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 OUT_DIR = ROOT / "bench" / "results" / "delivery"
 RANKS = 8
@@ -356,7 +358,6 @@ VLM_RANKS = 4
 VLM_GRID = (1, 72, 72)  # a 1024 x 1024 picture at the default image_max_pixels: 5,184 patches
 VLM_TEXT_TOKENS = 40  # beside each picture's 1,296 visual tokens
 VLM_IMAGES = (2, 4, 8, 13)  # pictures per batch: 12, 25, 49 and 81 MB of uint8 patches
-VLM_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 def vlm_samples(count: int) -> list:
@@ -384,7 +385,7 @@ def vlm_samples(count: int) -> list:
 
 def _vlm_messages(images: int) -> list[bytes]:
     """One batch of `images` pictures framed as a replica frames it: a BatchHeader and chunks
-    of `VLM_CHUNK_BYTES` (what the references stream, again and again)."""
+    of `DEFAULT_CHUNK_BYTES` (what the references stream, again and again)."""
     from pipeline.service.chunk_framing import wire_batch
     from pipeline.service.collate import Piece, collate
     from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -392,7 +393,7 @@ def _vlm_messages(images: int) -> list[bytes]:
     samples = vlm_samples(images)
     arrays = collate([Piece(s) for s in samples], "padded")
     header = pb.Batch(step=0, sample_ids=[s.sample_id for s in samples], collate="padded")
-    return list(wire_batch(header, arrays, VLM_CHUNK_BYTES).messages())
+    return list(wire_batch(header, arrays, DEFAULT_CHUNK_BYTES).messages())
 
 
 def _rss_kb(field: str = "VmRSS") -> int:
@@ -420,7 +421,7 @@ def _vlm_client(kind: str, port: int, line: StartLine, q) -> None:
     first = None
     if kind == "raw":
         sock = socket.create_connection(("127.0.0.1", port))
-        buf = memoryview(bytearray(VLM_CHUNK_BYTES + 4096))
+        buf = memoryview(bytearray(DEFAULT_CHUNK_BYTES + 4096))
         while True:
             size = struct.unpack("<Q", _recv_exactly(sock, buf, 8))[0]
             if size == 0:
@@ -538,13 +539,13 @@ def vlm_main(quick: bool) -> dict:
     Writes bench/results/delivery/delivery_vlm{,_quick}.json."""
     log = lambda m: print(m, flush=True)  # noqa: E731
     images = (2, 13) if quick else VLM_IMAGES
-    log(f"VLM-size batches, {VLM_RANKS} ranks, chunks of {VLM_CHUNK_BYTES >> 20} MiB ...")
+    log(f"VLM-size batches, {VLM_RANKS} ranks, chunks of {DEFAULT_CHUNK_BYTES >> 20} MiB ...")
     rows = vlm_references(images, 200 if quick else 1500, 1 if quick else 3, log)
     command = "python bench/delivery_bench.py --part vlm" + (" --quick" if quick else "")
     result = {"command": command,
               "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "load_avg_at_end": os.getloadavg()[0]},
-              "ranks": VLM_RANKS, "chunk_bytes": VLM_CHUNK_BYTES, "sizes": rows}
+              "ranks": VLM_RANKS, "chunk_bytes": DEFAULT_CHUNK_BYTES, "sizes": rows}
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     name = "delivery_vlm_quick" if quick else "delivery_vlm"
     (OUT_DIR / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -303,8 +303,9 @@ class GrpcConfig(_Model):
         "is refused with RESOURCE_EXHAUSTED before it is read)")
     prefetch_steps: int = Field(4, gt=0, description="steps in flight per rank (flow control)")
     chunk_kb: int = Field(
-        4096, gt=0, description="a batch whose tensors hold more bytes travels as a header and "
-        "chunks of this size, one message each (at most half of max_message_mb)")
+        1024, gt=0, description="a batch whose tensors hold more bytes travels as a header and "
+        "chunks of this size, one message each (at most half of max_message_mb); larger "
+        "chunks leave more of the client's memory in transit copies and allocator slack")
     # Liveness (Guarantee 8): a silent peer is noticed within keepalive_time_s +
     # keepalive_timeout_s on both ends of every connection.
     keepalive_time_s: float = Field(

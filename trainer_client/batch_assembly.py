@@ -21,6 +21,7 @@ into the tensor.
 from __future__ import annotations
 
 import math
+import mmap
 from typing import Any, Literal
 
 import numpy as np
@@ -30,6 +31,7 @@ from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire_format import NUMPY_DTYPES
 
 _CHUNK_FIELD = 4  # ServerMessage.chunk
+_MAPPED_FROM = 1 << 20  # tensors of at least this many bytes get memory mapped of their own
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # protobuf wire types
 
 
@@ -103,16 +105,17 @@ class BatchAssembler:
             raise ChunkError(f"step {step}: tensor {i} ({spec.name!r}) announces {spec.nbytes} "
                              f"bytes, but shape {shape} of {dt} holds "
                              f"{math.prod(shape) * dt.itemsize}")
+        memory = _memory(spec.nbytes)
         if kind == "numpy":
-            flat = np.empty(spec.nbytes, np.uint8)
+            flat = np.frombuffer(memory, np.uint8)
             self._shaped.append(flat.view(dt).reshape(shape))
-            self._views.append(memoryview(flat))
         else:
             import torch
 
-            flat = torch.empty(spec.nbytes, dtype=torch.uint8)
+            flat = torch.frombuffer(memory, dtype=torch.uint8) if spec.nbytes else \
+                torch.empty(0, dtype=torch.uint8)
             self._shaped.append(flat.view(torch_dtypes()[spec.dtype]).reshape(shape))
-            self._views.append(memoryview(flat.numpy()))
+        self._views.append(memoryview(memory))
         self.names.append(spec.name)
         self.sizes.append(spec.nbytes)
 
@@ -223,3 +226,13 @@ def _varint(view: memoryview, pos: int, end: int) -> tuple[int, int] | None:
             return value, pos
         shift += 7
     return None
+
+
+def _memory(nbytes: int) -> mmap.mmap | bytearray:
+    """Writable memory for one tensor. A large one is mapped from the OS on its own and given
+    back whole when its last tensor goes: from malloc, freed batches of tens of MB stayed in
+    the heap (glibc raises its mmap threshold after the first free), and a client's RSS grew
+    by several batches beyond what its window holds."""
+    if nbytes >= _MAPPED_FROM:
+        return mmap.mmap(-1, nbytes)
+    return bytearray(nbytes)

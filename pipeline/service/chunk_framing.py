@@ -28,7 +28,7 @@ from pipeline.service.wire_codec import (
 )
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 1024 * 1024
 
 _MESSAGE_CHUNK_TAG = b"\x22"  # ServerMessage.chunk: field 4, length-delimited
 _CHUNK_TENSOR_TAG = b"\x08"  # Chunk.tensor: field 1, varint

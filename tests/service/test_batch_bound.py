@@ -79,11 +79,11 @@ def test_the_notice_names_the_size_the_chunks_and_what_a_trainer_holds():
     cfg = job()
     notice = batch_size_notice(cfg, largest_batch(cfg), prefetch_bytes=256 * MiB,
                                prefetch_steps=4, max_message_bytes=64 * MiB,
-                               chunk_bytes=4 * MiB)
+                               chunk_bytes=1 * MiB)
     assert notice == (
         "job 'vlm': a batch of images may reach 77.3 MB (token_budget 16384 with up to 16384 "
         "visual tokens of uint8 pixel patches: 12 images at image_max_pixels 1048576); it "
-        "travels in up to 19 chunks of 4 MiB (grpc.max_message_mb is 64). A trainer with the "
+        "travels in up to 74 chunks of 1 MiB (grpc.max_message_mb is 64). A trainer with the "
         "default prefetch_bytes (256 MiB) holds 3 such batches besides the one it trains on "
         "(309 MB); set BatchStream(prefetch_bytes=...) for its memory, or lower "
         "batching.token_budget, batching.max_visual_tokens or preprocess.image_max_pixels")
