@@ -48,12 +48,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from replica_procs import (  # noqa: E402
+    VLM_SAMPLE_TOKENS,
     Replica,
     StartLine,
     array_job,
     consume_threads,
     job_samples,
     start_producer,
+    vlm_samples,
 )
 
 from pipeline.service.chunk_framing import DEFAULT_CHUNK_BYTES  # noqa: E402
@@ -355,32 +357,7 @@ def _run_clients(target, port: int, before_start=None) -> dict:
 # --- VLM-size batches (issue #32): chunked delivery of 10-80 MB ------------------------------
 
 VLM_RANKS = 4
-VLM_GRID = (1, 72, 72)  # a 1024 x 1024 picture at the default image_max_pixels: 5,184 patches
-VLM_TEXT_TOKENS = 40  # beside each picture's 1,296 visual tokens
-VLM_IMAGES = (2, 4, 8, 13)  # pictures per batch: 12, 25, 49 and 81 MB of uint8 patches
-
-
-def vlm_samples(count: int) -> list:
-    """`count` one-picture samples as preprocessing makes them (uint8 patches, Qwen2-VL layout);
-    every sample shares one deterministic picture's patches (what is measured is delivery)."""
-    import numpy as np
-
-    from pipeline.preprocess.sample import ProcessedSample
-
-    t, h, w = VLM_GRID
-    visual = t * h * w // 4
-    pixels = np.random.default_rng(3).integers(0, 256, (t * h * w, 1176), dtype=np.uint8)
-    grid = np.array([VLM_GRID], np.int64)
-    out = []
-    for row in range(count):
-        ids = np.full(visual + VLM_TEXT_TOKENS, 151655, np.int32)  # <|image_pad|> ...
-        ids[visual:] = np.arange(VLM_TEXT_TOKENS, dtype=np.int32) + 1000 + row
-        labels = ids.copy()
-        labels[:visual] = -100
-        out.append(ProcessedSample(f"vlm:{row}", "vlm", row, ids, labels,
-                                   num_visual_tokens=visual, cost=len(ids),
-                                   pixel_values=pixels, image_grid_thw=grid))
-    return out
+VLM_IMAGES = (2, 4, 8, 13)  # pictures per batch: 12, 25, 49 and 80 MB of uint8 patches
 
 
 def _vlm_messages(images: int) -> list[bytes]:
@@ -513,9 +490,70 @@ def _vlm_clients(kind: str, port: int, before_start=None) -> dict:
             "client_peak_rss_mb": max(r["peak_rss_mb"] for r in res)}
 
 
-def vlm_references(images: tuple[int, ...], round_mb: float, rounds: int, log) -> list[dict]:
-    """Per batch size: raw TCP and bare gRPC carrying the same chunked messages, the median of
-    `rounds` rounds of about `round_mb` MB each."""
+def _vlm_rank(address: str, job: str, rank: int, line: StartLine, q) -> None:
+    """A trainer rank of the VLM part: `BatchStream` at its defaults (4 steps, prefetch_bytes
+    256 MiB), decoding to torch. Reports the tensor bytes it took, its CPU and its RSS (after
+    the imports, and its peak while streaming)."""
+    import torch  # noqa: F401  (a trainer has torch loaded: its import is not delivery)
+
+    from trainer_client import BatchStream
+
+    line.arrive()
+    _reset_peak_rss()
+    rss, cpu0 = _rss_kb(), _cpu_s()
+    nbytes = largest = 0
+    first = None
+    with BatchStream(address, job, rank, VLM_RANKS) as s:
+        for batch in s:
+            first = first or time.time()
+            nbytes += batch.nbytes
+            largest = max(largest, batch.nbytes)
+    q.put({"bytes": nbytes, "first": first, "last": time.time(), "rss_mb": rss / 1024,
+           "peak_rss_mb": _rss_kb("VmHWM") / 1024, "largest": largest,
+           "cpu_s": _cpu_s() - cpu0, "prefetch_bytes": s.prefetch_bytes})
+
+
+def _vlm_service(redis_url: str, job_id: str, images: int, batches: int) -> dict:
+    """One replica serving `batches` batches of `images` pictures to each of `VLM_RANKS` rank
+    processes; the job's producer is a process of its own. The replica's CPU per MB, and each
+    client's peak RSS growth against its bound (prefetch_bytes + one batch + 40 MiB)."""
+    job = array_job(job_id, VLM_RANKS, images * VLM_SAMPLE_TOKENS)  # `images` pictures a batch
+    count = images * batches * VLM_RANKS
+    producer = start_producer(redis_url, job, 0, 0, pictures=count)
+    rep = Replica(redis_url, job, 0, 0, pictures=count)
+    ctx = mp.get_context("spawn")
+    line, q = StartLine(ctx, VLM_RANKS), ctx.Queue()
+    procs = [ctx.Process(target=_vlm_rank, args=(rep.address, job_id, r, line, q))
+             for r in range(VLM_RANKS)]
+    for p in procs:
+        p.start()
+    line.wait_ready()
+    cpu0 = rep.cpu()
+    line.go()
+    res = [q.get(timeout=900) for _ in procs]
+    cpu = rep.cpu() - cpu0
+    for p in procs:
+        p.join(30)
+    rep.stop()
+    producer.stop()
+    t0, t1 = min(r["first"] for r in res), max(r["last"] for r in res)
+    mb = sum(r["bytes"] for r in res) / 1e6
+    growth = [r["peak_rss_mb"] - r["rss_mb"] for r in res]
+    bounds = [(r["prefetch_bytes"] + r["largest"]) / 2**20 + 40 for r in res]
+    return {"mb": mb, "seconds": t1 - t0, "mb_per_s": mb / (t1 - t0),
+            "replica_cpu_ms_per_mb": cpu / mb * 1e3,
+            "client_cpu_ms_per_mb": sum(r["cpu_s"] for r in res) / mb * 1e3,
+            "client_rss_mb": max(r["rss_mb"] for r in res),
+            "client_peak_growth_mb": max(growth),
+            "client_rss_bound_mb": min(bounds),
+            "client_rss_within_bound": all(g <= b for g, b in zip(growth, bounds, strict=True))}
+
+
+def vlm_delivery(redis_url: str, images: tuple[int, ...], round_mb: float, rounds: int,
+                 log) -> list[dict]:
+    """Per batch size: raw TCP and bare gRPC carrying the same chunked messages, and the
+    service (one replica) delivering batches of that size, the median of `rounds` rounds of
+    about `round_mb` MB each."""
     out = []
     for k in images:
         messages = _vlm_messages(k)
@@ -526,21 +564,31 @@ def vlm_references(images: tuple[int, ...], round_mb: float, rounds: int, log) -
         for kind in ("raw", "grpc"):
             row[kind] = _median_round([_vlm_reference(kind, messages, batches)
                                        for _ in range(rounds)])
+        row["service"] = _median_round([_vlm_service(redis_url, f"vlm-{k}-{i}", k, batches)
+                                        for i in range(rounds)])
+        row["service_vs_bare_grpc"] = row["service"]["mb_per_s"] / row["grpc"]["mb_per_s"]
         log(f"  {batch_mb:.0f} MB batches ({len(messages) - 1} chunks): raw TCP "
-            f"{row['raw']['mb_per_s']:.0f} MB/s, bare gRPC {row['grpc']['mb_per_s']:.0f} MB/s "
-            f"({row['grpc']['sender_cpu_ms_per_mb']:.2f} CPU ms/MB, client peak RSS "
-            f"{row['grpc']['client_peak_rss_mb']:.0f} MB)")
+            f"{row['raw']['mb_per_s']:.0f} MB/s, bare gRPC {row['grpc']['mb_per_s']:.0f} MB/s, "
+            f"service {row['service']['mb_per_s']:.0f} MB/s "
+            f"({row['service_vs_bare_grpc']:.0%} of bare gRPC; replica "
+            f"{row['service']['replica_cpu_ms_per_mb']:.2f} CPU ms/MB, bare sender "
+            f"{row['grpc']['sender_cpu_ms_per_mb']:.2f}); client peak RSS growth "
+            f"{row['service']['client_peak_growth_mb']:.0f} MB (bound "
+            f"{row['service']['client_rss_bound_mb']:.0f})")
         out.append(row)
     return out
 
 
 def vlm_main(quick: bool) -> dict:
-    """The VLM-size part: per batch size, raw TCP and bare gRPC carrying the same chunked bytes.
-    Writes bench/results/delivery/delivery_vlm{,_quick}.json."""
+    """The VLM-size part: per batch size, the service, raw TCP and bare gRPC carrying the same
+    chunked bytes. Writes bench/results/delivery/delivery_vlm{,_quick}.json."""
     log = lambda m: print(m, flush=True)  # noqa: E731
     images = (2, 13) if quick else VLM_IMAGES
     log(f"VLM-size batches, {VLM_RANKS} ranks, chunks of {DEFAULT_CHUNK_BYTES >> 20} MiB ...")
-    rows = vlm_references(images, 200 if quick else 1500, 1 if quick else 3, log)
+    from pipeline.redis_server import LocalRedis
+
+    with LocalRedis() as redis:
+        rows = vlm_delivery(redis.url, images, 200 if quick else 1500, 1 if quick else 3, log)
     command = "python bench/delivery_bench.py --part vlm" + (" --quick" if quick else "")
     result = {"command": command,
               "host": {"cpus": os.cpu_count(), "python": platform.python_version(),

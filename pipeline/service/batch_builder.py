@@ -27,7 +27,8 @@ def build_batch(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
         raise LookupError(f"step {step.step} has no batch for rank {rank}")
     pieces = [col.Piece(p, batch.truncated_to.get(s.sample_id))
               for p, s in zip(samples, batch.samples, strict=True)]
-    arrays = col.collate(pieces, collate, pad_id)
+    # The pixel patches stay in the samples' arrays: the chunks are framed from there.
+    arrays = col.collate(pieces, collate, pad_id, pixel_rows=True)
     loss = col.loss_tokens(arrays)
     if loss != batch.loss_tokens and not (batch.truncated_to or batch.filler):
         log.error("step %d rank %d: %d loss tokens in the payload, %d in the plan (metadata and "

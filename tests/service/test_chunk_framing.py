@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pipeline.preprocess.vision import PIXEL_NORM
 from pipeline.service.chunk_framing import chunk_message, wire_batch
+from pipeline.service.collate import Rows
 from pipeline.service.wire_codec import batch_message_bytes
 from trainer_client.batch_assembly import BatchAssembler, read_chunk
 from trainer_client.decode import decode_batch
@@ -73,9 +74,23 @@ def test_chunks_reassemble_into_the_batch_one_message_carries(arrays, pieces, sl
         assert batch[name].tobytes() == a.astype(a.dtype.newbyteorder("<")).tobytes()
 
 
+@settings(max_examples=100, deadline=None)
+@given(tensors(), st.integers(1, 60), st.data())
+def test_a_tensor_in_blocks_of_rows_goes_out_as_the_concatenated_one(arrays, pieces, data):
+    total = sum(a.nbytes for a in arrays.values())
+    chunk_bytes = max(1, total // pieces)
+    blocks = {}
+    for name, a in arrays.items():  # cut each tensor's rows into up to 4 blocks
+        cuts = sorted(data.draw(st.lists(st.integers(0, a.shape[0]), max_size=3)))
+        blocks[name] = Rows(tuple(np.split(a, cuts)))
+    assert (list(wire_batch(HEADER, blocks, chunk_bytes).messages())
+            == list(wire_batch(HEADER, arrays, chunk_bytes).messages()))
+
+
 @given(st.integers(0, 2**31 - 1), st.integers(0, 2**62), st.binary(min_size=1, max_size=300))
 def test_a_hand_framed_chunk_is_what_the_stubs_write(tensor, offset, data):
-    framed = chunk_message(tensor, offset, memoryview(data))
+    cut = len(data) // 2  # a chunk's bytes may come in pieces (it spans blocks of rows)
+    framed = chunk_message(tensor, offset, [memoryview(data)[:cut], memoryview(data)[cut:]])
     stubs = pb.ServerMessage(chunk=pb.Chunk(tensor=tensor, offset=offset, data=data))
     assert framed == stubs.SerializeToString()
 
@@ -92,11 +107,17 @@ def test_torch_and_numpy_assemble_alike_with_pixel_norm_for_raw_pixels():
     assert not HEADER.HasField("pixel_norm")  # the caller's header is left alone
 
 
-def test_the_chunks_are_views_of_the_collated_arrays_until_sent():
-    pixels = np.zeros((3000, 1176), np.uint8)
-    wb = wire_batch(HEADER, {"pixel_values": pixels}, chunk_bytes=1 << 20)
-    # No serialized copy of the whole batch: its bytes stay in the collated array, and each
-    # chunk is copied into its message only as it is sent.
-    assert len(wb.first) < 1000
-    assert np.shares_memory(np.asarray(wb.tensors[0]), pixels)
-    assert wb.chunks == -(-pixels.nbytes // (1 << 20))
+def test_the_chunks_are_views_of_the_samples_pixels_until_sent():
+    samples = [np.full((n, 1176), i, np.uint8) for i, n in enumerate((1000, 1500, 500))]
+    ids = np.arange(9000, dtype=np.int32).reshape(3, 3000)
+    rows = wire_batch(HEADER, {"input_ids": ids, "pixel_values": Rows(tuple(samples))},
+                      chunk_bytes=100_000)
+    # No copy of the whole batch: its bytes stay in the samples' arrays, and each chunk is
+    # copied into its message only as it is sent (a chunk may span two samples' blocks).
+    assert len(rows.first) < 1000
+    assert [np.shares_memory(np.asarray(v), s)
+            for v, s in zip(rows.tensors[1].parts, samples, strict=True)] == [True] * 3
+    joined = wire_batch(HEADER, {"input_ids": ids, "pixel_values": np.concatenate(samples)},
+                        chunk_bytes=100_000)
+    assert list(rows.messages()) == list(joined.messages())  # the very same bytes
+    assert rows.chunks == 1 + -(-3000 * 1176 // 100_000)
