@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer_client.batch_assembly import BatchAssembler, ChunkError, read_chunk
+from trainer_client.batch_assembly import BatchAssembler, ChunkError, StreamReader, read_chunk
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire_format import WIRE_DTYPES
 
@@ -155,3 +155,23 @@ def test_read_chunk_leaves_other_messages_to_the_stubs(message):
 @pytest.mark.parametrize("raw", [b"\x22\x05\x1a\x09abc", b"\x22", b"\x22\x02\x08\xff", b"\x27"])
 def test_read_chunk_leaves_malformed_bytes_to_the_stubs(raw):
     assert read_chunk(raw) is None
+
+
+def test_a_stream_reader_hands_out_a_chunked_batch_only_once_whole():
+    from pipeline.service.chunk_framing import wire_batch
+
+    messages = list(wire_batch(pb.Batch(step=4), {"input_ids": IDS, "pixel_values": PIX},
+                               chunk_bytes=32).messages())
+    reader = StreamReader("numpy")
+    assert [reader.read(m) for m in messages[:-1]] == [None] * (len(messages) - 1)
+    batch = reader.read(messages[-1])
+    assert batch.info.step == 4 and np.array_equal(batch["input_ids"], IDS)
+    end = pb.ServerMessage(end=pb.End(epoch=0, final_step=4)).SerializeToString()
+    assert reader.read(end) == pb.End(epoch=0, final_step=4)
+    with pytest.raises(ChunkError, match="with no batch header before it"):
+        StreamReader("numpy").read(messages[1])
+    cut = StreamReader("numpy")
+    cut.read(messages[0])
+    cut.read(messages[1])
+    with pytest.raises(ChunkError, match="step 4: a batch header before step 4 was complete"):
+        cut.read(messages[0])  # a half batch never merges with the next

@@ -1,15 +1,20 @@
 """Byte credits (pipeline/service/credit_window.py): a client holds at most its byte window of
-batches, or one batch larger than the window, and never waits forever for one."""
+batches, or one batch larger than the window, and never waits forever for one; bad credits get
+INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
 from collections import deque
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from service_helpers import RawStream, job_dict, open_msg, service_config, serving
 
+from pipeline.preprocess.array_source import synthetic_samples
 from pipeline.service.credit_window import CreditError, CreditWindow
+from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 MB = 1_000_000
 
@@ -93,3 +98,30 @@ def test_a_client_holds_its_window_or_one_batch_and_always_gets_the_next(steps, 
             w.returned(1, held.popleft())
         if not held and pending:  # a client holding nothing always gets the next batch
             assert w.may_send(pending[0])
+
+
+def test_bad_byte_credits_over_grpc_are_invalid_argument():
+    """Over a real stream: a negative window in the Open, and an Ack that returns more bytes
+    than the client was sent, each end the stream INVALID_ARGUMENT naming the field."""
+    cfg = service_config(job_dict("bytes", 1))
+    with serving(cfg, {"bytes": synthetic_samples(40, max_len=200)}) as svc:
+        raw = RawStream(svc.address, open_msg("bytes", world_size=1, prefetch_bytes=-1))
+        with pytest.raises(grpc.RpcError) as err:
+            raw.next()
+        raw.close()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Open.prefetch_bytes must be >= 0, got -1" in err.value.details()
+
+        raw = RawStream(svc.address, open_msg("bytes", world_size=1, credits=1,
+                                              prefetch_bytes=1 << 20))
+        batch = raw.next().batch
+        held = sum(len(t.data) for t in batch.tensors)
+        raw.send(pb.ClientMessage(ack=pb.Ack(consumed_step=batch.step, credits=1,
+                                             credit_bytes=held + 1)))
+        with pytest.raises(grpc.RpcError) as err:
+            while True:
+                raw.next()
+        raw.close()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"returned {held + 1} credit bytes, but the client holds only {held}" \
+            in err.value.details()
