@@ -171,7 +171,7 @@ def _real_messages(budget: int, max_len: int, count: int) -> list[bytes]:
     from pipeline.config import JobConfig
     from pipeline.planner.step_planner import StepPlanner
     from pipeline.planner.types import Step
-    from pipeline.service.batch_builder import batch_message
+    from pipeline.service.batch_builder import build_batch
 
     job = JobConfig.model_validate(array_job("raw", RANKS, budget))
     samples = job_samples(RANKS, count // RANKS + 4, budget, max_len)
@@ -181,8 +181,8 @@ def _real_messages(budget: int, max_len: int, count: int) -> list[bytes]:
     out = []
     for step in (e for e in events if isinstance(e, Step)):
         for b in step.batches:
-            out.append(batch_message(step, b.rank, [by_id[str(s.sample_id)] for s in b.samples],
-                                     collate="padded", pad_id=0))
+            out.extend(build_batch(step, b.rank, [by_id[str(s.sample_id)] for s in b.samples],
+                                   collate="padded", pad_id=0).messages())
         if len(out) >= count:
             break
     return out
