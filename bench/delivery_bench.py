@@ -14,17 +14,21 @@ Measured side by side in one run, on loopback:
      threads in 2 consumer processes, the same number of steps each): it must not grow with W;
   4. TLS: the 1-replica delivery of 1. with gRPC over TLS (a CA and certificate made at run time
      by deploy/tls/make-certs.sh, the ranks verifying it), its rounds alternated with the
-     plaintext ones, reported side by side (MB/s, CPU per batch by role).
+     plaintext ones, reported side by side (MB/s, CPU per batch by role);
+  5. VLM-size batches (`--part vlm`, issue #32): 10-80 MB of uint8 patches in 1 MiB chunks,
+     raw TCP and bare gRPC carrying the same chunked bytes to 4 clients: MB/s, the sender's CPU
+     per MB and the clients' RSS.
 Replicas are separate processes (`start_service` over a private redis-server) serving an
 in-memory synthetic job: delivery, not preprocessing, is measured. Every replica holds the same
 deterministic samples; the job's producer is a process of its own (as its Ray actor is when
 deployed) and the measured replicas only serve; any replica serves any rank.
-Writes bench/results/delivery/delivery_bench{,_quick}.json and .png.
+Writes bench/results/delivery/delivery_bench{,_quick}.json and .png, and delivery_vlm{,_quick}.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -37,19 +41,24 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from replica_procs import (  # noqa: E402
+    VLM_SAMPLE_TOKENS,
     Replica,
     StartLine,
     array_job,
     consume_threads,
     job_samples,
     start_producer,
+    vlm_samples,
 )
+
+from pipeline.service.chunk_framing import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 OUT_DIR = ROOT / "bench" / "results" / "delivery"
 RANKS = 8
@@ -162,7 +171,7 @@ def _real_messages(budget: int, max_len: int, count: int) -> list[bytes]:
     from pipeline.config import JobConfig
     from pipeline.planner.step_planner import StepPlanner
     from pipeline.planner.types import Step
-    from pipeline.service.batch_builder import batch_message
+    from pipeline.service.batch_builder import build_batch
 
     job = JobConfig.model_validate(array_job("raw", RANKS, budget))
     samples = job_samples(RANKS, count // RANKS + 4, budget, max_len)
@@ -172,8 +181,8 @@ def _real_messages(budget: int, max_len: int, count: int) -> list[bytes]:
     out = []
     for step in (e for e in events if isinstance(e, Step)):
         for b in step.batches:
-            out.append(batch_message(step, b.rank, [by_id[str(s.sample_id)] for s in b.samples],
-                                     collate="padded", pad_id=0))
+            out.extend(build_batch(step, b.rank, [by_id[str(s.sample_id)] for s in b.samples],
+                                   collate="padded", pad_id=0).messages())
         if len(out) >= count:
             break
     return out
@@ -286,6 +295,19 @@ def _bare_grpc(messages: list[bytes], per_rank: int) -> dict:
 def _bare_grpc_aio(messages: list[bytes], per_rank: int) -> dict:
     """The same bare stream from a `grpc.aio` server (its own event loop in a thread): whether
     the asyncio stack lifts gRPC's ceiling here."""
+
+    async def stream(_req: bytes, _ctx):
+        for i in range(per_rank):
+            yield messages[i % len(messages)]
+
+    with _aio_server(stream) as port:
+        return _run_clients(_bare_grpc_client, port)
+
+
+@contextlib.contextmanager
+def _aio_server(stream) -> Iterator[int]:
+    """A bare `grpc.aio` server of the `stream` handler on its own event loop (in a thread),
+    listening on the port it yields until the block ends."""
     import asyncio
 
     import grpc
@@ -293,10 +315,6 @@ def _bare_grpc_aio(messages: list[bytes], per_rank: int) -> dict:
     ready, box = threading.Event(), {}
 
     async def serve() -> None:
-        async def stream(_req: bytes, _ctx):
-            for i in range(per_rank):
-                yield messages[i % len(messages)]
-
         server = grpc.aio.server(options=_MESSAGE_LIMITS)
         server.add_generic_rpc_handlers([_bare_handler(stream)])
         box["port"] = server.add_insecure_port("127.0.0.1:0")
@@ -310,7 +328,7 @@ def _bare_grpc_aio(messages: list[bytes], per_rank: int) -> dict:
     thread.start()
     ready.wait(30)
     try:
-        return _run_clients(_bare_grpc_client, box["port"])
+        yield box["port"]
     finally:
         box["loop"].call_soon_threadsafe(box["stop"].set)
         thread.join(30)
@@ -334,6 +352,252 @@ def _run_clients(target, port: int, before_start=None) -> dict:
     batches, nbytes = sum(r["batches"] for r in res), sum(r["bytes"] for r in res)
     return {"batches": batches, "bytes": nbytes, "seconds": t1 - t0,
             "batches_per_s": batches / (t1 - t0), "mb_per_s": nbytes / (t1 - t0) / 1e6}
+
+
+# --- VLM-size batches (issue #32): chunked delivery of 10-80 MB ------------------------------
+
+VLM_RANKS = 4
+VLM_IMAGES = (2, 4, 8, 13)  # pictures per batch: 12, 25, 49 and 80 MB of uint8 patches
+
+
+def _vlm_messages(images: int) -> list[bytes]:
+    """One batch of `images` pictures framed as a replica frames it: a BatchHeader and chunks
+    of `DEFAULT_CHUNK_BYTES` (what the references stream, again and again)."""
+    from pipeline.service.chunk_framing import wire_batch
+    from pipeline.service.collate import Piece, collate
+    from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+
+    samples = vlm_samples(images)
+    arrays = collate([Piece(s) for s in samples], "padded")
+    header = pb.Batch(step=0, sample_ids=[s.sample_id for s in samples], collate="padded")
+    return list(wire_batch(header, arrays, DEFAULT_CHUNK_BYTES).messages())
+
+
+def _rss_kb(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss() -> None:
+    """Start VmHWM (the peak RSS) afresh at the current RSS (Linux: clear_refs 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _vlm_client(kind: str, port: int, line: StartLine, q) -> None:
+    """A reference client that only receives: `raw` length-prefixed messages over TCP into one
+    buffer, or `grpc` a bare gRPC stream. Reports its bytes and its RSS (after the imports, and
+    its peak while receiving)."""
+    import grpc
+
+    line.arrive()
+    _reset_peak_rss()
+    rss = _rss_kb()
+    nbytes = 0
+    first = None
+    if kind == "raw":
+        sock = socket.create_connection(("127.0.0.1", port))
+        buf = memoryview(bytearray(DEFAULT_CHUNK_BYTES + 4096))
+        while True:
+            size = struct.unpack("<Q", _recv_exactly(sock, buf, 8))[0]
+            if size == 0:
+                break
+            _recv_exactly(sock, buf, size)
+            first = first or time.time()
+            nbytes += size
+        sock.close()
+    else:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=_MESSAGE_LIMITS)
+        for m in ch.unary_stream("/bench.Bare/Stream")(b""):
+            first = first or time.time()
+            nbytes += len(m)
+        ch.close()
+    q.put({"bytes": nbytes, "first": first, "last": time.time(), "rss_mb": rss / 1024,
+           "peak_rss_mb": _rss_kb("VmHWM") / 1024})
+
+
+def _recv_exactly(sock: socket.socket, buf: memoryview, size: int) -> memoryview:
+    got = 0
+    while got < size:
+        k = sock.recv_into(buf[got:size], size - got)
+        if k == 0:
+            raise ConnectionError("the sender closed mid-message")
+        got += k
+    return buf[:size]
+
+
+def _vlm_reference(kind: str, messages: list[bytes], batches: int) -> dict:
+    """`batches` copies of one batch's messages to each of `VLM_RANKS` reference clients, from
+    this process: raw TCP (a sender thread per client) or a bare `grpc.aio` server (as the
+    service's). The sender's CPU per MB is this process's CPU over the run."""
+    if kind == "raw":
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(VLM_RANKS)
+
+        def send(conn: socket.socket) -> None:
+            for _ in range(batches):
+                for m in messages:
+                    conn.sendall(struct.pack("<Q", len(m)))
+                    conn.sendall(m)
+            conn.sendall(struct.pack("<Q", 0))
+            conn.close()
+
+        def start() -> list[threading.Thread]:
+            threads = [threading.Thread(target=send, args=(listener.accept()[0],))
+                       for _ in range(VLM_RANKS)]
+            for t in threads:
+                t.start()
+            return threads
+
+        try:
+            return _vlm_clients(kind, listener.getsockname()[1], start)
+        finally:
+            listener.close()
+
+    async def stream(_req: bytes, _ctx):
+        for _ in range(batches):
+            for m in messages:
+                yield m
+
+    with _aio_server(stream) as port:
+        return _vlm_clients(kind, port)
+
+
+def _vlm_clients(kind: str, port: int, before_start=None) -> dict:
+    ctx = mp.get_context("spawn")
+    line, q = StartLine(ctx, VLM_RANKS), ctx.Queue()
+    procs = [ctx.Process(target=_vlm_client, args=(kind, port, line, q))
+             for _ in range(VLM_RANKS)]
+    for p in procs:
+        p.start()
+    line.wait_ready()
+    cpu0 = _cpu_s()
+    line.go()
+    threads = before_start() if before_start else []
+    res = [q.get(timeout=600) for _ in procs]
+    cpu = _cpu_s() - cpu0
+    for t in threads:
+        t.join()
+    for p in procs:
+        p.join(30)
+    t0, t1 = min(r["first"] for r in res), max(r["last"] for r in res)
+    mb = sum(r["bytes"] for r in res) / 1e6
+    return {"mb": mb, "seconds": t1 - t0, "mb_per_s": mb / (t1 - t0),
+            "sender_cpu_ms_per_mb": cpu / mb * 1e3,
+            "client_rss_mb": max(r["rss_mb"] for r in res),
+            "client_peak_rss_mb": max(r["peak_rss_mb"] for r in res)}
+
+
+def _vlm_rank(address: str, job: str, rank: int, line: StartLine, q) -> None:
+    """A trainer rank of the VLM part: `BatchStream` at its defaults (4 steps, prefetch_bytes
+    256 MiB), decoding to torch. Reports the tensor bytes it took, its CPU and its RSS (after
+    the imports, and its peak while streaming)."""
+    import torch  # noqa: F401  (a trainer has torch loaded: its import is not delivery)
+
+    from trainer_client import BatchStream
+
+    line.arrive()
+    _reset_peak_rss()
+    rss, cpu0 = _rss_kb(), _cpu_s()
+    nbytes = largest = 0
+    first = None
+    with BatchStream(address, job, rank, VLM_RANKS) as s:
+        for batch in s:
+            first = first or time.time()
+            nbytes += batch.nbytes
+            largest = max(largest, batch.nbytes)
+    q.put({"bytes": nbytes, "first": first, "last": time.time(), "rss_mb": rss / 1024,
+           "peak_rss_mb": _rss_kb("VmHWM") / 1024, "largest": largest,
+           "cpu_s": _cpu_s() - cpu0, "prefetch_bytes": s.prefetch_bytes})
+
+
+def _vlm_service(redis_url: str, job_id: str, images: int, batches: int) -> dict:
+    """One replica serving `batches` batches of `images` pictures to each of `VLM_RANKS` rank
+    processes; the job's producer is a process of its own. The replica's CPU per MB, and each
+    client's peak RSS growth against its bound (prefetch_bytes + one batch + 40 MiB)."""
+    job = array_job(job_id, VLM_RANKS, images * VLM_SAMPLE_TOKENS)  # `images` pictures a batch
+    count = images * batches * VLM_RANKS
+    producer = start_producer(redis_url, job, 0, 0, pictures=count)
+    rep = Replica(redis_url, job, 0, 0, pictures=count)
+    ctx = mp.get_context("spawn")
+    line, q = StartLine(ctx, VLM_RANKS), ctx.Queue()
+    procs = [ctx.Process(target=_vlm_rank, args=(rep.address, job_id, r, line, q))
+             for r in range(VLM_RANKS)]
+    for p in procs:
+        p.start()
+    line.wait_ready()
+    cpu0 = rep.cpu()
+    line.go()
+    res = [q.get(timeout=900) for _ in procs]
+    cpu = rep.cpu() - cpu0
+    for p in procs:
+        p.join(30)
+    rep.stop()
+    producer.stop()
+    t0, t1 = min(r["first"] for r in res), max(r["last"] for r in res)
+    mb = sum(r["bytes"] for r in res) / 1e6
+    growth = [r["peak_rss_mb"] - r["rss_mb"] for r in res]
+    bounds = [(r["prefetch_bytes"] + r["largest"]) / 2**20 + 40 for r in res]
+    return {"mb": mb, "seconds": t1 - t0, "mb_per_s": mb / (t1 - t0),
+            "replica_cpu_ms_per_mb": cpu / mb * 1e3,
+            "client_cpu_ms_per_mb": sum(r["cpu_s"] for r in res) / mb * 1e3,
+            "client_rss_mb": max(r["rss_mb"] for r in res),
+            "client_peak_growth_mb": max(growth),
+            "client_rss_bound_mb": min(bounds),
+            "client_rss_within_bound": all(g <= b for g, b in zip(growth, bounds, strict=True))}
+
+
+def vlm_delivery(redis_url: str, images: tuple[int, ...], round_mb: float, rounds: int,
+                 log) -> list[dict]:
+    """Per batch size: raw TCP and bare gRPC carrying the same chunked messages, and the
+    service (one replica) delivering batches of that size, the median of `rounds` rounds of
+    about `round_mb` MB each."""
+    out = []
+    for k in images:
+        messages = _vlm_messages(k)
+        batch_mb = sum(map(len, messages)) / 1e6
+        batches = max(2, round(round_mb / VLM_RANKS / batch_mb))
+        row = {"images": k, "batch_mb": batch_mb, "chunks": len(messages) - 1,
+               "batches_per_rank": batches}
+        for kind in ("raw", "grpc"):
+            row[kind] = _median_round([_vlm_reference(kind, messages, batches)
+                                       for _ in range(rounds)])
+        row["service"] = _median_round([_vlm_service(redis_url, f"vlm-{k}-{i}", k, batches)
+                                        for i in range(rounds)])
+        row["service_vs_bare_grpc"] = row["service"]["mb_per_s"] / row["grpc"]["mb_per_s"]
+        log(f"  {batch_mb:.0f} MB batches ({len(messages) - 1} chunks): raw TCP "
+            f"{row['raw']['mb_per_s']:.0f} MB/s, bare gRPC {row['grpc']['mb_per_s']:.0f} MB/s, "
+            f"service {row['service']['mb_per_s']:.0f} MB/s "
+            f"({row['service_vs_bare_grpc']:.0%} of bare gRPC; replica "
+            f"{row['service']['replica_cpu_ms_per_mb']:.2f} CPU ms/MB, bare sender "
+            f"{row['grpc']['sender_cpu_ms_per_mb']:.2f}); client peak RSS growth "
+            f"{row['service']['client_peak_growth_mb']:.0f} MB (bound "
+            f"{row['service']['client_rss_bound_mb']:.0f})")
+        out.append(row)
+    return out
+
+
+def vlm_main(quick: bool) -> dict:
+    """The VLM-size part: per batch size, the service, raw TCP and bare gRPC carrying the same
+    chunked bytes. Writes bench/results/delivery/delivery_vlm{,_quick}.json."""
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    images = (2, 13) if quick else VLM_IMAGES
+    log(f"VLM-size batches, {VLM_RANKS} ranks, chunks of {DEFAULT_CHUNK_BYTES >> 20} MiB ...")
+    from pipeline.redis_server import LocalRedis
+
+    with LocalRedis() as redis:
+        rows = vlm_delivery(redis.url, images, 200 if quick else 1500, 1 if quick else 3, log)
+    command = "python bench/delivery_bench.py --part vlm" + (" --quick" if quick else "")
+    result = {"command": command,
+              "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                       "load_avg_at_end": os.getloadavg()[0]},
+              "ranks": VLM_RANKS, "chunk_bytes": DEFAULT_CHUNK_BYTES, "sizes": rows}
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    name = "delivery_vlm_quick" if quick else "delivery_vlm"
+    (OUT_DIR / f"{name}.json").write_text(json.dumps(result, indent=2))
+    return result
 
 
 # --- CPU per batch as W grows ----------------------------------------------------------------
@@ -425,8 +689,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (a few minutes)")
     ap.add_argument("--budget", type=int, default=32768, help="token budget per batch")
+    ap.add_argument("--part", choices=["all", "text", "vlm"], default="all",
+                    help="text: the 289 KB text batches; vlm: 10-80 MB VLM batches in chunks")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.part == "vlm":
+        vlm_main(args.quick)
+        return 0
     from pipeline.redis_server import LocalRedis
 
     steps = 40 if args.quick else 360
@@ -508,6 +777,8 @@ def main() -> int:
                       "stall_after_warmup": stall["stall_fraction_after_warmup"],
                       "cpu_ms_per_batch": {c["world_size"]: c["cpu_ms_per_batch"] for c in cpu}},
                      indent=2))
+    if args.part == "all":
+        vlm_main(args.quick)
     return 0
 
 

@@ -30,7 +30,38 @@ def job_samples(world: int, steps: int, budget: int, max_len: int):
                              min_len=max_len // 3, max_len=max_len, seed=7)
 
 
-def _replica(redis_url: str, job: dict, steps: int, max_len: int, extra: dict, conn) -> None:
+# VLM samples: one 1024 x 1024 picture each (the default image_max_pixels: a 72 x 72 patch grid,
+# 5,184 uint8 patches, 6.1 MB) and a short text.
+VLM_GRID = (1, 72, 72)
+VLM_TEXT_TOKENS = 40
+VLM_SAMPLE_TOKENS = VLM_GRID[1] * VLM_GRID[2] // 4 + VLM_TEXT_TOKENS
+
+
+def vlm_samples(count: int) -> list:
+    """`count` one-picture samples as preprocessing makes them (uint8 patches, Qwen2-VL layout);
+    every sample shares one deterministic picture's patches (what is measured is delivery)."""
+    import numpy as np
+
+    from pipeline.preprocess.sample import ProcessedSample
+
+    t, h, w = VLM_GRID
+    visual = t * h * w // 4
+    pixels = np.random.default_rng(3).integers(0, 256, (t * h * w, 1176), dtype=np.uint8)
+    grid = np.array([VLM_GRID], np.int64)
+    out = []
+    for row in range(count):
+        ids = np.full(VLM_SAMPLE_TOKENS, 151655, np.int32)  # <|image_pad|> ...
+        ids[visual:] = np.arange(VLM_TEXT_TOKENS, dtype=np.int32) + 1000 + row
+        labels = ids.copy()
+        labels[:visual] = -100
+        out.append(ProcessedSample(f"vlm:{row}", "vlm", row, ids, labels,
+                                   num_visual_tokens=visual, cost=len(ids),
+                                   pixel_values=pixels, image_grid_thw=grid))
+    return out
+
+
+def _replica(redis_url: str, job: dict, steps: int, max_len: int, extra: dict, pictures: int,
+             conn) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from pipeline.config import ServiceConfig
     from pipeline.preprocess.array_source import ArraySource
@@ -40,8 +71,8 @@ def _replica(redis_url: str, job: dict, steps: int, max_len: int, extra: dict, c
         "redis_url": redis_url, "metrics_port": None,
         "grpc": {"host": "127.0.0.1", "port": 0, "max_message_mb": 256}, "jobs": [job],
         **extra})
-    source = ArraySource(job_samples(job["world_size"], steps, job["batching"]["token_budget"],
-                                     max_len))
+    source = ArraySource(vlm_samples(pictures) if pictures else job_samples(
+        job["world_size"], steps, job["batching"]["token_budget"], max_len))
     svc = start_service(cfg, sample_sources={job["job_id"]: source})
     conn.send(svc.port)
     while True:
@@ -59,14 +90,15 @@ def _replica(redis_url: str, job: dict, steps: int, max_len: int, extra: dict, c
 
 
 class Replica:
-    """One serving replica process; `address` once it listens."""
+    """One serving replica process; `address` once it listens. `pictures`: serve that many
+    VLM samples (`vlm_samples`) instead of text ones."""
 
-    def __init__(self, redis_url: str, job: dict, steps: int, max_len: int,
+    def __init__(self, redis_url: str, job: dict, steps: int, max_len: int, pictures: int = 0,
                  **service: object) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_replica,
-                                args=(redis_url, job, steps, max_len, service, child),
+                                args=(redis_url, job, steps, max_len, service, pictures, child),
                                 daemon=True)
         self.proc.start()
         if not self.conn.poll(300):
@@ -90,11 +122,12 @@ class Replica:
         return out
 
 
-def start_producer(redis_url: str, job: dict, steps: int, max_len: int) -> Replica:
+def start_producer(redis_url: str, job: dict, steps: int, max_len: int,
+                   pictures: int = 0) -> Replica:
     """As deployed, a job's producer is a process of its own (a Ray actor there): a replica no
     rank connects to, started first, takes the job's lease and plans; replicas started after it
     only serve. Returns once it has published."""
-    producer = Replica(redis_url, job, steps, max_len)
+    producer = Replica(redis_url, job, steps, max_len, pictures)
     while producer.published_through() < 0:
         time.sleep(0.05)
     return producer

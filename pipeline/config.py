@@ -302,6 +302,10 @@ class GrpcConfig(_Model):
         1, gt=0, description="the largest request accepted (requests are small: a larger one "
         "is refused with RESOURCE_EXHAUSTED before it is read)")
     prefetch_steps: int = Field(4, gt=0, description="steps in flight per rank (flow control)")
+    chunk_kb: int = Field(
+        1024, gt=0, description="a batch whose tensors hold more bytes travels as a header and "
+        "chunks of this size, one message each (at most half of max_message_mb); larger "
+        "chunks leave more of the client's memory in transit copies and allocator slack")
     # Liveness (Guarantee 8): a silent peer is noticed within keepalive_time_s +
     # keepalive_timeout_s on both ends of every connection.
     keepalive_time_s: float = Field(
@@ -317,6 +321,13 @@ class GrpcConfig(_Model):
     def _tls_pair(self) -> GrpcConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be set together")
+        return self
+
+    @model_validator(mode="after")
+    def _chunk_fits_a_message(self) -> GrpcConfig:
+        if self.chunk_kb * 2 > self.max_message_mb * 1024:  # room for a batch's metadata
+            raise ValueError(f"chunk_kb ({self.chunk_kb}) must be at most half of "
+                             f"max_message_mb ({self.max_message_mb} MiB)")
         return self
 
 

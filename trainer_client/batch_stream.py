@@ -34,6 +34,14 @@ the stream every `heartbeat_s` without another message, from gRPC's request-send
 a trainer busy in a long step, eval or checkpoint keeps its rank's lease, and a frozen trainer
 process does not.
 
+Memory: beside `prefetch` (batches), `prefetch_bytes` (default 256 MiB; 0: no limit) bounds the
+tensor bytes of the batches received or on their way and not yet taken: the service sends a
+batch only while it fits beside them, or when there are none (a batch larger than the window
+comes alone). The stream thus holds at most max(prefetch_bytes, one batch) of batches besides
+the one the trainer works on. A batch larger than the service's chunk size arrives in chunks,
+each written into the batch's tensors (one allocation per tensor), and is yielded only once
+whole: a connection cut mid-batch gets the batch again, whole, from the resumed stream.
+
 Endpoint: any gRPC target (`host:port`, `dns:///svc:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`);
 the channel fails over between the addresses it resolves with gRPC's own load-balancing policy
 (`load_balancing`, `pick_first` by default), and the reconnect loop resumes the stream there.
@@ -62,11 +70,12 @@ from typing import Any
 
 import grpc
 
+from trainer_client.batch_assembly import ChunkError, StreamReader
 from trainer_client.channel import channel_options, open_channel, rotated
-from trainer_client.decode import StreamBatch, TensorKind, decode_batch, resolve_tensor_kind
+from trainer_client.decode import StreamBatch, TensorKind, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client.wire_format import MISMATCH_PREFIX, WIRE_VERSION
+from trainer_client.wire_format import DEFAULT_PREFETCH_BYTES, MISMATCH_PREFIX, WIRE_VERSION
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
@@ -170,14 +179,18 @@ class BatchStream:
         reconnect_timeout: float = 60.0, backoff: tuple[float, float] = (0.05, 2.0),
         load_balancing: str = "pick_first", tensors: TensorKind = "auto",
         keepalive_time_s: float = 4.0, keepalive_timeout_s: float = 4.0,
-        heartbeat_s: float = 2.0,
+        heartbeat_s: float = 2.0, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if prefetch_bytes < 0:
+            raise ValueError(f"prefetch_bytes must be >= 0 (0: no byte limit), got "
+                             f"{prefetch_bytes}")
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self.endpoint, self.job, self.rank, self.world_size = endpoint, job, rank, world_size
         self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
         self.client_id = client_id or f"{job}/{rank}/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
         self.heartbeat_s = heartbeat_s
@@ -200,6 +213,7 @@ class BatchStream:
         # Runs at close() or, for a stream never closed, at interpreter exit.
         self._finalizer = weakref.finalize(self, _Link.shut, self._link)
         self._stub = pb_grpc.DataServiceStub(channel)
+        self._stream = _raw_stream(channel)
         # Trainer-side position (what state_dict saves).
         self._next_step = 0
         self._epoch = 0
@@ -216,7 +230,9 @@ class BatchStream:
         # Receiver side.
         self._items: queue.Queue = queue.Queue()
         self._queued_batches = 0
+        self._queued_bytes = 0  # their tensor bytes
         self._unsent_credits = 0  # freed queue slots not yet granted to the service
+        self._unsent_credit_bytes = 0  # and their bytes
 
     # --- checkpointing ---
     def state_dict(self) -> dict[str, Any]:
@@ -351,14 +367,17 @@ class BatchStream:
             if isinstance(item, StreamBatch):
                 self._queued_batches -= 1
                 self._unsent_credits += 1
+                self._queued_bytes -= item.nbytes
+                self._unsent_credit_bytes += item.nbytes
             self._send_ack_locked()
         return item
 
     def _send_ack_locked(self) -> None:
         if self._link.reqs is not None:
             self._link.reqs.put(pb.ClientMessage(ack=pb.Ack(
-                consumed_step=self._last_yielded, credits=self._unsent_credits)))
-            self._unsent_credits = 0
+                consumed_step=self._last_yielded, credits=self._unsent_credits,
+                credit_bytes=self._unsent_credit_bytes)))
+            self._unsent_credits = self._unsent_credit_bytes = 0
 
     def _ensure_receiver(self) -> None:
         if not self._finalizer.alive:
@@ -367,8 +386,8 @@ class BatchStream:
         if link.thread is None or not link.thread.is_alive():
             link.closing = False
             self._items = queue.Queue()
-            self._queued_batches = 0
-            self._unsent_credits = 0
+            self._queued_batches = self._queued_bytes = 0
+            self._unsent_credits = self._unsent_credit_bytes = 0
             link.thread = threading.Thread(target=self._receive, name=f"odb-rank{self.rank}",
                                            daemon=True)
             link.thread.start()
@@ -385,26 +404,31 @@ class BatchStream:
             reqs: queue.SimpleQueue = queue.SimpleQueue()
             with link.lock:
                 credits = max(1, self.prefetch - self._queued_batches)
-                self._unsent_credits = 0  # this Open grants every free slot
+                # This Open grants every free slot; the bytes of the batches still queued
+                # count against the byte window until the trainer takes them.
+                self._unsent_credits = self._unsent_credit_bytes = 0
                 reqs.put(pb.ClientMessage(open=pb.Open(
                     job_id=self.job, rank=self.rank, world_size=self.world_size,
                     resume_step=pos, resume_epoch=epoch, client_id=self.client_id,
-                    credits=credits, wire_version=WIRE_VERSION)))
+                    credits=credits, wire_version=WIRE_VERSION,
+                    prefetch_bytes=self.prefetch_bytes, held_bytes=self._queued_bytes)))
                 link.reqs = reqs
-                link.call = call = self._stub.Stream(_requests(reqs, self.heartbeat_s),
-                                                     metadata=self._metadata)
+                link.call = call = self._stream(_requests(reqs, self.heartbeat_s),
+                                                metadata=self._metadata)
+            reader = StreamReader(self.tensors)  # a batch cut off with its call is dropped
             try:
-                for msg in call:
+                for raw in call:
                     outage_since = None
                     delay = self._backoff[0]
-                    if msg.WhichOneof("kind") == "batch":
-                        item = decode_batch(msg.batch, self.tensors)
-                        pos = msg.batch.step + 1
+                    item = reader.read(raw)
+                    if isinstance(item, StreamBatch):
+                        pos = item.info.step + 1
                         with link.lock:
                             self._queued_batches += 1
+                            self._queued_bytes += item.nbytes
                         self._items.put(item)
-                    else:
-                        e = msg.end
+                    elif item is not None:
+                        e = item
                         reconfigure = e.reason == pb.END_REASON_RECONFIGURE
                         if not reconfigure:
                             epoch = e.epoch + 1
@@ -416,6 +440,10 @@ class BatchStream:
                 if job_done:  # the server closes after our final ack (see __iter__)
                     return
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without END"
+            except ChunkError as exc:  # the service sent a batch that does not add up
+                call.cancel()
+                self._items.put(StreamError(grpc.StatusCode.INTERNAL, str(exc)))
+                return
             except grpc.RpcError as exc:
                 if job_done:
                     return
@@ -453,7 +481,16 @@ class BatchStream:
         with self._link.lock:
             old, self._link.channel = self._link.channel, channel
             self._stub = pb_grpc.DataServiceStub(channel)
+            self._stream = _raw_stream(channel)
         old.close()
+
+
+def _raw_stream(channel: grpc.Channel) -> Any:
+    """The Stream method with the server's messages left serialized: `StreamReader` takes a
+    chunk's bytes out of them without parsing (a copy) first."""
+    return channel.stream_stream("/odb.v1.DataService/Stream",
+                                 request_serializer=pb.ClientMessage.SerializeToString,
+                                 response_deserializer=None)
 
 
 def _requests(reqs: queue.SimpleQueue, heartbeat_s: float) -> Iterator[pb.ClientMessage]:

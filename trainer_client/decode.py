@@ -1,7 +1,8 @@
 """odb.v1 Batch -> a dict of tensors (torch when installed, else numpy) and the model's inputs.
 
 Tensors are views over the payload bytes read once out of the message (read-only memory: move
-them to the device or copy before writing in place). They keep their compact wire dtypes
+them to the device or copy before writing in place); a batch that came in chunks has tensors of
+its own (`batch_assembly`). They keep their compact wire dtypes
 (int32 ids, bool mask, uint8 pixels); `StreamBatch.to_model_inputs(device, dtype)` does the
 conversions the model wants on the device, after the transfer.
 """
@@ -12,6 +13,7 @@ import hashlib
 import importlib.util
 import sys
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
@@ -66,6 +68,12 @@ class StreamBatch(dict):
     pixel_norm: PixelNorm | None = None
     loader_state: dict[str, Any] | None = None  # set by StreamLoader: its state after this batch
 
+    @property
+    def nbytes(self) -> int:
+        """Its tensors' bytes: what it holds of the stream's byte window (`prefetch_bytes`)."""
+        return sum(int(t.nbytes) if _is_numpy(t) else t.numel() * t.element_size()
+                   for t in self.values())
+
     def digest(self) -> str:
         """SHA-256 of step, sample ids, pixel normalization and every tensor's name, dtype,
         shape and bytes: equal digests mean byte-identical batches (how a resumed rank can
@@ -105,7 +113,7 @@ def _wire_dtype(t: Any) -> int:
     """The wire DType of a numpy or torch tensor (so a digest does not depend on the kind)."""
     if _is_numpy(t):
         return WIRE_DTYPES[t.dtype]
-    return next(k for k, v in _torch_dtypes().items() if v == t.dtype)
+    return next(k for k, v in torch_dtypes().items() if v == t.dtype)
 
 
 def _raw_bytes(t: Any) -> bytes:
@@ -167,7 +175,8 @@ def _numpy_inputs(batch: StreamBatch, dtype: Any) -> dict[str, Any]:
 
 
 @cache
-def _torch_dtypes() -> dict[int, Any]:
+def torch_dtypes() -> dict[int, Any]:
+    """wire DType -> torch dtype (torch imported, and its read-only warning had, once)."""
     import torch
 
     # torch warns, once per process, that a tensor over read-only bytes is read-only: it is,
@@ -189,7 +198,7 @@ def resolve_tensor_kind(kind: TensorKind) -> Literal["torch", "numpy"]:
     if kind not in ("torch", "numpy"):
         raise ValueError(f"tensors must be 'auto', 'torch' or 'numpy', got {kind!r}")
     if kind == "torch":
-        _torch_dtypes()  # on the caller's thread, before any receiver thread decodes
+        torch_dtypes()  # on the caller's thread, before any receiver thread decodes
     return kind
 
 
@@ -203,14 +212,19 @@ def tensor_from_wire(t: pb.Tensor, kind: Literal["torch", "numpy"] = "torch") ->
         return np.frombuffer(data, dtype=dt).reshape(shape) if data else np.empty(shape, dt)
     import torch
 
-    dtype = _torch_dtypes()[t.dtype]
+    dtype = torch_dtypes()[t.dtype]
     if not data:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def decode_batch(b: pb.Batch, kind: Literal["torch", "numpy"] = "torch") -> StreamBatch:
-    out = StreamBatch((t.name, tensor_from_wire(t, kind)) for t in b.tensors)
+    return stream_batch(b, ((t.name, tensor_from_wire(t, kind)) for t in b.tensors))
+
+
+def stream_batch(b: pb.Batch, tensors: Iterable[tuple[str, Any]]) -> StreamBatch:
+    """The StreamBatch of `b`'s metadata and the given (name, tensor) pairs."""
+    out = StreamBatch(tensors)
     i = b.info
     out.info = BatchInfo(
         step=b.step, epoch=b.epoch, rank=b.rank, world_size=i.world_size,

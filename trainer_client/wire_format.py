@@ -9,6 +9,9 @@ Version history:
   0  (no field) int64 ids/labels/mask/position_ids, float32 pixel patches
   2  int32 ids and labels, bool mask, position_ids only in packed batches (int32), pixel
      patches as raw uint8 plus `Batch.pixel_norm` (or normalized bfloat16/float32)
+  3  a batch larger than one chunk travels as `BatchHeader` + `Chunk`s (reassembled by
+     `trainer_client.batch_assembly`); byte credits (`Open.prefetch_bytes`, `Ack.credit_bytes`)
+     count a batch's tensor bytes (`TensorSpec.nbytes` summed)
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 # numpy has no bfloat16: the server side holds bfloat16 arrays as their uint16 bit patterns,
 # which is what travels under BFLOAT16 (the wire has no uint16 of its own).
@@ -33,6 +36,10 @@ NUMPY_DTYPES: dict[int, np.dtype] = {
 WIRE_DTYPES: dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
 
 MISMATCH_PREFIX = "wire version mismatch"
+
+# A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
+# tells what a job's largest batch means against it.
+DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
 
 
 def version_mismatch(client_version: int, server_version: int = WIRE_VERSION) -> str | None:

@@ -232,6 +232,9 @@ class JobStatus:
     replica: ReplicaStatus | None = None
     coordinator: CoordinatorStatus | None = None
     exposure: Mapping[str, Any] | None = None  # an SDO job's ledger summary (docs/sdo.md)
+    # What the job's largest possible batch means for its trainers, when it is beyond a message
+    # or a trainer's default byte window (`service/batch_bound.py`).
+    batch_size_notice: str | None = None
 
     @property
     def padding_efficiency(self) -> float | None:

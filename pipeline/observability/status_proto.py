@@ -38,7 +38,8 @@ def to_proto(job: JobStatus) -> pb.JobStatus:
         quarantined=job.quarantine.total if job.quarantine else 0,
         lapsed_ranks=list(job.lapsed_ranks or ()), error=job.error or "",
         replica_id=job.replica.id if job.replica else "",
-        reconfiguring=bool(job.reconfiguring), open=bool(job.open))
+        reconfiguring=bool(job.reconfiguring), open=bool(job.open),
+        batch_size_notice=job.batch_size_notice or "")
     for r in job.ranks or ():
         rep = r.replica
         out.ranks.add(rank=r.rank, acked_step=r.acked_step, client_id=r.client_id or "",
@@ -97,6 +98,7 @@ def from_proto(m: pb.JobStatus) -> JobStatus:
                              acked=[r.acked_step for r in ranks]),
         world_size=m.world_size, published_through=m.published_through, ranks=ranks,
         lapsed_ranks=tuple(m.lapsed_ranks), reconfiguring=m.reconfiguring, epoch_ends=ends,
+        batch_size_notice=m.batch_size_notice or None,
         worlds=tuple(WorldStatus(
             generation=w.generation, world_size=w.world_size, first_step=w.first_step,
             last_step=None if w.last_step < 0 else w.last_step,

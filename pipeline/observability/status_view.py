@@ -120,7 +120,8 @@ def _records(entries: Sequence[Any]) -> tuple[QuarantineRecord, ...]:
 def training_job_status(job_id: str, state: JobState, *, job: JobConfig | None = None,
                         open: bool | None = None, error: str | None = None,
                         tracker: PlanTotals | None = None, facts: ReplicaFacts | None = None,
-                        replica_id: str | None = None, records: int = 0) -> JobStatus:
+                        replica_id: str | None = None, records: int = 0,
+                        batch_size_notice: str | None = None) -> JobStatus:
     """A training job from its state; `job` (its config: epochs, collate, budget), `tracker`
     (emission totals), `facts` (this replica's connections) where the caller has them.
     `error`: the job's failure as the caller knows it (default: the producer's, recorded in
@@ -193,7 +194,8 @@ def training_job_status(job_id: str, state: JobState, *, job: JobConfig | None =
         quarantine=QuarantineStatus(counts.quarantined, dict(counts.quarantined_by_reason),
                                     _records(state.quarantine(records)) if records else None),
         replica=None if replica_id is None else ReplicaStatus(
-            replica_id, facts.uptime_s if facts else None))
+            replica_id, facts.uptime_s if facts else None),
+        batch_size_notice=batch_size_notice)
 
 
 def refill_job_status(job_id: str, c: RefillCounts, *, epochs: int | None = None,

@@ -1,4 +1,5 @@
-"""One rank's batch of one step as the serialized `ServerMessage` the rank receives.
+"""One rank's batch of one step as the messages the rank receives (`chunk_framing.WireBatch`:
+one serialized `ServerMessage`, or a BatchHeader and chunks for a batch over `chunk_bytes`).
 
 Everything a rank needs comes from its own batch and the step's all-rank totals (published with
 the plan), so building it never touches another rank's payloads. Pure: the same step, rank and
@@ -13,20 +14,21 @@ from collections.abc import Sequence
 from pipeline.planner.types import Step
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service import collate as col
-from pipeline.service.wire_codec import batch_message_bytes
+from pipeline.service.chunk_framing import DEFAULT_CHUNK_BYTES, WireBatch, wire_batch
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
-def batch_message(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
-                  collate: str, pad_id: int) -> bytes:
+def build_batch(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
+                collate: str, pad_id: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> WireBatch:
     batch = step.batch_for(rank)
     if batch is None:
         raise LookupError(f"step {step.step} has no batch for rank {rank}")
     pieces = [col.Piece(p, batch.truncated_to.get(s.sample_id))
               for p, s in zip(samples, batch.samples, strict=True)]
-    arrays = col.collate(pieces, collate, pad_id)
+    # The pixel patches stay in the samples' arrays: the chunks are framed from there.
+    arrays = col.collate(pieces, collate, pad_id, pixel_rows=True)
     loss = col.loss_tokens(arrays)
     if loss != batch.loss_tokens and not (batch.truncated_to or batch.filler):
         log.error("step %d rank %d: %d loss tokens in the payload, %d in the plan (metadata and "
@@ -43,4 +45,4 @@ def batch_message(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
         info.rank_tokens = batch.num_tokens
         info.rank_loss_tokens = loss
     info.world_size = step.world.size  # the world that runs the step
-    return batch_message_bytes(out, arrays)
+    return wire_batch(out, arrays, chunk_bytes)

@@ -8,8 +8,10 @@ flash-attention varlen kernels take. The first label of every packed sample is -
 model's shifted loss never predicts a sample's first token from the previous sample's last one
 (same as HF DataCollatorWithFlattening).
 Vision samples add `pixel_values` (concatenated patches in their stored dtype: raw uint8,
-bfloat16 bits or float32) and `image_grid_thw`. The trainer widens ids and normalizes pixels on
-its device (`StreamBatch.to_model_inputs`), so the wire carries ~9 bytes per padded token.
+bfloat16 bits or float32; with `pixel_rows`, the samples' own arrays as `Rows`, which the wire
+sends as one tensor without concatenating them in memory) and `image_grid_thw`. The trainer
+widens ids and normalizes pixels on its device (`StreamBatch.to_model_inputs`), so the wire
+carries ~9 bytes per padded token.
 Pure functions; deterministic byte output (restarts must redeliver identical bytes).
 """
 
@@ -40,13 +42,35 @@ class Piece:
         return self.sample.labels[: self.keep] if self.keep is not None else self.sample.labels
 
 
+@dataclass(frozen=True)
+class Rows:
+    """A tensor held as blocks of rows: `np.concatenate(parts)` on the wire, never in memory
+    (a VLM batch's pixel patches are 10-100 MB: their copy into one array was the replica's
+    largest cost)."""
+
+    parts: tuple[np.ndarray, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
 def loss_tokens(arrays: dict[str, np.ndarray]) -> int:
     """Tokens of a collated batch that contribute to the loss (label != -100): padding and the
     packed layout's masked first labels are already -100 there."""
     return int(np.count_nonzero(arrays["labels"] != IGNORE_INDEX))
 
 
-def collate(pieces: Sequence[Piece], mode: str, pad_id: int = 0) -> dict[str, np.ndarray]:
+def collate(pieces: Sequence[Piece], mode: str, pad_id: int = 0, *, pixel_rows: bool = False
+            ) -> dict[str, np.ndarray | Rows]:
     if not pieces:
         raise ValueError("cannot collate an empty batch")
     if mode == "padded":
@@ -55,7 +79,7 @@ def collate(pieces: Sequence[Piece], mode: str, pad_id: int = 0) -> dict[str, np
         out = _packed(pieces)
     else:
         raise ValueError(f"unknown collate mode {mode!r} (expected 'padded' or 'packed')")
-    out.update(_vision(pieces))
+    out.update(_vision(pieces, pixel_rows))
     return out
 
 
@@ -92,7 +116,7 @@ def _packed(pieces: Sequence[Piece]) -> dict[str, np.ndarray]:
     }
 
 
-def _vision(pieces: Sequence[Piece]) -> dict[str, np.ndarray]:
+def _vision(pieces: Sequence[Piece], pixel_rows: bool) -> dict[str, np.ndarray | Rows]:
     pv = [p.sample.pixel_values for p in pieces if p.sample.pixel_values is not None]
     if not pv:
         return {}
@@ -103,6 +127,6 @@ def _vision(pieces: Sequence[Piece]) -> dict[str, np.ndarray]:
                          "stores one preprocess.pixel_dtype")
     grids = [p.sample.image_grid_thw for p in pieces if p.sample.image_grid_thw is not None]
     return {
-        "pixel_values": np.concatenate(pv),
+        "pixel_values": Rows(tuple(pv)) if pixel_rows else np.concatenate(pv),
         "image_grid_thw": np.concatenate(grids).astype(np.int64, copy=False),
     }

@@ -110,7 +110,8 @@ def job_status(rt: JobRuntime, replica_id: str, policy: RankFailurePolicy, *, op
     replica's connections), rendered as the proto."""
     return to_proto(training_job_status(
         rt.job.job_id, rt.state, job=rt.job, open=open_,
-        error=rt.error() or rank_failure(rt, policy), facts=rt.facts(), replica_id=replica_id))
+        error=rt.error() or rank_failure(rt, policy), facts=rt.facts(), replica_id=replica_id,
+        batch_size_notice=rt.batch_notice))
 
 
 async def _client_messages(requests: AsyncIterator[pb.ClientMessage]

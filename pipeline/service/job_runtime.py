@@ -2,7 +2,7 @@
 
 - `plan` (`PlanView`): the published plan, read cheaply and only per served rank;
 - `payloads` (`PayloadSource`): the payloads of a rank's batch, by reference;
-- `build_message`: a rank's batch as wire bytes (`batch_builder`);
+- `build_message`: a rank's batch as the messages it is sent as (`batch_builder`);
 - `dead_ranks`: lapsed ranks for the failure policy, one query per ~0.25 s for all streams;
 - `host`: where the job's producer runs (`producer.hosting`), started with the runtime;
 - `ranks`: what this replica knows of its own connections (for GetJob and status, labelled
@@ -29,7 +29,8 @@ from pipeline.jobstate.interface import JobState, ProducerFailure
 from pipeline.jobstate.worlds import PlanHead
 from pipeline.planner.types import Step
 from pipeline.producer.hosting import ProducerHost
-from pipeline.service.batch_builder import batch_message
+from pipeline.service.batch_builder import build_batch
+from pipeline.service.chunk_framing import DEFAULT_CHUNK_BYTES, WireBatch
 from pipeline.service.payloads import PayloadSource
 from pipeline.service.plan_view import PlanView
 
@@ -57,12 +58,15 @@ class ReplicaFacts:
 class JobRuntime:
     def __init__(self, job: JobConfig, state: JobState, payloads: PayloadSource,
                  host: ProducerHost | None, *, pad_id: int = 0,
-                 refresh_seconds: float = 0.025) -> None:
+                 refresh_seconds: float = 0.025, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 batch_notice: str | None = None) -> None:
         self.job = job
         self.state = state
         self.payloads = payloads
         self.host = host
         self.pad_id = pad_id
+        self.chunk_bytes = chunk_bytes  # a batch over this travels in chunks of it
+        self.batch_notice = batch_notice  # what `serve` said of the job's largest batch
         self.mode = state.mode
         self.collate = job.batching.collate
         # Room for every rank's read-ahead and credit window in the largest world.
@@ -172,10 +176,10 @@ class JobRuntime:
         # A rank done with the whole job gets its final END again, never a silent stream.
         return nxt, min(epoch, self.job.epochs - 1)
 
-    def build_message(self, step: Step, rank: int) -> bytes:
-        """Rank's batch of `step` as the wire bytes it is sent as."""
-        return batch_message(step, rank, self.payloads.fetch(step, rank), collate=self.collate,
-                             pad_id=self.pad_id)
+    def build_message(self, step: Step, rank: int) -> WireBatch:
+        """Rank's batch of `step` as the messages it is sent as."""
+        return build_batch(step, rank, self.payloads.fetch(step, rank), collate=self.collate,
+                           pad_id=self.pad_id, chunk_bytes=self.chunk_bytes)
 
     def facts(self) -> ReplicaFacts:
         return ReplicaFacts(ranks={r: RankConnection(c.client_id, c.connected, c.delivered)

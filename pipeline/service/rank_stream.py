@@ -1,21 +1,21 @@
 """One rank's stream on a replica: open, send, grant, ack, end (no gRPC here).
 
-A rank stream is a `RankCursor` (what to send next) plus credits (batches the client will
-accept), served by a coroutine (and its ack reader) on the replica's event loop
-(`loop_server`): no thread per stream and no thread hand-off per message; whatever may block
-(the job's state, Ray payloads) runs in the replica's I/O threads through `stream_io.JobIO`.
-Steps are read only from the job's state (published before anyone can see them); batches are
-built on demand, one at a time, so a replica holds at most one collated batch per stream and
-only payloads of the ranks it serves.
+A rank stream is a `RankCursor` (what to send next) plus credits (the batches and the bytes the
+client will accept: `credit_window.CreditWindow`), served by a coroutine (and its ack reader) on
+the replica's event loop (`loop_server`): no thread per stream and no thread hand-off per
+message; whatever may block (the job's state, Ray payloads) runs in the replica's I/O threads
+through `stream_io.JobIO`. Steps are read only from the job's state (published before anyone can
+see them); batches are built on demand, one at a time, so a replica holds at most one collated
+batch per stream and only payloads of the ranks it serves.
 
     streams = RankStreams(settings, policy, executor)
     await streams.serve(rt, open_msg, client_id, requests, write)   # raises why it ended
 
 `requests` are the client's decoded messages after its Open, `write` sends one server message
-(an End, or a Batch already serialized). A stream that cannot go on raises a domain error of
-`pipeline.errors` (`BadRequest`, `PositionUnavailable`, `RankHeld`, `RankTimedOut`,
-`ProducerFailed`, `ReplicaUnavailable`, `StateUnavailable`, ...); the gRPC adapter
-(`data_server.py`) gives each its status code.
+(an End, or a batch's messages already serialized: one, or a BatchHeader and its chunks). A
+stream that cannot go on raises a domain error of `pipeline.errors` (`BadRequest`,
+`PositionUnavailable`, `RankHeld`, `RankTimedOut`, `ProducerFailed`, `ReplicaUnavailable`,
+`StateUnavailable`, ...); the gRPC adapter (`data_server.py`) gives each its status code.
 
 Leases (Guarantees 4, 8). A rank's lease is renewed only on evidence from its client: its
 Open, its Acks and its Heartbeats (which a client sends from its gRPC request thread while it
@@ -75,6 +75,7 @@ from pipeline.errors import (
 from pipeline.jobstate.interface import ProducerFailure, RankAck
 from pipeline.planner.types import EpochEnd
 from pipeline.producer.failures import Cause
+from pipeline.service.credit_window import CreditError, CreditWindow
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.liveness import RankFailurePolicy, rank_failure
 from pipeline.service.rank_cursor import (
@@ -113,7 +114,7 @@ class StreamSession:
 
     rank: int
     client_id: str
-    credits: int
+    credits: CreditWindow
     cursor: RankCursor
     cancelled: bool = False
     client_closed: bool = False  # the client half-closed its side (after its final ack)
@@ -208,12 +209,15 @@ class RankStreams:
         """Serve the rank of `op` until its END (or its world's END(reconfigure)), the client
         closes or goes away (cancellation), or the stream must end (a domain error)."""
         jio = self.job_io(rt)
+        prefetch = self.settings.prefetch_steps
+        credits = CreditWindow.opened(max(1, min(op.credits or prefetch, prefetch)),
+                                      op.prefetch_bytes, op.held_bytes)
         grace = self.settings.resume_grace_s  # (a position past the plan waits this long)
         start = await jio.run(functools.partial(resolve, resume_grace_s=grace), op, rt,
                               waits_s=grace)
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
             await jio.run(self.claim, rt, op.rank, client_id)
-        stream = RankStream(self, jio, op, client_id, start)
+        stream = RankStream(self, jio, op, client_id, start, credits)
         await stream.run(requests, write)
 
 
@@ -221,19 +225,17 @@ class RankStream:
     """One stream: its session, the send loop and the ack reader."""
 
     def __init__(self, streams: RankStreams, jio: JobIO, op: pb.Open, client_id: str,
-                 start: StreamStart) -> None:
+                 start: StreamStart, credits: CreditWindow) -> None:
         self.streams = streams
         self.settings = streams.settings
         self.jio = jio
         self.rt = jio.rt
         self.job_id = op.job_id
-        prefetch = self.settings.prefetch_steps
-        credits = max(1, min(op.credits or prefetch, prefetch))
         cursor = RankCursor(op.rank, self.rt.job.epochs, pos=start.pos, epoch=start.epoch,
                             last_sent=start.pos - 1, world=start.world, limit=start.limit,
                             next_world_size=start.next_world_size)
         self.s = StreamSession(op.rank, client_id, credits, cursor, leased=start.has_work,
-                               granted=start.pos - 1, window=credits)
+                               granted=start.pos - 1, window=credits.steps)
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, start.pos, start.epoch, start.world,
                  start.world_size, extra={"job": op.job_id, "rank": op.rank,
@@ -342,7 +344,11 @@ class RankStream:
                                    "it was delivered")
         # Credits first: the sender may go on while the ack is recorded. (Never more than the
         # replica's window in flight, whatever a client returns.)
-        s.credits = min(s.credits + ack.credits, self.settings.prefetch_steps)
+        try:
+            s.credits.returned(ack.credits, ack.credit_bytes)
+        except CreditError as exc:
+            return exc
+        s.credits.steps = min(s.credits.steps, self.settings.prefetch_steps)
         s.poke()
         problem = await self._renew(step)
         if problem is None and step >= 0:
@@ -445,24 +451,33 @@ class RankStream:
                 yield await self._end_message(action.end)
                 continue
             if isinstance(action, Send):
-                while (s.credits <= 0 and not (s.cancelled or s.client_closed)
-                       and s.error is None):
-                    await s.wait(0.5)
-                    await self._check_abort()
-                if s.cancelled or s.client_closed:
+                if not await self._await_credit(0):  # a step credit
                     return
-                if s.error is not None:
-                    raise s.error
                 n = action.step.step
                 if n > s.granted and not await self._grant(n + s.window - 1, n):
                     continue  # its world ended before this step, or the state is behind
-                msg = await jio.build(action.step, s.rank)
-                s.credits -= 1
+                batch = await jio.build(action.step, s.rank)
+                if not await self._await_credit(batch.nbytes):  # room in its byte window
+                    return
+                s.credits.sent(batch.nbytes)
                 s.cursor.sent(action.step)
                 rt.ranks[s.rank].delivered = n
-                yield msg
+                for msg in batch.messages():  # a chunk is copied into its message as it goes
+                    yield msg
                 continue
             await jio.tick()  # Wait: nothing published for this rank yet
+
+    async def _await_credit(self, nbytes: int) -> bool:
+        """Until the client's credits let a batch of `nbytes` go (0: until a step credit is
+        left); False if the stream ended meanwhile (the client went away or closed)."""
+        s = self.s
+        while not (s.credits.may_send(nbytes) or s.cancelled or s.client_closed
+                   or s.error is not None):
+            await s.wait(0.5)
+            await self._check_abort()
+        if s.error is not None:
+            raise s.error
+        return not (s.cancelled or s.client_closed)
 
     async def _grant(self, through: int, need: int | None = None) -> bool:
         """Raise the rank's delivery grant towards `through`; True if step `need` may be sent.

@@ -32,6 +32,7 @@ from pipeline.producer.feed import ArrayFeed
 from pipeline.producer.hosting import ActorHost, BootstrapHost, ProducerHost, ThreadHost
 from pipeline.producer.producer import ProducerSettings
 from pipeline.service.auth import server_credentials
+from pipeline.service.batch_bound import batch_size_notice, largest_batch
 from pipeline.service.data_server import DataServicer, add_servicer
 from pipeline.service.exposure import enforce_exposure
 from pipeline.service.job_runtime import JobRuntime
@@ -42,6 +43,7 @@ from pipeline.service.rank_stream import RankStreams, StreamSettings
 from pipeline.service.refill_server import RefillJob, RefillServicer, connect_refill_job
 from pipeline.service.state_factory import make_job_state
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire_format import DEFAULT_PREFETCH_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +165,9 @@ def start_service(
         state = job_states.get(job.job_id) or make_job_state(config, job)
         payloads, host = _job_parts(config, job, state, sample_sources.get(job.job_id),
                                     replica_id, settings, ray_ready)
-        runtimes[job.job_id] = JobRuntime(job, state, payloads, host)
+        runtimes[job.job_id] = JobRuntime(job, state, payloads, host,
+                                          chunk_bytes=config.grpc.chunk_kb * 1024,
+                                          batch_notice=_batch_notice(config, job))
         toks[job.job_id] = tokens[job.job_id] if tokens and job.job_id in tokens else job.token()
 
     # Rank streams are coroutines of the server's loop; threads serve the unary calls, health
@@ -206,6 +210,19 @@ def start_service(
              len(runtimes) + len(refill_jobs), addr, creds is not None)
     return RunningService(server, port, runtimes, health_servicer, replica_id, on_stop,
                           refill_jobs, frozenset(j for j, t in toks.items() if t is None))
+
+
+def _batch_notice(config: ServiceConfig, job: JobConfig) -> str | None:
+    """What the job's largest batch means for its trainers, logged at start (and in status)
+    when it is beyond a message or a trainer's default byte window."""
+    notice = batch_size_notice(
+        job, largest_batch(job), prefetch_bytes=DEFAULT_PREFETCH_BYTES,
+        prefetch_steps=config.grpc.prefetch_steps,
+        max_message_bytes=config.grpc.max_message_mb * 1024 * 1024,
+        chunk_bytes=config.grpc.chunk_kb * 1024)
+    if notice:
+        log.info("%s", notice, extra={"job": job.job_id})
+    return notice
 
 
 def _refill_servicer(jobs: dict[str, RefillJob], tokens: dict[str, str | None],

@@ -30,6 +30,7 @@ from pipeline.errors import ReplicaUnavailable
 from pipeline.jobstate.interface import RankAck
 from pipeline.jobstate.worlds import Grant, PlanHead
 from pipeline.planner.types import EpochEnd, Step
+from pipeline.service.chunk_framing import WireBatch
 from pipeline.service.coalescer import AsyncCoalescer
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.plan_view import PlanView
@@ -218,8 +219,8 @@ class JobIO:
         return [None] * len(timeouts)
 
     # --- payloads ---
-    async def build(self, step: Step, rank: int) -> bytes:
-        """The rank's batch as wire bytes; built on the loop unless its payloads need I/O."""
+    async def build(self, step: Step, rank: int) -> WireBatch:
+        """The rank's batch as its messages; built on the loop unless its payloads need I/O."""
         if self.rt.payloads.blocking:
             return await self._bounded(self.loop.run_in_executor(
                 self.executor, self.rt.build_message, step, rank), payloads=True)

@@ -96,6 +96,8 @@ def _job(job: JobStatus, show_records: bool) -> list[str]:
              + ("  OPEN (served without a credential)" if job.open else "")]
     if job.error:
         lines.append(f"  ERROR: {job.error}")
+    if job.batch_size_notice:
+        lines.append(f"  batch size: {job.batch_size_notice}")
     lines += _refill(job.refill) if job.refill is not None else _ranks(job)
     q = job.quarantine
     if q is not None:

@@ -79,7 +79,7 @@ class Pong(_message.Message):
     def __init__(self, server_version: _Optional[str] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "resume_step", "resume_epoch", "client_id", "credits", "wire_version")
+    __slots__ = ("job_id", "rank", "world_size", "resume_step", "resume_epoch", "client_id", "credits", "wire_version", "prefetch_bytes", "held_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class Open(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -96,15 +98,19 @@ class Open(_message.Message):
     client_id: str
     credits: int
     wire_version: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ..., wire_version: _Optional[int] = ...) -> None: ...
+    prefetch_bytes: int
+    held_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ..., wire_version: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("consumed_step", "credits")
+    __slots__ = ("consumed_step", "credits", "credit_bytes")
     CONSUMED_STEP_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     consumed_step: int
     credits: int
-    def __init__(self, consumed_step: _Optional[int] = ..., credits: _Optional[int] = ...) -> None: ...
+    credit_bytes: int
+    def __init__(self, consumed_step: _Optional[int] = ..., credits: _Optional[int] = ..., credit_bytes: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -162,6 +168,36 @@ class Batch(_message.Message):
     filler: bool
     def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., sample_ids: _Optional[_Iterable[str]] = ..., info: _Optional[_Union[StepInfo, _Mapping]] = ..., collate: _Optional[str] = ..., over_budget: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., pixel_norm: _Optional[_Union[PixelNorm, _Mapping]] = ..., filler: _Optional[bool] = ...) -> None: ...
 
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class BatchHeader(_message.Message):
+    __slots__ = ("batch", "tensors")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    batch: Batch
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("tensor", "offset", "data")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    offset: int
+    data: bytes
+    def __init__(self, tensor: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class End(_message.Message):
     __slots__ = ("epoch", "final_step", "mode", "epoch_steps", "job_done", "reason", "world_size")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -181,12 +217,16 @@ class End(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., final_step: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epoch_steps: _Optional[int] = ..., job_done: _Optional[bool] = ..., reason: _Optional[_Union[EndReason, str]] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("batch", "end")
+    __slots__ = ("batch", "end", "batch_header", "chunk")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    BATCH_HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     end: End
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
+    batch_header: BatchHeader
+    chunk: Chunk
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., batch_header: _Optional[_Union[BatchHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -265,7 +305,7 @@ class ScaleReply(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., changed: _Optional[bool] = ..., world: _Optional[_Union[World, _Mapping]] = ..., previous: _Optional[_Union[World, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "open", "refill")
+    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "open", "batch_size_notice", "refill")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +322,7 @@ class JobStatus(_message.Message):
     WORLDS_FIELD_NUMBER: _ClassVar[int]
     RECONFIGURING_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_NOTICE_FIELD_NUMBER: _ClassVar[int]
     REFILL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
@@ -299,8 +340,9 @@ class JobStatus(_message.Message):
     worlds: _containers.RepeatedCompositeFieldContainer[World]
     reconfiguring: bool
     open: bool
+    batch_size_notice: str
     refill: RefillCounts
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., open: _Optional[bool] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., open: _Optional[bool] = ..., batch_size_notice: _Optional[str] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
 
 class RefillOpen(_message.Message):
     __slots__ = ("job_id", "consumer_id", "held_ids", "retry_seq")
