@@ -20,6 +20,7 @@ from collections import Counter
 
 from pipeline.commands.plan_output import QUARANTINE_SHOWN, PlanOutput
 from pipeline.errors import UserError
+from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
 
 HELP = "dry-run batching on a dataset or a lengths file (steps, padding efficiency, balance)"
 
@@ -54,9 +55,9 @@ _REQUIRED_WITHOUT_CONFIG = ("world_size", "token_budget")
 
 
 def _config_default(path: tuple[str, ...]) -> object:
-    from pipeline.config import JobConfig
+    from pipeline.config import TrainingJobConfig
 
-    value = JobConfig.model_fields[path[0]].get_default()
+    value = TrainingJobConfig.model_fields[path[0]].get_default()
     for key in path[1:]:  # a nested block's default is its model with its own defaults
         value = getattr(value, key)
     return value
@@ -102,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-budget", type=int, default=None, metavar="T",
         help="max token cost per batch (required unless --config)",
     )
-    parser.add_argument("--mode", choices=["join", "quota"], default=None,
+    parser.add_argument("--mode", choices=[m.value for m in DGAP_MODES], default=None,
                         help="DGAP mode (default join)")
     parser.add_argument(
         "--lookahead-tokens", type=int, default=None, metavar="N",
@@ -116,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default padded")
     parser.add_argument(
         "--over-budget",
-        choices=["truncate", "alone", "quarantine"],
+        choices=[p.value for p in OverBudgetPolicy],
         default=None,
         help="what to do with a sample that cannot fit a batch on its own (default truncate)",
     )
@@ -225,6 +226,9 @@ def _resolve(args: argparse.Namespace):
     base = None
     if args.config or args.job:
         base = job_config(args.config, args.job, args.data, default_job_id="plan")
+        if base.mode is JobMode.REFILL:
+            raise UserError(f"job {base.job_id!r} is a `mode: refill` job: it has no plan "
+                            "(plan dry-runs training jobs)")
     for name, path in _JOB_FLAGS.items():
         if getattr(args, name) is not None:
             continue

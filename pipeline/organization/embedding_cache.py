@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.errors import UserError
 from pipeline.organization.embedding_table import EmbeddingTable
 from pipeline.organization.knn_graph import KnnGraph
@@ -51,7 +51,7 @@ def content_key(files: list[SourceFile], made_by: str, recipe: str, limit: int |
     return h.hexdigest()
 
 
-def cache_dir(job: JobConfig, files: list[SourceFile]) -> Path:
+def cache_dir(job: TrainingJobConfig, files: list[SourceFile]) -> Path:
     configured = job.organization.embedding.cache_dir
     if configured:
         return Path(configured).expanduser()

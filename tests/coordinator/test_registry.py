@@ -114,10 +114,10 @@ def test_every_key_is_under_the_versioned_job_prefix(new_state, redis_client):
 
 
 def test_connect_from_job_config(redis_client, redis_url):
-    from pipeline.config import JobConfig
+    from pipeline.config import TrainingJobConfig
 
-    job = JobConfig(job_id="cfgjob", world_size=2, mode="quota", seed=5,
-                    source={"paths": ["data/a.jsonl"]})
+    job = TrainingJobConfig(job_id="cfgjob", world_size=2, mode="quota", seed=5,
+                            source={"paths": ["data/a.jsonl"]})
     st = RedisJobState.connect(redis_url, job)
     rec = registry.read_job(st.client, "cfgjob")
     assert (rec.world_size, rec.mode, rec.seed) == (2, "quota", 5)
@@ -128,7 +128,7 @@ def test_connect_from_job_config(redis_client, redis_url):
     with pytest.raises(JobMismatch, match="config_hash"):
         RedisJobState.connect(redis_url, job.model_copy(update={"seed": 6}))
     with pytest.raises(JobMismatch, match="world_size"):
-        RedisJobState.connect(redis_url, JobConfig(**{**job.model_dump(), "world_size": 4}))
+        RedisJobState.connect(redis_url, job.model_copy(update={"world_size": 4}))
 
 
 def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, redis_url):
@@ -136,11 +136,11 @@ def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, red
     refused with another, summarized with its counts, its every key expired and deleted."""
     import numpy as np
 
-    from pipeline.config import JobConfig
+    from pipeline.config import RefillJobConfig
     from pipeline.coordinator.refill_state import RefillState, RequestPayload, SourcePosition
     from pipeline.refill.request import RefillRequest
 
-    job = JobConfig(job_id="rf", mode="refill", source={"paths": ["p.jsonl"]})
+    job = RefillJobConfig(job_id="rf", source={"paths": ["p.jsonl"]})
     h = registry.config_hash(job)
     assert registry.register_refill_job(redis_client, "rf", config_hash=h)
     assert not registry.register_refill_job(redis_client, "rf", config_hash=h)  # a resume
