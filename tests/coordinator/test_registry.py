@@ -131,6 +131,23 @@ def test_connect_from_job_config(redis_client, redis_url):
         RedisJobState.connect(redis_url, job.model_copy(update={"world_size": 4}))
 
 
+@pytest.mark.parametrize(("job", "registered_hash"), [
+    ({"job_id": "sft", "world_size": 2, "mode": "quota", "token_env": "T",
+      "source": {"paths": ["a.jsonl"]},
+      "batching": {"token_budget": 4096, "pool_steps": 2, "over_budget": "alone"}},
+     "ddb9876030ffb759"),
+    ({"job_id": "d", "world_size": 1, "source": {"paths": ["a.jsonl"]}}, "af91497357320800"),
+    ({"job_id": "gen", "mode": "refill", "epochs": 2, "source": {"paths": ["p.jsonl"]},
+      "refill": {"generation_tokens": 64, "over_budget": "alone"}}, "4c37b9b0be81ab55"),
+])
+def test_a_job_registered_by_the_one_job_model_of_earlier_builds_resumes(job, registered_hash):
+    """The hashes these configs were registered with before jobs had a type per kind (the
+    one JobConfig of earlier builds): a stored job keeps resuming after the upgrade."""
+    from pipeline.config import parse_job
+
+    assert registry.config_hash(parse_job(job)) == registered_hash
+
+
 def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, redis_url):
     """A `mode: refill` job is in the registry like any job: resumed with the same config,
     refused with another, summarized with its counts, its every key expired and deleted."""
