@@ -8,9 +8,9 @@ producer actually publishes, so starting many hosts is safe.
   that is stuck (frozen, hung, cut off from Redis) so that a successor takes the lease over. The
   actor outlives this replica.
 - `ThreadHost` (in-memory sources): a producer thread in this process; replicas that lose the
-  race for the lease wait in `Producer._claim` and take over when the holder goes away. It runs
-  a new producer whenever the job needs one again: after it was fenced (it waits for the lease),
-  or when a reconfiguration reopens a job it had finished (docs/elastic.md).
+  race for the lease wait for it (the producer's claim) and take over when the holder goes
+  away. It runs a new producer whenever the job needs one again: after it was fenced (it waits
+  for the lease), or when a reconfiguration reopens a job it had finished (docs/elastic.md).
 - `BootstrapHost` (a Ray job on a replica whose private Ray is still starting): a `ThreadHost`
   over a `LocalFeed` plans the first steps in this process; once Ray is up the job's actor is
   created, and when it answers the thread producer stops (its lease is released at a
