@@ -393,12 +393,14 @@ _JOB_KINDS = frozenset({"training", "refill"})
 _JOB = TypeAdapter(JobConfig)
 
 
-def parse_job(data: Mapping[str, Any]) -> TrainingJobConfig | RefillJobConfig:
-    """One job mapping (its kind from `mode`), validated; ConfigError names the field."""
+def parse_job(data: Mapping[str, Any], *, names: Mapping[tuple[str, ...], str] | None = None
+              ) -> TrainingJobConfig | RefillJobConfig:
+    """One job mapping (its kind from `mode`), validated; ConfigError names the field (as
+    `names` calls it, e.g. the CLI flag that set it)."""
     try:
         return _JOB.validate_python(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, names)) from None
 
 
 def job_from_json(text: str | bytes) -> TrainingJobConfig | RefillJobConfig:
@@ -589,15 +591,16 @@ def read_config_file(path: str | Path) -> dict:
     return data
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line naming each wrong field by its path (`jobs[0].batching.token_budget`) and its
-    value."""
+def format_validation_error(exc: ValidationError,
+                            names: Mapping[tuple[str, ...], str] | None = None) -> str:
+    """One line naming each wrong field by its path (`jobs[0].batching.token_budget`, or what
+    `names` calls that path) and its value."""
     parts = []
     for err in exc.errors():
-        path = [x for i, x in enumerate(err["loc"])  # a job's kind is no part of its path
-                if not (x in _JOB_KINDS and (i == 0 or isinstance(err["loc"][i - 1], int)))]
+        path = tuple(x for i, x in enumerate(err["loc"])  # a job's kind is no part of its path
+                     if not (x in _JOB_KINDS and (i == 0 or isinstance(err["loc"][i - 1], int))))
         loc = ".".join(str(x) if not isinstance(x, int) else f"[{x}]" for x in path)
-        loc = loc.replace(".[", "[")
+        loc = (names or {}).get(path, loc.replace(".[", "["))
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         parts.append(f"{loc or '<root>'}{shown}: {err['msg']}")

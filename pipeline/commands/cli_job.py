@@ -14,11 +14,13 @@ from pipeline.modes import JobMode
 
 
 def job_config(config: str | None, job_id: str | None, paths: list[str] | None, *,
-               default_job_id: str, overrides: Mapping[str, Any] | None = None) -> JobConfig:
+               default_job_id: str, overrides: Mapping[str, Any] | None = None,
+               names: Mapping[tuple[str, ...], str] | None = None) -> JobConfig:
     """The job to preprocess with: `config` is a service config (the job `job_id`, else its
     first job) or a single job mapping; None = all defaults (world_size 1). `paths` replace the
     job's sources (None keeps the config's, or a placeholder when it has none); `overrides`
-    (a partial job mapping, e.g. {"batching": {"token_budget": 4096}}) are merged on top."""
+    (a partial job mapping, e.g. {"batching": {"token_budget": 4096}}) are merged on top;
+    `names`: what a validation error calls a field (the flag that set it)."""
     base: dict[str, Any] = {}
     if config:
         raw = read_config_file(config)
@@ -41,4 +43,4 @@ def job_config(config: str | None, job_id: str | None, paths: list[str] | None, 
     job = {**base, "job_id": base.get("job_id", default_job_id), "source": source}
     if base.get("mode") != JobMode.REFILL:  # a training job: one rank unless it says
         job["world_size"] = base.get("world_size", 1)
-    return parse_job(deep_merge(job, overrides or {}))
+    return parse_job(deep_merge(job, overrides or {}), names=names)
