@@ -378,18 +378,21 @@ _REFILL_ONLY = tuple(n for n in RefillJobConfig.model_fields if n not in
                      _JobOptions.model_fields and n != "mode")
 
 
+_TRAINING, _REFILL = "training", "refill"  # a job's kind, as the union tags it
+
+
 def _job_kind(data: Any) -> str:
     mode = data.get("mode") if isinstance(data, Mapping) else getattr(data, "mode", None)
-    return JobMode.REFILL.value if mode == JobMode.REFILL else "training"
+    return _REFILL if mode == JobMode.REFILL else _TRAINING
 
 
 # A job of either kind, told apart by `mode` (absent: join, a training job). Validation errors
-# name the job's fields as `jobs[i].field` (the kind is left out: `_format_validation_error`).
+# name the job's fields as `jobs[i].field` (the kind is left out: `format_validation_error`).
 JobConfig = Annotated[
-    Annotated[TrainingJobConfig, Tag("training")] | Annotated[RefillJobConfig, Tag("refill")],
+    Annotated[TrainingJobConfig, Tag(_TRAINING)] | Annotated[RefillJobConfig, Tag(_REFILL)],
     Discriminator(_job_kind),
 ]
-_JOB_KINDS = frozenset({"training", "refill"})
+_JOB_KINDS = frozenset({_TRAINING, _REFILL})
 _JOB = TypeAdapter(JobConfig)
 
 
