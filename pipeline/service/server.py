@@ -210,7 +210,7 @@ def start_service(
                           refill_jobs, frozenset(j for j, t in toks.items() if t is None))
 
 
-def _batch_notice(config: ServiceConfig, job: JobConfig) -> str | None:
+def _batch_notice(config: ServiceConfig, job: TrainingJobConfig) -> str | None:
     """What the job's largest batch means for its trainers, logged at start (and in status)
     when it is beyond a message or a trainer's default byte window."""
     notice = batch_size_notice(
