@@ -168,12 +168,12 @@ def _deliver(redis_url: str, redis_pid: int, job_id: str, replicas: int, steps: 
 
 def _real_messages(budget: int, max_len: int, count: int) -> list[bytes]:
     """Serialized ServerMessages exactly as a replica builds them for this job."""
-    from pipeline.config import JobConfig
+    from pipeline.config import TrainingJobConfig
     from pipeline.planner.step_planner import StepPlanner
     from pipeline.planner.types import Step
     from pipeline.service.batch_builder import build_batch
 
-    job = JobConfig.model_validate(array_job("raw", RANKS, budget))
+    job = TrainingJobConfig.model_validate(array_job("raw", RANKS, budget))
     samples = job_samples(RANKS, count // RANKS + 4, budget, max_len)
     by_id = {s.sample_id: s for s in samples}
     planner = StepPlanner(job.batching.policy(), RANKS, pool_steps=1)

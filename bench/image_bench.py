@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from preprocess_bench import cpu_since, tree_cpu  # noqa: E402
 
-from pipeline.config import JobConfig  # noqa: E402
+from pipeline.config import TrainingJobConfig  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "image"
 # skimage.data pictures that ship with the wheel (no pooch download).
@@ -128,7 +128,7 @@ class Meter:
                                              for k, v in by_role.items()}}
 
 
-def plain_loop(job: JobConfig, data: Path) -> dict:
+def plain_loop(job: TrainingJobConfig, data: Path) -> dict:
     """PIL decode + resize + patchify, one process: the floor the pipeline is measured by."""
     from pipeline.preprocess.records import ImageRef
     from pipeline.preprocess.vision import VisionProcessor, decode_image
@@ -143,7 +143,7 @@ def plain_loop(job: JobConfig, data: Path) -> dict:
     return m.result("plain loop (PIL + numpy)", 1)
 
 
-def processor_loop(proc, job: JobConfig) -> dict:
+def processor_loop(proc, job: TrainingJobConfig) -> dict:
     """The Ray task's own code (`Processor.process` per chunk) in this process."""
     from pipeline.preprocess.sample import ProcessedSample
     from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk
@@ -156,7 +156,7 @@ def processor_loop(proc, job: JobConfig) -> dict:
     return m.result("Processor loop (1 process)", 1)
 
 
-def ray_pass(job: JobConfig, workers: int) -> dict:
+def ray_pass(job: TrainingJobConfig, workers: int) -> dict:
     from pipeline.preprocess.pipeline import iter_samples
     from pipeline.preprocess.sample import ProcessedSample
 
@@ -226,7 +226,7 @@ def profile_summary(path: Path, driver: int) -> dict:
     return {"samples": total, "share": out}
 
 
-def run(job: JobConfig, data: Path, tmp: Path, rounds: int, max_workers: int,
+def run(job: TrainingJobConfig, data: Path, tmp: Path, rounds: int, max_workers: int,
         with_profile: bool) -> dict:
     import ray
 
@@ -320,7 +320,7 @@ def main() -> int:
         names = write_images(tmp / "images")
         data = tmp / "images.jsonl"
         write_records(data, names, n)
-        job = JobConfig.model_validate({
+        job = TrainingJobConfig.model_validate({
             "job_id": "images", "world_size": 1, "source": {"paths": [str(data)]},
             "preprocess": {"augment": {"enabled": False}}})
         got = run(job, data, tmp, rounds, args.max_workers, args.profile)

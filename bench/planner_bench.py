@@ -135,12 +135,12 @@ def _chat_record(kind: str, src: dict[str, list], rng: np.random.Generator):
 def heavy_tailed_chats(n: int, seed: int) -> list[MeasuredSample]:
     """n real samples (quarantined records are redrawn), measured by the pipeline's Processor:
     the Qwen3 chat template, the bundled Qwen tokenizer, max_seq_len = the token budget."""
-    from pipeline.config import JobConfig
+    from pipeline.config import TrainingJobConfig
     from pipeline.preprocess.process import Processor
     from pipeline.preprocess.sample import ProcessedSample
     from pipeline.preprocess.sources import SourceFile
 
-    job = JobConfig.model_validate({
+    job = TrainingJobConfig.model_validate({
         "job_id": "heavy", "world_size": 1, "source": {"paths": ["heavy.jsonl"]},
         "preprocess": {"max_seq_len": BUDGET, "augment": {"enabled": False}},
         "batching": {"token_budget": BUDGET},

@@ -34,7 +34,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.preprocess.sample import ProcessedSample
 
 OUT = Path(__file__).resolve().parent / "results" / "preprocess"
@@ -135,13 +135,13 @@ class Meter:
         }
 
 
-def _chunks(job: JobConfig):
+def _chunks(job: TrainingJobConfig):
     from pipeline.preprocess.sources import expand_sources, plan_chunks
 
     return plan_chunks(expand_sources(job.source), CHUNK_ROWS)
 
 
-def _plain_pass(proc, job: JobConfig, phase: str, m: Meter | None = None) -> dict:
+def _plain_pass(proc, job: TrainingJobConfig, phase: str, m: Meter | None = None) -> dict:
     from pipeline.preprocess.sources import read_chunk
 
     m = m or Meter()
@@ -158,7 +158,7 @@ def _init(job_json: str) -> None:
     global _worker_proc
     from pipeline.preprocess.process import Processor
 
-    _worker_proc = Processor(JobConfig.model_validate_json(job_json), 0)
+    _worker_proc = Processor(TrainingJobConfig.model_validate_json(job_json), 0)
 
 
 def _work(chunk):
@@ -167,7 +167,7 @@ def _work(chunk):
     return _worker_proc.process(chunk.file, read_chunk(chunk))
 
 
-def _pool_pass(pool, job: JobConfig, phase: str, m: Meter | None = None) -> dict:
+def _pool_pass(pool, job: TrainingJobConfig, phase: str, m: Meter | None = None) -> dict:
     m = m or Meter()
     for items in pool.imap(_work, _chunks(job), chunksize=1):
         for it in items:
@@ -175,7 +175,7 @@ def _pool_pass(pool, job: JobConfig, phase: str, m: Meter | None = None) -> dict
     return m.result("multiprocessing.Pool(2)", phase, "pool")
 
 
-def _ray_pass(job: JobConfig, compute: str, phase: str) -> dict:
+def _ray_pass(job: TrainingJobConfig, compute: str, phase: str) -> dict:
     from pipeline.preprocess.pipeline import iter_samples
 
     m = Meter()
@@ -184,7 +184,7 @@ def _ray_pass(job: JobConfig, compute: str, phase: str) -> dict:
     return m.result(f"Ray Data, {'task' if compute == 'tasks' else 'actor'} pool", phase, "ray")
 
 
-def run_all(job: JobConfig, rounds: int, tmp: Path) -> list[dict]:
+def run_all(job: TrainingJobConfig, rounds: int, tmp: Path) -> list[dict]:
     """Cold runs once each; then `rounds` interleaved warm rounds (plain, Pool, Ray), so the
     shared machine's load swings hit every contender alike; best warm round is reported."""
     import ray
@@ -284,7 +284,7 @@ def main() -> int:
         prefix = os.path.relpath(IMAGES_DIR, tmp)
         write_jsonl(data, generate(n, seed=1, image_frac=args.image_frac, image_prefix=prefix),
                     [])
-        job = JobConfig(job_id="bench", world_size=1, source={"paths": [str(data)]})
+        job = TrainingJobConfig(job_id="bench", world_size=1, source={"paths": [str(data)]})
         results = run_all(job, args.rounds, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -83,9 +83,9 @@ def write_data(folder: Path, quick: bool, seed: int) -> tuple[Path, Path]:
 
 
 def job_for(path: Path, args) -> object:
-    from pipeline.config import JobConfig
+    from pipeline.config import TrainingJobConfig
 
-    return JobConfig.model_validate({
+    return TrainingJobConfig.model_validate({
         "job_id": "sdo-bench", "world_size": 1, "seed": args.seed, "source": {"paths": [str(path)]},
         "preprocess": {"max_seq_len": args.max_seq_len},
         "batching": {"token_budget": args.token_budget},

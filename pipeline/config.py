@@ -4,19 +4,38 @@ Environment names are derived from the model (`ODB_` + field path joined by `__`
 e.g. `ODB_GRPC__PORT`), so deploy manifests and docs can be checked against `env_var_names()`
 instead of a second hand-written list. Jobs are a list and come from the file only; a job's
 secret token comes from the environment variable its `token_env` names.
+
+A job is one of two kinds, told apart by its `mode` (`JobConfig`): a `TrainingJobConfig`
+(`join` | `quota`, the default: ranks, a world, batching, organization) or a `RefillJobConfig`
+(`refill`: requests for inference consumers). Each holds only its own options; another kind's
+option is refused by name. The choices (mode, rank failure policy, over-budget policy) are the
+shared enums of `pipeline/modes.py`. Every setting has one place: the planner's balancing pool,
+for one, is `batching.pool_steps` and nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.errors import UserError
+from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy, RankFailurePolicy
 from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES, BatchingPolicy
 
 ENV_PREFIX = "ODB_"
@@ -118,9 +137,10 @@ class BatchingConfig(_Model):
         True, description="start each epoch's planning with a small window and pool that "
         "double with every step (the first batch after a few budgets of samples, not after "
         "lookahead_tokens + ~256 batches); false = full window and pool from the first step")
-    over_budget: Literal["truncate", "alone", "quarantine"] = Field(
-        "truncate", description="a sample over token_budget / max_visual_tokens: `truncate` = "
-        "preprocessing cuts every sample to fit a batch alone (JobConfig.max_sample_tokens); "
+    over_budget: OverBudgetPolicy = Field(
+        OverBudgetPolicy.TRUNCATE, description="a sample over token_budget / max_visual_tokens: "
+        "`truncate` = preprocessing cuts every sample to fit a batch alone "
+        "(TrainingJobConfig.max_sample_tokens); "
         "`alone` = a batch of its own, flagged; `quarantine` = set aside as over_budget")
 
     @model_validator(mode="after")
@@ -181,8 +201,8 @@ class RefillConfig(_Model):
                                  "admitted-but-unfinished requests: they are re-admitted")
     max_request_tokens: int | None = Field(
         None, gt=0, description="the largest request any consumer can hold; None = no limit")
-    over_budget: Literal["quarantine", "alone", "truncate"] = Field(
-        "quarantine", description="a request costing more than max_request_tokens: "
+    over_budget: OverBudgetPolicy = Field(
+        OverBudgetPolicy.QUARANTINE, description="a request costing more than max_request_tokens: "
         "`quarantine` = set aside as over_budget; `alone` = admitted flagged, by itself, to a "
         "consumer with nothing in flight; `truncate` = its planned generation is cut to fit")
     queue_depth: int = Field(1024, gt=0, description="requests the producer keeps waiting in "
@@ -195,13 +215,44 @@ class RefillConfig(_Model):
         return self
 
 
-class JobConfig(_Model):
+class _JobOptions(_Model):
+    """What every job has, whatever its kind: identity, credential, input and preprocessing."""
+
     job_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     token_env: str | None = Field(None, description="env var holding the job's bearer token")
     allow_unauthenticated: bool = Field(
         False, description="serve this job without a token on a grpc.host beyond loopback "
         "(anyone who reaches it can stream, read and rescale it); `serve` refuses such a job "
         "otherwise (docs/security.md)")
+    seed: int = 0
+    epochs: int = Field(1, ge=1)
+    source: SourceConfig
+    preprocess: PreprocessConfig = PreprocessConfig()
+
+    def token(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The bearer token, read from the environment at use (never stored in the config)."""
+        if self.token_env is None:
+            return None
+        env = os.environ if environ is None else environ
+        value = env.get(self.token_env)
+        if not value:
+            raise ConfigError(f"jobs[{self.job_id}].token_env: environment variable "
+                              f"{self.token_env} is unset or empty")
+        return value
+
+
+def _refuse_options(data: Any, names: tuple[str, ...], why: str) -> None:
+    """A job mapping holding another kind's options: refused naming them (not ignored)."""
+    if isinstance(data, Mapping):
+        given = [n for n in names if n in data]
+        if given:
+            raise ValueError(f"{', '.join(given)}: {why}")
+
+
+class TrainingJobConfig(_JobOptions):
+    """A training job (`mode: join | quota`): ranks of a world, a plan of steps under a token
+    budget, optionally a structure-aware data organization."""
+
     world_size: int = Field(ge=1, le=65536, description="the world the job starts with")
     elastic: bool = Field(False, description="an Open with another world size, once the "
                           "current world's ranks ended or their leases lapsed, reconfigures the "
@@ -209,43 +260,34 @@ class JobConfig(_Model):
     max_world_size: int | None = Field(
         None, ge=1, le=65536, description="the largest world a reconfiguration may move the job "
         "onto; None = max(world_size, 1024)")
-    mode: Literal["join", "quota", "refill"] = "join"
-    seed: int = 0
-    epochs: int = Field(1, ge=1)
-    source: SourceConfig
-    preprocess: PreprocessConfig = PreprocessConfig()
+    mode: JobMode = Field(JobMode.JOIN, description="join | quota: how the ranks end an epoch")
     batching: BatchingConfig = BatchingConfig()
     organization: OrganizationConfig = OrganizationConfig()
-    refill: RefillConfig | None = Field(None, description="options of a `mode: refill` job")
 
     @model_validator(mode="before")
     @classmethod
-    def _refill_has_no_world(cls, data: Any) -> Any:
-        # A refill job has consumers, not ranks: its world size means nothing, so it may be left
-        # out (1 stands in for it wherever a job's world size is read).
-        if isinstance(data, dict) and data.get("mode") == "refill":
-            data = {"world_size": 1, "refill": {}, **data}
+    def _no_refill_options(cls, data: Any) -> Any:
+        mode = data.get("mode", JobMode.JOIN) if isinstance(data, Mapping) else None
+        _refuse_options(data, _REFILL_ONLY, f"options of `mode: refill` jobs, this job has mode "
+                        f"{str(mode)!r}")
         return data
 
-    @model_validator(mode="after")
-    def _refill_options(self) -> JobConfig:
-        if self.refill is not None and self.mode != "refill":
-            raise ValueError(f"refill options are for `mode: refill` jobs, this job has mode "
-                             f"{self.mode!r}")
-        if self.mode == "refill" and (self.organization.kind != "none" or self.elastic):
-            raise ValueError("a `mode: refill` job has no ranks or plan: organization.kind must "
-                             "be none and elastic false")
-        return self
+    @field_validator("mode")
+    @classmethod
+    def _dgap_mode(cls, mode: JobMode) -> JobMode:
+        if mode not in DGAP_MODES:  # (a `mode: refill` job is a RefillJobConfig)
+            raise ValueError(f"a training job's mode is join or quota, not {str(mode)!r}")
+        return mode
 
     @model_validator(mode="after")
-    def _max_world_holds_the_first(self) -> JobConfig:
+    def _max_world_holds_the_first(self) -> TrainingJobConfig:
         if self.max_world_size is not None and self.max_world_size < self.world_size:
             raise ValueError(f"max_world_size ({self.max_world_size}) is below world_size "
                              f"({self.world_size})")
         return self
 
     @model_validator(mode="after")
-    def _limits_can_hold_a_sample(self) -> JobConfig:
+    def _limits_can_hold_a_sample(self) -> TrainingJobConfig:
         cap = self.batching.max_visual_tokens
         least = self.preprocess.min_image_visual_tokens
         if cap is not None and cap < least:
@@ -268,27 +310,105 @@ class JobConfig(_Model):
         `alone` / `quarantine` to samples over the budget). A sample's cost alone is its token
         count under both collates, so fitting the budget alone means num_tokens <= token_budget.
         """
-        if self.batching.over_budget == "truncate":
+        if self.batching.over_budget is OverBudgetPolicy.TRUNCATE:
             return min(self.preprocess.max_seq_len, self.batching.token_budget)
         return self.preprocess.max_seq_len
 
     def max_sample_visual_tokens(self) -> int | None:
         """The most visual tokens one preprocessed sample may carry: batching.max_visual_tokens
         under `over_budget: truncate` (preprocessing drops trailing images to fit), else None."""
-        if self.batching.over_budget == "truncate":
+        if self.batching.over_budget is OverBudgetPolicy.TRUNCATE:
             return self.batching.max_visual_tokens
         return None
 
-    def token(self, environ: Mapping[str, str] | None = None) -> str | None:
-        """The bearer token, read from the environment at use (never stored in the config)."""
-        if self.token_env is None:
-            return None
-        env = os.environ if environ is None else environ
-        value = env.get(self.token_env)
-        if not value:
-            raise ConfigError(f"jobs[{self.job_id}].token_env: environment variable "
-                              f"{self.token_env} is unset or empty")
-        return value
+    def sample_limit_text(self) -> str:
+        """Where `max_sample_tokens()` (and the visual cap) come from, for messages."""
+        if self.batching.over_budget is OverBudgetPolicy.TRUNCATE:
+            text = (f"limit {self.max_sample_tokens()} = min(preprocess.max_seq_len "
+                    f"{self.preprocess.max_seq_len}, batching.token_budget "
+                    f"{self.batching.token_budget})")
+        else:
+            text = f"limit preprocess.max_seq_len {self.preprocess.max_seq_len}"
+        cap = self.max_sample_visual_tokens()
+        return text + (f", batching.max_visual_tokens {cap}" if cap is not None else "")
+
+    def sample_cost(self, num_tokens: int) -> int:
+        """A sample's cost alone: its tokens (padded or packed), or a*L + b*L^2 when b > 0."""
+        b = self.batching
+        if b.attn_b > 0:
+            return math.ceil(b.attn_a * num_tokens + b.attn_b * num_tokens**2)
+        return num_tokens
+
+
+class RefillJobConfig(_JobOptions):
+    """A refill job (`mode: refill`, docs/refill.md): requests for inference consumers, admitted
+    under each consumer's free token capacity. No ranks, world or plan: no world size, batching
+    or organization (and the service's rank failure policy does not apply)."""
+
+    mode: Literal[JobMode.REFILL] = JobMode.REFILL
+    refill: RefillConfig = RefillConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_training_options(cls, data: Any) -> Any:
+        _refuse_options(data, _TRAINING_ONLY, "options of training jobs; a `mode: refill` job "
+                        "has consumers, not ranks, and no plan")
+        return data
+
+    def max_sample_tokens(self) -> int:
+        """The most tokens one preprocessed sample (a request's prompt and reference answer)
+        may have: preprocess.max_seq_len."""
+        return self.preprocess.max_seq_len
+
+    def max_sample_visual_tokens(self) -> None:
+        """No visual-token cap: a request's images are priced in its prompt tokens."""
+        return None
+
+    def sample_limit_text(self) -> str:
+        return f"limit preprocess.max_seq_len {self.preprocess.max_seq_len}"
+
+    def sample_cost(self, num_tokens: int) -> int:
+        """A sample's cost alone: its tokens (a request is priced from its prompt instead)."""
+        return num_tokens
+
+
+_TRAINING_ONLY = tuple(n for n in TrainingJobConfig.model_fields if n not in
+                       _JobOptions.model_fields and n != "mode")
+_REFILL_ONLY = tuple(n for n in RefillJobConfig.model_fields if n not in
+                     _JobOptions.model_fields and n != "mode")
+
+
+_TRAINING, _REFILL = "training", "refill"  # a job's kind, as the union tags it
+
+
+def _job_kind(data: Any) -> str:
+    mode = data.get("mode") if isinstance(data, Mapping) else getattr(data, "mode", None)
+    return _REFILL if mode == JobMode.REFILL else _TRAINING
+
+
+# A job of either kind, told apart by `mode` (absent: join, a training job). Validation errors
+# name the job's fields as `jobs[i].field` (the kind is left out: `format_validation_error`).
+JobConfig = Annotated[
+    Annotated[TrainingJobConfig, Tag(_TRAINING)] | Annotated[RefillJobConfig, Tag(_REFILL)],
+    Discriminator(_job_kind),
+]
+_JOB_KINDS = frozenset({_TRAINING, _REFILL})
+_JOB = TypeAdapter(JobConfig)
+
+
+def parse_job(data: Mapping[str, Any], *, names: Mapping[tuple[str, ...], str] | None = None
+              ) -> TrainingJobConfig | RefillJobConfig:
+    """One job mapping (its kind from `mode`), validated; ConfigError names the field (as
+    `names` calls it, e.g. the CLI flag that set it)."""
+    try:
+        return _JOB.validate_python(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, names)) from None
+
+
+def job_from_json(text: str | bytes) -> TrainingJobConfig | RefillJobConfig:
+    """A job from its `model_dump_json()` (how a job travels to Ray workers and actors)."""
+    return _JOB.validate_json(text)
 
 
 class GrpcConfig(_Model):
@@ -371,10 +491,10 @@ class ServiceConfig(_Model):
         60.0, gt=0, description="how long a rank may be gone (its lease lapsed, or never "
         "claimed since the world's first rank connected) before the failure policy applies; "
         "it must cover the trainer ranks' start-up skew")
-    # What the live ranks get once a rank has been gone for rank_timeout_seconds: `fail` =
-    # a clear ABORTED error naming the rank; `wait` = keep waiting for it to come back;
-    # `shrink` = a reconfiguration onto the live ranks (docs/elastic.md).
-    rank_failure_policy: Literal["fail", "wait", "shrink"] = "fail"
+    # What a training job's live ranks get once a rank has been gone for rank_timeout_seconds:
+    # `fail` = a clear ABORTED error naming the rank; `wait` = keep waiting for it to come
+    # back; `shrink` = a reconfiguration onto the live ranks (docs/elastic.md).
+    rank_failure_policy: RankFailurePolicy = RankFailurePolicy.FAIL
     allow_unauthenticated: bool = Field(
         False, description="allow_unauthenticated for every job of this server")
     metrics_port: int | None = Field(9464, ge=0, le=65535)
@@ -410,7 +530,7 @@ class ServiceConfig(_Model):
                               "is unset or empty")
         return value
 
-    def job(self, job_id: str) -> JobConfig:
+    def job(self, job_id: str) -> TrainingJobConfig | RefillJobConfig:
         for job in self.jobs:
             if job.job_id == job_id:
                 return job
@@ -444,11 +564,12 @@ def _env_overrides(environ: Mapping[str, str], model: type[BaseModel], prefix: s
     return out
 
 
-def _deep_merge(base: dict, top: Mapping) -> dict:
+def deep_merge(base: dict, top: Mapping) -> dict:
+    """`base` with `top` merged in, nested mappings key by key (`top` wins)."""
     merged = dict(base)
     for key, value in top.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -473,11 +594,16 @@ def read_config_file(path: str | Path) -> dict:
     return data
 
 
-def _format_validation_error(exc: ValidationError) -> str:
+def format_validation_error(exc: ValidationError,
+                            names: Mapping[tuple[str, ...], str] | None = None) -> str:
+    """One line naming each wrong field by its path (`jobs[0].batching.token_budget`, or what
+    `names` calls that path) and its value."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(x) if not isinstance(x, int) else f"[{x}]" for x in err["loc"])
-        loc = loc.replace(".[", "[")
+        path = tuple(x for i, x in enumerate(err["loc"])  # a job's kind is no part of its path
+                     if not (x in _JOB_KINDS and (i == 0 or isinstance(err["loc"][i - 1], int))))
+        loc = ".".join(str(x) if not isinstance(x, int) else f"[{x}]" for x in path)
+        loc = (names or {}).get(path, loc.replace(".[", "["))
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         parts.append(f"{loc or '<root>'}{shown}: {err['msg']}")
@@ -491,10 +617,10 @@ def load_config(
 ) -> ServiceConfig:
     """File, then ODB_* environment, then explicit overrides (CLI flags); validated once."""
     data = read_config_file(path) if path is not None else {}
-    data = _deep_merge(data, _env_overrides(os.environ if environ is None else environ,
-                                            ServiceConfig, ENV_PREFIX))
-    data = _deep_merge(data, overrides or {})
+    data = deep_merge(data, _env_overrides(os.environ if environ is None else environ,
+                                           ServiceConfig, ENV_PREFIX))
+    data = deep_merge(data, overrides or {})
     try:
         return ServiceConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc)) from None

@@ -191,8 +191,7 @@ def _worker(conn) -> None:  # runs in the spawned process
                     states = {j.job_id: RedisJobState.connect(client, j) for j in cfg.jobs}
                 cpu0, wall0 = _cpu(), time.perf_counter()
                 tbase = _threads_cpu()
-                svc = start_service(cfg, sample_sources=sources, job_states=states,
-                                    pool_steps=arg.get("pool_steps"))
+                svc = start_service(cfg, sample_sources=sources, job_states=states)
                 conn.send(("ok", svc.address))
             elif cmd == "stop":
                 prof = _stop_profile(cpu0, wall0)
@@ -250,9 +249,8 @@ class ServiceProcess:
         return value
 
     def start(self, overrides: dict, samples: dict | None = None,
-              pool_steps: int | None = None, redis_max_connections: int | None = None) -> str:
+              redis_max_connections: int | None = None) -> str:
         return self.call("start", {"overrides": overrides, "samples": samples or {},
-                                   "pool_steps": pool_steps,
                                    "redis_max_connections": redis_max_connections})
 
     def stop(self) -> dict:

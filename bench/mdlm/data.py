@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import JobConfig
+from pipeline.config import RefillJobConfig
 from pipeline.preprocess.process import Processor
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk
@@ -39,8 +39,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def processed(path: Path) -> list[ProcessedSample]:
-    job = JobConfig.model_validate({"job_id": "prep", "mode": "refill",
-                                    "source": {"paths": [str(path)]}})
+    job = RefillJobConfig(job_id="prep", source={"paths": [str(path)]})
     proc = Processor(job, 0)
     out = []
     for chunk in plan_chunks(expand_sources(job.source), 64):

@@ -1,6 +1,6 @@
-"""The job the one-shot CLI commands (`inspect`, `plan --data`) preprocess with: the JobConfig
-of `--config FILE [--job ID]` (or defaults) with the sources replaced by the command's data and
-optional overrides (explicit CLI flags) on top.
+"""The job the one-shot CLI commands (`inspect`, `plan --data`) preprocess with: the job config
+(training or refill) of `--config FILE [--job ID]` (or defaults) with the sources replaced by
+the command's data and optional overrides (explicit CLI flags) on top.
 """
 
 from __future__ import annotations
@@ -8,18 +8,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.config import ConfigError, JobConfig, _deep_merge, read_config_file
+from pipeline.config import ConfigError, JobConfig, deep_merge, parse_job, read_config_file
 from pipeline.errors import UserError
+from pipeline.modes import JobMode
 
 
 def job_config(config: str | None, job_id: str | None, paths: list[str] | None, *,
-               default_job_id: str, overrides: Mapping[str, Any] | None = None) -> JobConfig:
+               default_job_id: str, overrides: Mapping[str, Any] | None = None,
+               names: Mapping[tuple[str, ...], str] | None = None) -> JobConfig:
     """The job to preprocess with: `config` is a service config (the job `job_id`, else its
     first job) or a single job mapping; None = all defaults (world_size 1). `paths` replace the
     job's sources (None keeps the config's, or a placeholder when it has none); `overrides`
-    (a partial job mapping, e.g. {"batching": {"token_budget": 4096}}) are merged on top."""
-    from pydantic import ValidationError
-
+    (a partial job mapping, e.g. {"batching": {"token_budget": 4096}}) are merged on top;
+    `names`: what a validation error calls a field (the flag that set it)."""
     base: dict[str, Any] = {}
     if config:
         raw = read_config_file(config)
@@ -39,12 +40,7 @@ def job_config(config: str | None, job_id: str | None, paths: list[str] | None, 
         source["paths"] = list(paths)
     elif not source.get("paths"):
         source["paths"] = ["<none>"]
-    job = {**base, "job_id": base.get("job_id", default_job_id),
-           "world_size": base.get("world_size", 1), "source": source}
-    job = _deep_merge(job, overrides or {})
-    try:
-        return JobConfig.model_validate(job)
-    except ValidationError as exc:
-        from pipeline.config import _format_validation_error
-
-        raise ConfigError(_format_validation_error(exc)) from None
+    job = {**base, "job_id": base.get("job_id", default_job_id), "source": source}
+    if base.get("mode") != JobMode.REFILL:  # a training job: one rank unless it says
+        job["world_size"] = base.get("world_size", 1)
+    return parse_job(deep_merge(job, overrides or {}), names=names)

@@ -17,9 +17,14 @@ import argparse
 import json
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from pipeline.commands.plan_output import QUARANTINE_SHOWN, PlanOutput
 from pipeline.errors import UserError
+from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
+
+if TYPE_CHECKING:
+    from pipeline.config import TrainingJobConfig
 
 HELP = "dry-run batching on a dataset or a lengths file (steps, padding efficiency, balance)"
 
@@ -51,12 +56,13 @@ _JOB_FLAGS: dict[str, tuple[str, ...]] = {
     "embedding_column": ("organization", "embedding", "column"),
 }
 _REQUIRED_WITHOUT_CONFIG = ("world_size", "token_budget")
+_FLAG_OF = {path: "--" + dest.replace("_", "-") for dest, path in _JOB_FLAGS.items()}
 
 
 def _config_default(path: tuple[str, ...]) -> object:
-    from pipeline.config import JobConfig
+    from pipeline.config import TrainingJobConfig
 
-    value = JobConfig.model_fields[path[0]].get_default()
+    value = TrainingJobConfig.model_fields[path[0]].get_default()
     for key in path[1:]:  # a nested block's default is its model with its own defaults
         value = getattr(value, key)
     return value
@@ -102,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-budget", type=int, default=None, metavar="T",
         help="max token cost per batch (required unless --config)",
     )
-    parser.add_argument("--mode", choices=["join", "quota"], default=None,
+    parser.add_argument("--mode", choices=[m.value for m in DGAP_MODES], default=None,
                         help="DGAP mode (default join)")
     parser.add_argument(
         "--lookahead-tokens", type=int, default=None, metavar="N",
@@ -116,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default padded")
     parser.add_argument(
         "--over-budget",
-        choices=["truncate", "alone", "quarantine"],
+        choices=[p.value for p in OverBudgetPolicy],
         default=None,
         help="what to do with a sample that cannot fit a batch on its own (default truncate)",
     )
@@ -169,26 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="read each record's vector from this field instead of a model")
 
 
-def _check(args: argparse.Namespace) -> None:
-    if args.world_size is None:
-        raise UserError("--world-size is required (or a --config job)")
-    if args.token_budget is None:
-        raise UserError("--token-budget is required (or a --config job)")
-    if args.world_size < 1:
-        raise UserError(f"--world-size must be >= 1, got {args.world_size}")
-    if args.token_budget <= 0:
-        raise UserError(f"--token-budget must be > 0, got {args.token_budget}")
-    if args.lookahead_tokens is not None and args.lookahead_tokens < args.token_budget:
-        raise UserError(f"--lookahead-tokens must be >= the token budget ({args.token_budget}),"
-                        f" got {args.lookahead_tokens}")
-    if args.max_window_samples < 1:
-        raise UserError(f"--max-window-samples must be >= 1, got {args.max_window_samples}")
-    if args.epochs < 1:
-        raise UserError(f"--epochs must be >= 1, got {args.epochs}")
-    if args.pool_steps is not None and args.pool_steps < 1:
-        raise UserError(f"--pool-steps must be >= 1, got {args.pool_steps}")
-    if args.max_visual_tokens is not None and args.max_visual_tokens <= 0:
-        raise UserError(f"--max-visual-tokens must be > 0, got {args.max_visual_tokens}")
+def _require(args: argparse.Namespace) -> None:
+    for name in _REQUIRED_WITHOUT_CONFIG:
+        if getattr(args, name) is None:
+            raise UserError(f"{_FLAG_OF[_JOB_FLAGS[name]]} is required (or a --config job)")
 
 
 def _check_input(args: argparse.Namespace) -> None:
@@ -204,11 +194,12 @@ def _check_input(args: argparse.Namespace) -> None:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
 
 
-def _job_overrides(args: argparse.Namespace, names) -> dict:
-    """The flags `names` as a partial job mapping (for JobConfig validation)."""
+def _job_overrides(args: argparse.Namespace) -> dict:
+    """The flags given (or filled) as a partial job mapping."""
     out: dict = {}
-    for name in names:
-        path = _JOB_FLAGS[name]
+    for name, path in _JOB_FLAGS.items():
+        if getattr(args, name) is None:
+            continue
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -216,15 +207,19 @@ def _job_overrides(args: argparse.Namespace, names) -> dict:
     return out
 
 
-def _resolve(args: argparse.Namespace):
-    """Fill unset flags from the --config job (or the plan defaults). Returns the JobConfig the
-    --data path preprocesses with (None for --lengths without --config)."""
+def _resolve(args: argparse.Namespace) -> TrainingJobConfig:
+    """Fill unset flags from the --config job (or the job config's defaults); returns the job
+    the flags describe, validated by the config model (the one owner of every bound: an error
+    names the flag), with the --data sources (the job `--data` preprocesses with)."""
     from pipeline.commands.cli_job import job_config
+    from pipeline.config import TrainingJobConfig
 
-    explicit = [n for n in _JOB_FLAGS if getattr(args, n) is not None]
     base = None
     if args.config or args.job:
         base = job_config(args.config, args.job, args.data, default_job_id="plan")
+        if base.mode is JobMode.REFILL:
+            raise UserError(f"job {base.job_id!r} is a `mode: refill` job: it has no plan "
+                            "(plan dry-runs training jobs)")
     for name, path in _JOB_FLAGS.items():
         if getattr(args, name) is not None:
             continue
@@ -235,42 +230,26 @@ def _resolve(args: argparse.Namespace):
             setattr(args, name, value)
         elif name not in _REQUIRED_WITHOUT_CONFIG:
             setattr(args, name, _config_default(path))
-    _check(args)
-    if not args.data:
-        return None
-    # The job preprocessing runs with: its seed (augmentation) and cost model follow the flags.
-    names = explicit if base is not None else list(_JOB_FLAGS)
-    return job_config(args.config, args.job, args.data, default_job_id="plan",
-                      overrides=_job_overrides(args, [n for n in names
-                                                      if getattr(args, n) is not None]))
+    _require(args)
+    job = job_config(args.config, args.job, args.data, default_job_id="plan",
+                     overrides=_job_overrides(args), names=_FLAG_OF)
+    assert isinstance(job, TrainingJobConfig)  # (a refill base was refused above)
+    return job
 
 
 def run(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from pipeline.config import BatchingConfig
     from pipeline.planner.epochs import epoch_order, plan_epoch
     from pipeline.planner.plan_report import PlanReport
     from pipeline.planner.step_planner import StepPlanner
 
     _check_input(args)
     job = _resolve(args)
-    batching = {path[1]: getattr(args, name) for name, path in _JOB_FLAGS.items()
-                if path[0] == "batching"}
-    try:
-        policy = BatchingConfig.model_validate(batching).policy()
-        planner = StepPlanner(policy, args.world_size, args.mode, args.seed, args.pool_steps)
-    except ValidationError as exc:
-        raise UserError("; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'batching'}: "
-            + e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-
-    if job is None and args.organization == "sdo":
+    policy = job.batching.policy()
+    planner = StepPlanner(policy, job.world_size, job.mode, job.seed, job.batching.pool_steps)
+    if not args.data and job.organization.kind == "sdo":
         raise UserError("--organization sdo needs --data (embeddings come from the records); "
                         "plan lengths with --organization none")
-    if job is not None:
+    if args.data:
         from pipeline.preprocess.sources import expand_sources
 
         expand_sources(job.source)  # missing input: fail in one line before starting Ray
@@ -283,11 +262,11 @@ def run(args: argparse.Namespace) -> int:
         source = _LengthsSource(args.lengths)
 
     t0 = time.perf_counter()
-    with PlanOutput(PlanReport(policy, args.world_size), args.emit_plan) as out, source:
-        for epoch in range(args.epochs):
-            counted = _Counted(epoch_order(source.epoch(epoch), epoch, seed=args.seed,
+    with PlanOutput(PlanReport(policy, job.world_size), args.emit_plan) as out, source:
+        for epoch in range(job.epochs):
+            counted = _Counted(epoch_order(source.epoch(epoch), epoch, seed=job.seed,
                                            shuffle=args.shuffle))
-            events = plan_epoch(planner, counted, last=epoch == args.epochs - 1)
+            events = plan_epoch(planner, counted, last=epoch == job.epochs - 1)
             out.report.samples_in += counted.n
             out.observe(events)
     return out.print_result(args, source, policy, time.perf_counter() - t0)

@@ -16,6 +16,7 @@ from pipeline.coordinator.redis_job_state import RedisJobState
 from pipeline.coordinator.redis_ledger_store import RedisLedgerStore
 from pipeline.coordinator.refill_state import RefillCounts, RefillState
 from pipeline.jobstate.interface import JobCounters, ProducerLease, RankHealth
+from pipeline.modes import JobMode
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def job_summary(client: redis.Redis, job_id: str) -> JobSummary | None:
         rec = registry.read_job(client, job_id)
         if rec is None:
             return None
-        if rec.mode == "refill":
+        if rec.mode is JobMode.REFILL:
             rf = RefillState(client, job_id)
             return JobSummary(job=rec, retained_steps=0, min_acked=-1, ranks=[],
                               lapsed_ranks=[], counters=JobCounters(), producer=None,

@@ -59,10 +59,11 @@ from pipeline.jobstate.worlds import (
     stamp_of_end,
     stamp_of_step,
 )
+from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd, Step, StepInfo
 
 if TYPE_CHECKING:
-    from pipeline.config import JobConfig
+    from pipeline.config import TrainingJobConfig
 
 QUARANTINE_LIST_CAP = 10_000  # records listed per job; the counts stay exact past it
 
@@ -91,7 +92,8 @@ class RedisJobState(JobState):
     """
 
     def __init__(self, client_or_url: redis.Redis | str, job_id: str, *, config_hash: str,
-                 world_size: int, mode: str = "join", seed: int = 0, retries: int = 5,
+                 world_size: int, mode: JobMode | str = JobMode.JOIN, seed: int = 0,
+                 retries: int = 5,
                  socket_timeout: float = 5.0, fsync_publish: bool = False,
                  max_connections: int | None = None, pool_timeout: float = 30.0) -> None:
         self.client, self._where = open_client(client_or_url, retries=retries,
@@ -99,7 +101,7 @@ class RedisJobState(JobState):
                                                max_connections=max_connections,
                                                pool_timeout=pool_timeout)
         self.job_id = job_id
-        self.mode = str(getattr(mode, "value", mode))
+        self.mode = JobMode(mode)
         self.keys = keys.JobKeys(job_id)
         self.fsync_publish = fsync_publish
         # WAITAOF gives up before the socket does (a stalled disk is DurabilityTimeout).
@@ -124,7 +126,7 @@ class RedisJobState(JobState):
                 f"WAITAOF: the publish was not fsynced within {timeout_ms} ms at {self._where}")
 
     @classmethod
-    def connect(cls, client_or_url: redis.Redis | str, job: JobConfig, *, retries: int = 5,
+    def connect(cls, client_or_url: redis.Redis | str, job: TrainingJobConfig, *, retries: int = 5,
                 socket_timeout: float = 5.0, fsync_publish: bool = False,
                 max_connections: int | None = None, pool_timeout: float = 30.0
                 ) -> RedisJobState:

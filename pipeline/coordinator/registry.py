@@ -15,15 +15,13 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import redis
 
+from pipeline.config import BatchingConfig, JobConfig, OrganizationConfig
 from pipeline.coordinator import keys, refill_scripts, scripts
 from pipeline.errors import JobMismatch, SchemaMismatch
-
-if TYPE_CHECKING:
-    from pipeline.config import JobConfig
+from pipeline.modes import JobMode
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,7 @@ class JobRecord:
     job_id: str
     config_hash: str
     world_size: int
-    mode: str
+    mode: JobMode
     seed: int
     state: str  # "planning" | "done"
     epoch: int  # highest epoch with a published step or END
@@ -47,13 +45,23 @@ _NOT_HASHED = {"token_env", "allow_unauthenticated"}
 
 def config_hash(job: JobConfig) -> str:
     """What a job's plan depends on, hashed: everything in its config but the auth token's env
-    var name. Same hash = the stored plan is valid for this config."""
-    data = job.model_dump(mode="json", exclude=_NOT_HASHED)
+    var name. Same hash = the stored plan is valid for this config.
+
+    Hashed in the shape of the one job model of earlier builds (the other kind's options at
+    their defaults, as that model held them), so a job registered by an earlier build resumes.
+    """
+    if job.mode is JobMode.REFILL:
+        earlier = {"world_size": 1, "elastic": False, "max_world_size": None,
+                   "batching": BatchingConfig().model_dump(mode="json"),
+                   "organization": OrganizationConfig().model_dump(mode="json")}
+    else:
+        earlier = {"refill": None}
+    data = {**earlier, **job.model_dump(mode="json", exclude=_NOT_HASHED)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def register_job(client: redis.Redis, job_id: str, *, config_hash: str, world_size: int,
-                 mode: str, seed: int = 0) -> bool:
+                 mode: JobMode, seed: int = 0) -> bool:
     """Create the job, or verify a resume matches it. True if created, False if resumed."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -69,7 +77,7 @@ def register_job(client: redis.Redis, job_id: str, *, config_hash: str, world_si
 def register_refill_job(client: redis.Redis, job_id: str, *, config_hash: str,
                         seed: int = 0) -> bool:
     """Create a `mode: refill` job, or verify a resume matches it. True if created."""
-    mine = {"config_hash": config_hash, "mode": "refill"}
+    mine = {"config_hash": config_hash, "mode": JobMode.REFILL}
     with _refusals(job_id, mine):
         created = refill_scripts.register_job(
             client, [keys.SCHEMA_VERSION_KEY, keys.JOBS_KEY, keys.JobKeys(job_id).meta],
@@ -113,7 +121,7 @@ def read_job(client: redis.Redis, job_id: str) -> JobRecord | None:
         job_id=job_id,
         config_hash=g["config_hash"].decode(),
         world_size=_int(g["world_size"]),
-        mode=g["mode"].decode(),
+        mode=JobMode(g["mode"].decode()),
         seed=_int(g.get("seed")),
         state=g["state"].decode(),
         epoch=_int(g.get("epoch")),
@@ -136,7 +144,7 @@ def list_jobs(client: redis.Redis) -> list[str]:
 def _job_keys(client: redis.Redis, job_id: str) -> list[str]:
     k = keys.JobKeys(job_id)
     rec = read_job(client, job_id)
-    if rec is not None and rec.mode == "refill":  # + each consumer's held and lost sets
+    if rec is not None and rec.mode is JobMode.REFILL:  # + each consumer's held and lost sets
         consumers = [key.decode() for key in client.scan_iter(match=f"{k.base}refill:*:*",
                                                               count=1000)]
         return [k.meta, *k.refill_keys(), *consumers]

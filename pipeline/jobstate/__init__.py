@@ -1,4 +1,6 @@
-"""The seam between producer, replicas and where a job's shared state lives (interface.py)."""
+"""The seam between producer, replicas and where a job's shared state lives: the `JobState`
+contract and the values that cross it (interface.py), a job's succession of worlds (worlds.py),
+and the contract kept in process memory (memory.py; in Redis: `pipeline.coordinator`)."""
 
 from pipeline.jobstate.interface import (
     JobCounters,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from pipeline.errors import RankHeld
 from pipeline.jobstate.worlds import Grant, PlanHead, ScaleRequest, ScaleResult, World, WorldTimings
+from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd, Step
 
 
@@ -164,7 +165,7 @@ class JobState(ABC):
 
     job_id: str
     world_size: int
-    mode: str
+    mode: JobMode
 
     # --- the plan (write-once, contiguous steps) ---
     @abstractmethod

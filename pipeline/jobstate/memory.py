@@ -45,15 +45,16 @@ from pipeline.jobstate.worlds import (
     WorldTimings,
     choose_boundary,
 )
+from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd, Step
 
 
 class MemoryJobState(JobState):
-    def __init__(self, job_id: str, world_size: int, mode: str = "join", *,
+    def __init__(self, job_id: str, world_size: int, mode: JobMode | str = JobMode.JOIN, *,
                  clock: Callable[[], float] = time.time) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.job_id, self.mode = job_id, mode
+        self.job_id, self.mode = job_id, JobMode(mode)
         self._worlds = [World(0, world_size, 0)]
         self._grants: dict[int, int] = {}  # current world: rank -> highest step it may be sent
         self._adopting = False  # the producer has not published for the current world yet

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.modes import JobMode
+
 
 @dataclass(frozen=True)
 class RankOnReplica:
@@ -205,7 +207,7 @@ class JobStatus:
     refill jobs serving | done. `open`: served without a credential."""
 
     job_id: str
-    mode: str  # join | quota | refill
+    mode: JobMode
     state: str
     done: bool = False  # training: every epoch planned; refill: every request completed
     error: str | None = None

@@ -14,6 +14,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping
+from enum import Enum
 from functools import cache
 from typing import Any
 
@@ -45,7 +46,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _read(tp: Any, value: Any) -> Any:
-    """`value` (parsed JSON) as type `tp`: dataclasses field by field, tuples, maps."""
+    """`value` (parsed JSON) as type `tp`: dataclasses field by field, tuples, maps, enums."""
     if value is None:
         return None
     origin = typing.get_origin(tp)
@@ -62,6 +63,8 @@ def _read(tp: Any, value: Any) -> Any:
     if origin is Mapping:
         key, item = typing.get_args(tp)
         return {_read(key, k): _read(item, v) for k, v in value.items()}
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return tp(value)
     if tp is int:
         return int(value)
     if tp is float:

@@ -8,6 +8,7 @@ lacks reads back as None. On the wire -1 means "none" for steps and seconds.
 
 from __future__ import annotations
 
+from pipeline.modes import JobMode
 from pipeline.observability.job_status import (
     EpochEndStatus,
     JobStatus,
@@ -22,7 +23,8 @@ from pipeline.observability.job_status import (
 from pipeline.observability.status_view import refill_state, training_state
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
-_MODE = {"join": pb.JOIN, "quota": pb.QUOTA, "refill": pb.REFILL}
+_MODE = {JobMode.JOIN: pb.JOIN, JobMode.QUOTA: pb.QUOTA, JobMode.REFILL: pb.REFILL}
+_MODE_OF = {wire: mode for mode, wire in _MODE.items()}
 
 
 def _none(x: float) -> float | None:
@@ -70,9 +72,9 @@ def to_proto(job: JobStatus) -> pb.JobStatus:
 
 
 def from_proto(m: pb.JobStatus) -> JobStatus:
-    mode = pb.Mode.Name(m.mode).lower()
-    common = {"job_id": m.job_id, "mode": mode, "done": m.done, "error": m.error or None,
-              "open": m.open, "epochs": m.epochs or None, "samples_in": m.samples_in,
+    common = {"job_id": m.job_id, "mode": _MODE_OF[m.mode], "done": m.done,
+              "error": m.error or None, "open": m.open, "epochs": m.epochs or None,
+              "samples_in": m.samples_in,
               "quarantine": QuarantineStatus(m.quarantined),
               "replica": ReplicaStatus(m.replica_id) if m.replica_id else None}
     if m.HasField("refill"):

@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipeline.modes import JobMode
 from pipeline.observability.job_status import (
     EpochEndStatus,
     JobStatus,
@@ -40,7 +41,7 @@ from pipeline.observability.job_status import (
 from pipeline.observability.plan_totals import STALL_AFTER_S, PlanTotals
 
 if TYPE_CHECKING:
-    from pipeline.config import JobConfig
+    from pipeline.config import TrainingJobConfig
     from pipeline.coordinator.refill_state import RefillCounts
     from pipeline.jobstate.interface import JobState
     from pipeline.service.job_runtime import JobRuntime, ReplicaFacts
@@ -117,7 +118,7 @@ def _records(entries: Sequence[Any]) -> tuple[QuarantineRecord, ...]:
                  for q in entries)
 
 
-def training_job_status(job_id: str, state: JobState, *, job: JobConfig | None = None,
+def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig | None = None,
                         open: bool | None = None, error: str | None = None,
                         tracker: PlanTotals | None = None, facts: ReplicaFacts | None = None,
                         replica_id: str | None = None, records: int = 0,
@@ -205,7 +206,7 @@ def refill_job_status(job_id: str, c: RefillCounts, *, epochs: int | None = None
     """A `mode: refill` job from its counts (`RefillState.counts()`; `error`: its producer's
     last failure; `records`: its first quarantine records, when asked for)."""
     return JobStatus(
-        job_id=job_id, mode="refill", state=refill_state(c.done), done=c.done, error=error,
+        job_id=job_id, mode=JobMode.REFILL, state=refill_state(c.done), done=c.done, error=error,
         open=open, epochs=epochs, samples_in=c.enqueued,
         quarantine=QuarantineStatus(c.quarantined, dict(c.quarantined_by_reason),
                                     None if records is None else _records(records)),

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.errors import UserError
 from pipeline.organization import embedding_cache
 from pipeline.organization.embedding_table import (
@@ -141,7 +141,7 @@ def _collect(rows: list[tuple[str, bytes, str, str]], made_by: str,
     return EmbeddingTable(ids, vectors, made_by, tuple(quarantined))
 
 
-def embed_dataset(job: JobConfig, *, limit: int | None = None,
+def embed_dataset(job: TrainingJobConfig, *, limit: int | None = None,
                   concurrency: int | None = None) -> Embeddings:
     """The job's embeddings: from the cache when present, else computed (and cached)."""
     import ray

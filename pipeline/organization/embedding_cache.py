@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.errors import UserError
 from pipeline.organization.embedding_table import EmbeddingTable
 from pipeline.organization.knn_graph import KnnGraph
 from pipeline.preprocess.sample import QuarantinedRecord
-from pipeline.preprocess.sources import SourceFile, _fs, _is_uri
+from pipeline.preprocess.sources import SourceFile, is_remote, open_input
 from pipeline.quarantine import QuarantineReason
 
 _READ = 8 * 1024 * 1024
@@ -32,13 +32,7 @@ _READ = 8 * 1024 * 1024
 
 def _file_digest(f: SourceFile, h) -> None:
     h.update(f"{f.source}\0".encode())
-    if _is_uri(f.path) and not f.path.startswith("file://"):
-        fs, p = _fs(f.path)
-        with fs.open_input_stream(p) as src:
-            while block := src.read(_READ):
-                h.update(block)
-        return
-    with open(f.path.removeprefix("file://"), "rb") as src:
+    with open_input(f.path) as src:
         while block := src.read(_READ):
             h.update(block)
 
@@ -51,12 +45,12 @@ def content_key(files: list[SourceFile], made_by: str, recipe: str, limit: int |
     return h.hexdigest()
 
 
-def cache_dir(job: JobConfig, files: list[SourceFile]) -> Path:
+def cache_dir(job: TrainingJobConfig, files: list[SourceFile]) -> Path:
     configured = job.organization.embedding.cache_dir
     if configured:
         return Path(configured).expanduser()
     first = files[0].path
-    if _is_uri(first) and not first.startswith("file://"):
+    if is_remote(first):
         return Path.home() / ".cache" / "odb-pipeline" / "embeddings"
     return Path(first.removeprefix("file://")).resolve().parent / ".odb-embeddings"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.organization import embedding_cache
 from pipeline.organization.embedding_table import EmbeddingTable
 from pipeline.organization.knn_graph import KnnGraph, build_knn_graph
@@ -42,7 +42,7 @@ class Organization:
                 "repeat_gap": self.repeat_gap, "without_vector": self.without_vector}
 
 
-def job_lookahead(job: JobConfig) -> int:
+def job_lookahead(job: TrainingJobConfig) -> int:
     """The planner window (tokens) an SDO job plans with: `locality` between the job's window
     and two budgets."""
     policy = job.batching.policy()
@@ -50,7 +50,7 @@ def job_lookahead(job: JobConfig) -> int:
                              policy.token_budget)
 
 
-def _graph(job: JobConfig, table: EmbeddingTable, members: tuple,
+def _graph(job: TrainingJobConfig, table: EmbeddingTable, members: tuple,
            table_file: Path | None) -> KnnGraph:
     """The graph over `members` (rows of `table`): read from its cache file, else built."""
     k = job.organization.knn_k
@@ -64,7 +64,7 @@ def _graph(job: JobConfig, table: EmbeddingTable, members: tuple,
     return graph
 
 
-def organize(job: JobConfig, table: EmbeddingTable, measured: Sequence[MeasuredSample],
+def organize(job: TrainingJobConfig, table: EmbeddingTable, measured: Sequence[MeasuredSample],
              table_file: Path | None = None) -> Organization:
     """Build (or read back) the graph over `measured` ∩ `table`; pick the planner window."""
     members = tuple(m.sample_id for m in measured if m.sample_id in table.row)
@@ -76,7 +76,7 @@ def organize(job: JobConfig, table: EmbeddingTable, measured: Sequence[MeasuredS
     return Organization(graph, window, repeat_gap(window, mean), len(measured) - len(members))
 
 
-def restore_organization(job: JobConfig, table: EmbeddingTable, record: dict,
+def restore_organization(job: TrainingJobConfig, table: EmbeddingTable, record: dict,
                          table_file: Path | None = None) -> Organization:
     """The organization of `record` (`Organization.record()`), on the same graph or an error:
     a graph that comes out different (other embeddings, a non-reproducible HNSW build without

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.modes import OverBudgetPolicy
 from pipeline.planner.cost_model import CostModel
-from pipeline.planner.types import Collate, OverBudgetPolicy
+from pipeline.planner.types import Collate
 
 # The window is bounded in tokens, relative to the budget: a batch then takes about the same
 # share of the window (1/LOOKAHEAD_BUDGETS) whatever the sample lengths, and padding follows that

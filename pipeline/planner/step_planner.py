@@ -1,6 +1,6 @@
 """The DGAP state machine: measured samples in, steps of W rank-balanced batches out.
 
-    planner = StepPlanner(policy, world_size=8, mode=DgapMode.JOIN, seed=0)
+    planner = StepPlanner(policy, world_size=8, mode=JobMode.JOIN, seed=0)
     for s in samples:
         for ev in planner.feed(s): ...        # Step | Quarantined
     for ev in planner.end_epoch(): ...        # remaining Steps, then EpochEnd
@@ -46,15 +46,14 @@ import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
 from pipeline.planner.batch_former import BatchFormer
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.rank_balancer import group_by_cost, rank_order
 from pipeline.planner.types import (
     Batch,
-    DgapMode,
     EpochEnd,
     MeasuredSample,
-    OverBudgetPolicy,
     PlanEvent,
     Quarantined,
     SampleId,
@@ -148,6 +147,19 @@ class PlannerState:
         )
 
 
+def pool_size(world_size: int, pool_steps: int | None) -> int:
+    """The batches pooled for rank balancing at full size: `pool_steps` steps' worth (None: the
+    default, ~256 batches)."""
+    # Balancing picks W similar-cost batches out of a pool; a bigger pool balances better but
+    # delays the first step. ~256 batches: per-step max/mean p50 ~1.002 on tokens and ~1.02 on
+    # an attention-heavy compute model (b=1/1024). W=1 needs no pool.
+    if pool_steps is None:
+        pool_steps = 1 if world_size == 1 else max(2, -(-256 // world_size))
+    if pool_steps < 1:
+        raise ValueError(f"pool_steps must be >= 1, got {pool_steps}")
+    return pool_steps * world_size
+
+
 class StepPlanner:
     """Online planner for one job. See the module docstring for the protocol."""
 
@@ -155,7 +167,7 @@ class StepPlanner:
         self,
         policy: BatchingPolicy,
         world_size: int,
-        mode: DgapMode | str = DgapMode.JOIN,
+        mode: JobMode | str = JobMode.JOIN,
         seed: int = 0,
         pool_steps: int | None = None,
         *,
@@ -164,26 +176,16 @@ class StepPlanner:
         """`generation`: the world the plan is for (0: the job's first; see `WorldStamp`)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-        try:
-            self.mode = DgapMode(mode)
-        except ValueError:
-            raise ValueError(
-                f"mode must be one of {[m.value for m in DgapMode]}, got {mode!r}"
-            ) from None
+        if mode not in DGAP_MODES:
+            raise ValueError(f"mode must be one of {[m.value for m in DGAP_MODES]}, got {mode!r}")
+        self.mode = JobMode(mode)
         self.policy = policy
         self.world = WorldStamp(generation, world_size)  # stamped on every Step and EpochEnd
         self.seed = int(seed)
         self._cm = policy.cost_model
         self._budget = policy.token_budget
         self._vcap = policy.max_visual_tokens
-        # Balancing picks W similar-cost batches out of a pool; a bigger pool balances better
-        # but delays the first step. ~256 batches: per-step max/mean p50 ~1.002 on tokens and
-        # ~1.02 on an attention-heavy compute model (b=1/1024). W=1 needs no pool.
-        if pool_steps is None:
-            pool_steps = 1 if world_size == 1 else max(2, -(-256 // world_size))
-        if pool_steps < 1:
-            raise ValueError(f"pool_steps must be >= 1, got {pool_steps}")
-        self._pool_target = pool_steps * world_size  # at full size
+        self._pool_target = pool_size(world_size, pool_steps)  # at full size
         self._pool_now = self._pool_target  # while ramping up: smaller (see `_ramp`)
         self._former = BatchFormer(policy)
         self._pool: list[PendingBatch] = []
@@ -239,7 +241,7 @@ class StepPlanner:
             left = []
         carried = tuple(s for pb in left for s in pb.samples)
         steps = self.next_step - self._epoch_first_step
-        if self.mode is DgapMode.QUOTA:
+        if self.mode is JobMode.QUOTA:
             last = self.next_step - 1 if steps else None
             final = tuple(last for _ in range(self.world_size))
         else:
@@ -271,12 +273,9 @@ class StepPlanner:
         if first_step < self.next_step:
             raise ValueError(f"first_step {first_step} is before the planner's next step "
                              f"{self.next_step}: published step numbers are never reused")
-        if pool_steps is None:
-            pool_steps = 1 if world_size == 1 else max(2, -(-256 // world_size))
-        if pool_steps < 1:
-            raise ValueError(f"pool_steps must be >= 1, got {pool_steps}")
+        target = pool_size(world_size, pool_steps)  # (raises before anything changes)
         self.world = WorldStamp(self.world.generation + 1, world_size)
-        self._pool_target = pool_steps * world_size
+        self._pool_target = target
         self.next_step = first_step
         self._last_step = [None] * world_size  # the epoch's END names the new world's ranks
         self._ramp()  # the pool's size for the new world (as a restore computes it)
@@ -341,7 +340,7 @@ class StepPlanner:
         state: PlannerState,
         policy: BatchingPolicy,
         world_size: int,
-        mode: DgapMode | str = DgapMode.JOIN,
+        mode: JobMode | str = JobMode.JOIN,
         seed: int = 0,
         pool_steps: int | None = None,
         *,
@@ -472,7 +471,7 @@ class StepPlanner:
         costs = [self._cm.compute_cost(self._lengths(b)) for b in pool]
         groups = group_by_cost(costs, w)
         rest: list[int] = []
-        if groups and len(groups[-1]) < w and not (final and self.mode is DgapMode.JOIN):
+        if groups and len(groups[-1]) < w and not (final and self.mode is JobMode.JOIN):
             rest = sorted(groups.pop())
         for group in groups:
             self._emit_step([pool[i] for i in group], events)

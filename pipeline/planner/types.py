@@ -17,20 +17,9 @@ from pipeline.quarantine import QuarantineReason
 SampleId = int | str
 
 
-class DgapMode(str, Enum):  # noqa: UP042 (str mixin kept: a contract)
-    JOIN = "join"  # ranks may end at different steps; every sample exactly once
-    QUOTA = "quota"  # every rank the same number of steps; leftovers carried to next epoch
-
-
 class Collate(str, Enum):  # noqa: UP042 (str mixin kept: a contract)
     PADDED = "padded"  # cost = len(batch) * max_len(batch)
     PACKED = "packed"  # cost = sum(len)
-
-
-class OverBudgetPolicy(str, Enum):  # noqa: UP042 (str mixin kept: a contract)
-    TRUNCATE = "truncate"  # cut the sample to fit the budget alone, flag it
-    ALONE = "alone"  # emit it as a batch of its own, flagged as over budget
-    QUARANTINE = "quarantine"  # set it aside with a reason, never emitted
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.config import JobConfig
+from pipeline.config import JobConfig, job_from_json
 from pipeline.preprocess.process import Processor, split_sample_id
 from pipeline.preprocess.rows import SCHEMA, from_table, to_table
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
@@ -92,7 +92,7 @@ class _ChunkActor:
 
     def __init__(self, job_json: str, epoch: int) -> None:
         _one_thread_tokenizer()
-        self.processor = Processor(JobConfig.model_validate_json(job_json), epoch)
+        self.processor = Processor(job_from_json(job_json), epoch)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return _process_chunks(self.processor, batch)
@@ -108,7 +108,7 @@ def _chunk_task(batch: pa.Table, job_json: str, epoch: int) -> pa.Table:
     proc = _task_processors.get(key)
     if proc is None:
         _one_thread_tokenizer()
-        proc = _task_processors[key] = Processor(JobConfig.model_validate_json(job_json), epoch)
+        proc = _task_processors[key] = Processor(job_from_json(job_json), epoch)
         while len(_task_processors) > 4:
             _task_processors.popitem(last=False)
     return _process_chunks(proc, batch)

@@ -7,8 +7,9 @@ batched tokenizer call for the chunk (the per-call overhead dominated short chat
 visual-token expansion, truncation and cost (per record, numpy).
 
 Truncation happens here and nowhere else (not in the planner, not in the collate): a sample is
-cut to `JobConfig.max_sample_tokens()` tokens and `max_sample_visual_tokens()` visual tokens,
-vision-safely (truncation.py). Policy, in order:
+cut to its job's `max_sample_tokens()` tokens and `max_sample_visual_tokens()` visual tokens
+(`TrainingJobConfig`, `RefillJobConfig`: the one owner of the limit), vision-safely
+(truncation.py). Policy, in order:
 - longer than preprocess.max_seq_len under preprocess.truncation=quarantine -> `too_long`;
 - otherwise over a limit -> keep the longest prefix that splits no image (images that do not fit
   are dropped whole with their pixels), flagged `truncated`;
@@ -27,14 +28,13 @@ sample (ConfigError naming the fields otherwise).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pipeline.config import BatchingConfig, ConfigError, JobConfig
+from pipeline.config import ConfigError, JobConfig
 from pipeline.preprocess import augment
 from pipeline.preprocess.chat_template import (
     IMAGE_PAD,
@@ -61,13 +61,6 @@ from pipeline.preprocess.vision import VisionProcessor, decode_image
 from pipeline.quarantine import QuarantineReason as R
 
 Item = ProcessedSample | QuarantinedRecord
-
-
-def sample_cost(num_tokens: int, batching: BatchingConfig) -> int:
-    """A sample's cost alone: its tokens (padded or packed), or a*L + b*L^2 when b > 0."""
-    if batching.attn_b > 0:
-        return math.ceil(batching.attn_a * num_tokens + batching.attn_b * num_tokens**2)
-    return num_tokens
 
 
 def make_sample_id(source: str, row: int) -> str:
@@ -112,10 +105,9 @@ class Processor:
         floor = self._template_floor()
         if self.max_tokens < floor:
             raise ConfigError(
-                f"jobs[{job.job_id}]: the sample {self._limit_text()} is below the {floor} "
+                f"jobs[{job.job_id}]: the sample {job.sample_limit_text()} is below the {floor} "
                 f"tokens the chat template needs up to its first trained token: every record "
-                f"would be quarantined; raise preprocess.max_seq_len"
-                + (" or batching.token_budget" if job.batching.over_budget == "truncate" else ""))
+                f"would be quarantined; raise that limit")
 
     @property
     def vision(self) -> VisionProcessor:
@@ -199,27 +191,18 @@ class Processor:
             input_ids=np.ascontiguousarray(input_ids, dtype=np.int32),
             labels=np.ascontiguousarray(labels, dtype=np.int32),
             num_visual_tokens=int((input_ids == self.image_pad_id).sum()),
-            cost=sample_cost(len(input_ids), self.job.batching),
+            cost=self.job.sample_cost(len(input_ids)),
             pixel_values=pixel_values, image_grid_thw=grid, truncated=truncated,
         )
 
     def _cut_detail(self, n: int, spans: list[tuple[int, int]], per_image: np.ndarray,
                     cut: Cut) -> str:
-        why = f"{n} tokens cut to {cut.tokens} ({self._limit_text()})"
+        why = f"{n} tokens cut to {cut.tokens} ({self.job.sample_limit_text()})"
         if cut.images < len(spans):
             a, b = spans[cut.images]
             why += (f"; image {cut.images + 1} ({int(per_image[cut.images])} visual tokens, "
                     f"tokens {a}-{b}) does not fit and was dropped with any after it")
         return why + "; no assistant token is left"
-
-    def _limit_text(self) -> str:
-        b = self.job.batching
-        text = (f"limit {self.max_tokens} = min(preprocess.max_seq_len "
-                f"{self.cfg.max_seq_len}, batching.token_budget {b.token_budget})"
-                if b.over_budget == "truncate" else f"limit preprocess.max_seq_len "
-                f"{self.cfg.max_seq_len}")
-        cap = self.job.max_sample_visual_tokens()
-        return text + (f", batching.max_visual_tokens {cap}" if cap is not None else "")
 
     def _template_floor(self) -> int:
         """Tokens the chat template puts before the first trained token of the shortest chat

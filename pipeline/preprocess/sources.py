@@ -18,7 +18,7 @@ import os
 import posixpath
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
@@ -60,10 +60,24 @@ def _is_uri(path: str) -> bool:
     return "://" in path
 
 
-def _fs(path: str):
+def is_remote(path: str) -> bool:
+    """A URI of one of pyarrow's filesystems (s3://, gs://, ...), not a local path or file://."""
+    return _is_uri(path) and not path.startswith("file://")
+
+
+def _remote_fs(path: str) -> tuple[Any, str]:
+    """The pyarrow filesystem of a remote URI and the path inside it."""
     import pyarrow.fs as pafs
 
     return pafs.FileSystem.from_uri(path)
+
+
+def open_input(path: str) -> BinaryIO:
+    """A source file (local path, file:// or remote URI) opened for reading bytes, seekable."""
+    if is_remote(path):
+        fs, p = _remote_fs(path)
+        return fs.open_input_file(p)
+    return open(path.removeprefix("file://"), "rb")
 
 
 def _kind(path: str, fmt: str) -> Kind:
@@ -76,10 +90,10 @@ def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
     """Configured paths -> files in deterministic order (config order, then sorted names)."""
     out: list[SourceFile] = []
     for entry in cfg.paths:
-        if _is_uri(entry) and not entry.startswith("file://"):
+        if is_remote(entry):
             import pyarrow.fs as pafs
 
-            fs, root = _fs(entry)
+            fs, root = _remote_fs(entry)
             info = fs.get_file_info(root)
             if info.type == pafs.FileType.NotFound:
                 raise SourceNotFound(f"source not found: {entry}")
@@ -114,12 +128,7 @@ def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
 
 
 def read_bytes(path: str, start: int = 0, end: int | None = None) -> bytes:
-    if _is_uri(path) and not path.startswith("file://"):
-        fs, p = _fs(path)
-        with fs.open_input_file(p) as f:
-            f.seek(start)
-            return f.read() if end is None else f.read(end - start)
-    with open(path.removeprefix("file://"), "rb") as f:
+    with open_input(path) as f:
         f.seek(start)
         return f.read() if end is None else f.read(end - start)
 
@@ -134,8 +143,8 @@ def resolve_relative(source_path: str, rel: str) -> str:
 
 
 def _stat_key(path: str) -> tuple:
-    if _is_uri(path) and not path.startswith("file://"):
-        fs, p = _fs(path)
+    if is_remote(path):
+        fs, p = _remote_fs(path)
         info = fs.get_file_info(p)
         return (path, info.size, info.mtime_ns)
     st = os.stat(path.removeprefix("file://"))
@@ -253,8 +262,8 @@ def _parquet_groups(key: tuple) -> np.ndarray:
 
 
 def _open_parquet_target(path: str):
-    if _is_uri(path) and not path.startswith("file://"):
-        fs, p = _fs(path)
+    if is_remote(path):
+        fs, p = _remote_fs(path)
         return fs.open_input_file(p)
     return path.removeprefix("file://")
 

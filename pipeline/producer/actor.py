@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.producer.producer import Outcome, Producer, ProducerSettings
 
 NAMESPACE = "odb"
@@ -44,7 +44,7 @@ class ProducerActor:
         from pipeline.producer.ray_feed import RayFeed
 
         logging.basicConfig(level=logging.INFO)
-        job = JobConfig.model_validate_json(job_json)
+        job = TrainingJobConfig.model_validate_json(job_json)
         self.job_id = job.job_id
         self.state = RedisJobState.connect(redis_url, job, fsync_publish=fsync_publish)
         self.feed = RayFeed(job)
@@ -58,7 +58,7 @@ class ProducerActor:
                                        daemon=True)
         self.thread.start()
 
-    def _sdo(self, job: JobConfig, feed: Any) -> tuple[Any, JobConfig]:
+    def _sdo(self, job: TrainingJobConfig, feed: Any) -> tuple[Any, TrainingJobConfig]:
         """An SDO job: its visits feed (SDO state in the job's Redis, fenced by this producer's
         lease generation) and the job as planned (the window `locality` asks for)."""
         from pipeline.coordinator.redis_ledger_store import RedisLedgerStore
@@ -99,7 +99,7 @@ def find_producer(job_id: str) -> Any | None:
         return None
 
 
-def ensure_producer(job: JobConfig, redis_url: str, settings: ProducerSettings,
+def ensure_producer(job: TrainingJobConfig, redis_url: str, settings: ProducerSettings,
                     fsync_publish: bool = False) -> Any:
     """The job's producer actor, created if there is none (a no-op when one exists: Ray's
     named-actor registry gives every concurrent caller the same actor)."""

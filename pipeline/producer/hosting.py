@@ -8,9 +8,9 @@ producer actually publishes, so starting many hosts is safe.
   that is stuck (frozen, hung, cut off from Redis) so that a successor takes the lease over. The
   actor outlives this replica.
 - `ThreadHost` (in-memory sources): a producer thread in this process; replicas that lose the
-  race for the lease wait in `Producer._claim` and take over when the holder goes away. It runs
-  a new producer whenever the job needs one again: after it was fenced (it waits for the lease),
-  or when a reconfiguration reopens a job it had finished (docs/elastic.md).
+  race for the lease wait for it (the producer's claim) and take over when the holder goes
+  away. It runs a new producer whenever the job needs one again: after it was fenced (it waits
+  for the lease), or when a reconfiguration reopens a job it had finished (docs/elastic.md).
 - `BootstrapHost` (a Ray job on a replica whose private Ray is still starting): a `ThreadHost`
   over a `LocalFeed` plans the first steps in this process; once Ray is up the job's actor is
   created, and when it answers the thread producer stops (its lease is released at a
@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Protocol
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.errors import StateError
 from pipeline.jobstate.interface import JobState
 from pipeline.producer.feed import MeasuredFeed
@@ -77,7 +77,7 @@ class ProducerHost(Protocol):
 
 
 class ThreadHost:
-    def __init__(self, job: JobConfig, state: JobState, feed: MeasuredFeed, *, holder: str,
+    def __init__(self, job: TrainingJobConfig, state: JobState, feed: MeasuredFeed, *, holder: str,
                  settings: ProducerSettings, check_seconds: float = 1.0) -> None:
         self.job, self.state, self.feed = job, state, feed
         self.holder, self.settings, self.check_seconds = holder, settings, check_seconds
@@ -135,7 +135,7 @@ class ThreadHost:
 
 
 class ActorHost:
-    def __init__(self, job: JobConfig, state: JobState, redis_url: str, *,
+    def __init__(self, job: TrainingJobConfig, state: JobState, redis_url: str, *,
                  settings: ProducerSettings, fsync_publish: bool = False,
                  check_seconds: float = 2.0) -> None:
         self.job, self.state, self.redis_url = job, state, redis_url
@@ -217,7 +217,7 @@ def _wait_until_ready(actor, stop: threading.Event, timeout: float = 120.0) -> N
 
 
 class BootstrapHost:
-    def __init__(self, job: JobConfig, state: JobState, redis_url: str, *, holder: str,
+    def __init__(self, job: TrainingJobConfig, state: JobState, redis_url: str, *, holder: str,
                  settings: ProducerSettings, ray_ready: threading.Event,
                  fsync_publish: bool = False) -> None:
         self.job, self.state, self.holder, self.settings = job, state, holder, settings

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.planner.types import MeasuredSample, Step
 from pipeline.preprocess.process import Processor
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
@@ -24,7 +24,7 @@ CHUNK_ROWS = 32  # small reads: the first step needs a few budgets of samples (p
 
 
 class LocalFeed:
-    def __init__(self, job: JobConfig) -> None:
+    def __init__(self, job: TrainingJobConfig) -> None:
         self.job = job
         self.collate = job.batching.collate
         self._lock = threading.Lock()

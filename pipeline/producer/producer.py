@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.errors import (
     Fenced,
     StateError,
@@ -65,7 +65,6 @@ class Outcome(str, Enum):  # noqa: UP042 (str mixin: printable in logs and statu
 class ProducerSettings:
     lease_seconds: float = 10.0
     max_ahead: int = 10  # published, unacknowledged steps per rank before planning pauses
-    pool_steps: int | None = None  # the planner's balancing pool (None: the job's config)
     # Transient failures (failures.py) are retried after retry_first_seconds, doubling up to
     # retry_cap_seconds; a streak longer than give_up_seconds fails the job.
     retry_first_seconds: float = 0.5
@@ -84,7 +83,7 @@ class Producer:
     planned (and its staged payloads released or given up), `stop()` is called, or another
     producer fences it out."""
 
-    def __init__(self, job: JobConfig, state: JobState, feed: MeasuredFeed, *, holder: str,
+    def __init__(self, job: TrainingJobConfig, state: JobState, feed: MeasuredFeed, *, holder: str,
                  settings: ProducerSettings | None = None) -> None:
         self.job = job
         self.state = state
@@ -262,8 +261,7 @@ class Producer:
 
     def _restore(self) -> tuple[StepPlanner, PlannerCheckpoint | None]:
         policy = self.job.batching.policy()
-        pool = (self.settings.pool_steps if self.settings.pool_steps is not None
-                else self.job.batching.pool_steps)
+        pool = self.job.batching.pool_steps
         self.state.reveal(fence=self.generation)  # a predecessor's held publication, if any
         cp = self.state.load_checkpoint()
         self._last_published = self.state.published_through()

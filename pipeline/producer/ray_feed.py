@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.jobstate.interface import QuarantineEntry
 from pipeline.planner.types import MeasuredSample, Step
 from pipeline.preprocess.sample import IGNORE_INDEX
@@ -73,7 +73,7 @@ def _rebuild(job_json: str, sample_id: str, epoch: int, key: _Key, collate: str)
     with _stores_lock:
         store = _stores.get(job_json)
         if store is None:
-            store = _stores[job_json] = SampleStore(JobConfig.model_validate_json(job_json))
+            store = _stores[job_json] = SampleStore(TrainingJobConfig.model_validate_json(job_json))
     for e in (epoch, epoch - 1):
         if e < 0:
             continue
@@ -109,7 +109,7 @@ class RayFeed:
     `refs(keys)` answers replicas: the object holding each (step, rank) batch's payload rows,
     None when this producer did not stage it (published by a previous producer, or released)."""
 
-    job: JobConfig
+    job: TrainingJobConfig
     _blocks: dict[int, _Block] = field(default_factory=dict)
     _where: dict[_Key, deque[tuple[int, int]]] = field(default_factory=dict)
     _staged: dict[tuple[int, int], ray.ObjectRef] = field(default_factory=dict)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import JobConfig, RefillConfig
+from pipeline.config import RefillConfig, RefillJobConfig
 from pipeline.coordinator.refill_state import RefillState, RequestPayload, SourcePosition
 from pipeline.preprocess.process import Processor
 from pipeline.preprocess.records import decode_line
@@ -93,8 +93,7 @@ def to_request(rule: RefillConfig, sample: ProcessedSample, record: Any, epoch: 
 
 
 class RefillProducer:
-    def __init__(self, job: JobConfig, state: RefillState, holder: str) -> None:
-        assert job.refill is not None
+    def __init__(self, job: RefillJobConfig, state: RefillState, holder: str) -> None:
         self.job, self.rule, self.state, self.holder = job, job.refill, state, holder
         self.lease_ms = int(max(2.0, self.rule.lease_seconds / 3) * 1000)
         self._stop = threading.Event()

@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.jobstate.interface import QuarantineEntry
 from pipeline.organization.epoch_visits import split_visit_id
 from pipeline.organization.ledger_store import epoch_visits_for
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def planning_job(job: JobConfig) -> JobConfig:
+def planning_job(job: TrainingJobConfig) -> TrainingJobConfig:
     """The job as its producer plans it: an SDO job's planner window is the one `locality`
     asks for (the registered config, and so its hash, stay the job's own)."""
     if job.organization.kind != "sdo":
@@ -71,7 +71,7 @@ class SdoFeed:
     """`MeasuredFeed` of an SDO job. `fence()` gives the producer's lease generation, which
     every write of SDO state to `store` carries."""
 
-    def __init__(self, job: JobConfig, inner: RayFeed, store: RedisLedgerStore, *,
+    def __init__(self, job: TrainingJobConfig, inner: RayFeed, store: RedisLedgerStore, *,
                  fence: Callable[[], int | None]) -> None:
         self.job = job
         self.inner = inner

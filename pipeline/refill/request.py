@@ -16,9 +16,8 @@ epochs before it, so an epoch's requests are admitted before the next epoch's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-OverBudget = Literal["quarantine", "alone", "truncate"]
+from pipeline.modes import OverBudgetPolicy
 
 EPOCH_ROWS = 2**32  # source rows per epoch in arrival order (`arrival_seq`); the Lua uses it too
 
@@ -66,7 +65,7 @@ class Priced:
 
 
 def price(request_id: str, seq: int, prompt_tokens: int, generation_tokens: int,
-          max_request_tokens: int | None, over_budget: OverBudget) -> Priced:
+          max_request_tokens: int | None, over_budget: OverBudgetPolicy) -> Priced:
     """Apply the over-budget policy to a sample of `prompt_tokens` that plans
     `generation_tokens`: `quarantine` sets a request over `max_request_tokens` aside,
     `truncate` lowers its planned generation to fit (quarantined if the prompt alone does not),
@@ -79,10 +78,10 @@ def price(request_id: str, seq: int, prompt_tokens: int, generation_tokens: int,
         return Priced(RefillRequest(request_id, prompt_tokens, generation_tokens, seq))
     detail = (f"cost {cost} (prompt {prompt_tokens} + generation {generation_tokens}) > "
               f"max_request_tokens {max_request_tokens}")
-    if over_budget == "alone":
+    if over_budget == OverBudgetPolicy.ALONE:
         return Priced(RefillRequest(request_id, prompt_tokens, generation_tokens, seq,
                                     over_budget=True))
-    if over_budget == "truncate" and prompt_tokens < max_request_tokens:
+    if over_budget == OverBudgetPolicy.TRUNCATE and prompt_tokens < max_request_tokens:
         return Priced(RefillRequest(request_id, prompt_tokens,
                                     max_request_tokens - prompt_tokens, seq))
     return Priced(None, "over_budget", detail)

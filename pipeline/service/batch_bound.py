@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.config import PIXELS_PER_VISUAL_TOKEN, JobConfig
+from pipeline.config import PIXELS_PER_VISUAL_TOKEN, TrainingJobConfig
+from pipeline.modes import OverBudgetPolicy
 from pipeline.preprocess.vision import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE
 
 PIXEL_BYTES = {"uint8": 1, "bfloat16": 2, "float32": 4}
@@ -54,9 +55,9 @@ class BatchBound:
         return self.visual_tokens // self.image_visual_tokens if self.image_visual_tokens else 0
 
 
-def largest_batch(job: JobConfig) -> BatchBound:
+def largest_batch(job: TrainingJobConfig) -> BatchBound:
     b, p = job.batching, job.preprocess
-    alone = b.over_budget == "alone"
+    alone = b.over_budget is OverBudgetPolicy.ALONE
     tokens = max(b.token_budget, job.max_sample_tokens()) if alone else b.token_budget
     visual = min(b.token_budget, b.max_visual_tokens or b.token_budget)
     if alone:  # a sample over the visual cap goes alone: its images fit its own tokens
@@ -75,7 +76,7 @@ def largest_batch(job: JobConfig) -> BatchBound:
         pixel_bytes=pixels + GRID_ROW_BYTES * images if visual else 0)
 
 
-def batch_size_notice(job: JobConfig, bound: BatchBound, *, prefetch_bytes: int,
+def batch_size_notice(job: TrainingJobConfig, bound: BatchBound, *, prefetch_bytes: int,
                       prefetch_steps: int, max_message_bytes: int, chunk_bytes: int
                       ) -> str | None:
     """What an operator should know when the job's largest batch is beyond a message

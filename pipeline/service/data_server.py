@@ -39,7 +39,7 @@ from pipeline.observability.status_view import training_job_status
 from pipeline.service import scaling
 from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
-from pipeline.service.liveness import RankFailurePolicy, rank_failure
+from pipeline.service.liveness import LivenessPolicy, rank_failure
 from pipeline.service.rank_stream import RankStreams
 from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
@@ -104,7 +104,7 @@ def add_servicer(servicer: DataServicer, server: grpc.aio.Server) -> None:
         "odb.v1.DataService", handlers),))
 
 
-def job_status(rt: JobRuntime, replica_id: str, policy: RankFailurePolicy, *, open_: bool
+def job_status(rt: JobRuntime, replica_id: str, policy: LivenessPolicy, *, open_: bool
                ) -> pb.JobStatus:
     """GetJob's answer for a training job: the job's typed status (its state plus this
     replica's connections), rendered as the proto."""

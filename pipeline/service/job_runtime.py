@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.jobstate.interface import JobState, ProducerFailure
 from pipeline.jobstate.worlds import PlanHead
 from pipeline.planner.types import Step
@@ -56,7 +56,7 @@ class ReplicaFacts:
 
 
 class JobRuntime:
-    def __init__(self, job: JobConfig, state: JobState, payloads: PayloadSource,
+    def __init__(self, job: TrainingJobConfig, state: JobState, payloads: PayloadSource,
                  host: ProducerHost | None, *, pad_id: int = 0,
                  refresh_seconds: float = 0.025, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  batch_notice: str | None = None) -> None:

@@ -1,5 +1,6 @@
 """What a job's other rank streams do once a rank has been gone too long (Guarantee 4): the
-job's `rank_failure_policy`, one small class per policy behind `RankFailurePolicy`.
+job's `rank_failure_policy` (`pipeline.modes.RankFailurePolicy`), one small class per policy
+behind `LivenessPolicy`.
 
 A rank is gone once its lease lapsed, or it never claimed one (counted from the world's first
 claim: `JobState.timed_out_ranks`); after `rank_timeout_seconds` the policy decides:
@@ -19,14 +20,15 @@ import logging
 import threading
 from typing import Protocol
 
+from pipeline.modes import RankFailurePolicy
 from pipeline.service import scaling
 from pipeline.service.job_runtime import JobRuntime
 
 log = logging.getLogger(__name__)
 
 
-class RankFailurePolicy(Protocol):
-    name: str
+class LivenessPolicy(Protocol):
+    name: RankFailurePolicy
     timeout_seconds: float
 
     def failure(self, rt: JobRuntime, gone: dict[int, float]) -> str | None:
@@ -34,7 +36,7 @@ class RankFailurePolicy(Protocol):
         that ends the job's other streams, or None (they go on)."""
 
 
-def _message(rt: JobRuntime, gone: dict[int, float], policy: RankFailurePolicy,
+def _message(rt: JobRuntime, gone: dict[int, float], policy: LivenessPolicy,
              why: str = "") -> str:
     who = ", ".join(f"rank {r} has been gone for {t:.1f}s" for r, t in gone.items())
     return (f"job {rt.job.job_id!r}: {who} (lease lapsed or never taken, longer than "
@@ -45,7 +47,7 @@ def _message(rt: JobRuntime, gone: dict[int, float], policy: RankFailurePolicy,
 
 
 class Fail:
-    name = "fail"
+    name = RankFailurePolicy.FAIL
 
     def __init__(self, timeout_seconds: float) -> None:
         self.timeout_seconds = timeout_seconds
@@ -55,7 +57,7 @@ class Fail:
 
 
 class Wait:
-    name = "wait"
+    name = RankFailurePolicy.WAIT
 
     def __init__(self, timeout_seconds: float) -> None:
         self.timeout_seconds = timeout_seconds
@@ -75,7 +77,7 @@ class Wait:
 
 
 class Shrink:
-    name = "shrink"
+    name = RankFailurePolicy.SHRINK
 
     def __init__(self, timeout_seconds: float) -> None:
         self.timeout_seconds = timeout_seconds
@@ -85,17 +87,18 @@ class Shrink:
         return None if why is None else _message(rt, gone, self, f" ({why})")
 
 
-POLICIES: dict[str, type[Fail | Wait | Shrink]] = {"fail": Fail, "wait": Wait,
-                                                   "shrink": Shrink}
+POLICIES: dict[RankFailurePolicy, type[Fail | Wait | Shrink]] = {
+    p.name: p for p in (Fail, Wait, Shrink)}
 
 
-def policy_named(name: str, timeout_seconds: float) -> RankFailurePolicy:
+def policy_named(name: RankFailurePolicy | str, timeout_seconds: float) -> LivenessPolicy:
     if name not in POLICIES:
-        raise ValueError(f"rank_failure_policy must be one of {sorted(POLICIES)}, got {name!r}")
+        raise ValueError(f"rank_failure_policy must be one of "
+                         f"{[p.value for p in RankFailurePolicy]}, got {name!r}")
     return POLICIES[name](timeout_seconds)
 
 
-def rank_failure(rt: JobRuntime, policy: RankFailurePolicy, rank: int | None = None
+def rank_failure(rt: JobRuntime, policy: LivenessPolicy, rank: int | None = None
                  ) -> str | None:
     """The policy's error for the streams of ranks other than `rank` (None: they go on)."""
     gone = {r: t for r, t in rt.dead_ranks(policy.timeout_seconds).items() if r != rank}

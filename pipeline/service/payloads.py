@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.planner.types import Batch, MeasuredSample, SampleId, Step
 from pipeline.preprocess.array_source import ArraySource
 from pipeline.preprocess.sample import ProcessedSample
@@ -57,7 +57,7 @@ def _matches(p: ProcessedSample, s: MeasuredSample, collate: str, payload_id: st
                                                  s.num_visual_tokens, s.loss_tokens)
 
 
-def payload_id_of(job: JobConfig) -> Callable[[SampleId], str]:
+def payload_id_of(job: TrainingJobConfig) -> Callable[[SampleId], str]:
     """The sample whose payload a planned id names: the id itself, or for an SDO job the
     sample of a visit (`<sample_id>#<k>`)."""
     if job.organization.kind == "sdo":
@@ -101,7 +101,7 @@ class ArrayPayloads(_Counting):
 class RayPayloads(_Counting):
     blocking = True
 
-    def __init__(self, job: JobConfig, local: LocalFeed | None = None, *,
+    def __init__(self, job: TrainingJobConfig, local: LocalFeed | None = None, *,
                  timeout_s: float = 10.0) -> None:
         super().__init__()
         self.job = job

@@ -73,11 +73,12 @@ from pipeline.errors import (
     StateUnavailable,
 )
 from pipeline.jobstate.interface import ProducerFailure, RankAck
+from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd
 from pipeline.producer.failures import Cause
 from pipeline.service.credit_window import CreditError, CreditWindow
 from pipeline.service.job_runtime import JobRuntime
-from pipeline.service.liveness import RankFailurePolicy, rank_failure
+from pipeline.service.liveness import LivenessPolicy, rank_failure
 from pipeline.service.rank_cursor import (
     Boundary,
     End,
@@ -93,7 +94,7 @@ from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MODE = {"join": pb.JOIN, "quota": pb.QUOTA}
+MODE = {JobMode.JOIN: pb.JOIN, JobMode.QUOTA: pb.QUOTA}
 Write = Callable[[pb.ServerMessage | bytes], Awaitable[None]]
 
 
@@ -162,7 +163,7 @@ class RankStreams:
     """The rank streams of one replica, every job's: what they share (the settings, the
     failure policy, each job's `JobIO`, the clients that vanished from this replica)."""
 
-    def __init__(self, settings: StreamSettings, policy: RankFailurePolicy,
+    def __init__(self, settings: StreamSettings, policy: LivenessPolicy,
                  executor: Executor) -> None:
         """`executor`: the I/O threads the streams' blocking calls run in."""
         self.settings = settings

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from pipeline.config import JobConfig, ServiceConfig
+from pipeline.config import RefillJobConfig, ServiceConfig
 from pipeline.coordinator.refill_state import RefillState, RequestPayload
 from pipeline.errors import StateUnavailable, UserError
+from pipeline.modes import JobMode
 from pipeline.observability.job_status import ReplicaStatus
 from pipeline.observability.status_proto import to_proto
 from pipeline.observability.status_view import refill_job_status
@@ -56,12 +57,12 @@ MAX_HELD_IDS = 65_536  # a RefillOpen's held ids (they reach Redis and the logs)
 class RefillJob:
     """One refill job on this replica: its shared state and this replica's producer."""
 
-    job: JobConfig
+    job: RefillJobConfig
     state: RefillState
     producer: RefillProducer
 
 
-def connect_refill_job(config: ServiceConfig, job: JobConfig, replica_id: str) -> RefillJob:
+def connect_refill_job(config: ServiceConfig, job: RefillJobConfig, replica_id: str) -> RefillJob:
     """A `mode: refill` job's parts on this replica: its Redis state (registered, or checked
     against the registered config: a changed config under the same job id is refused) and its
     producer (not started)."""
@@ -71,7 +72,6 @@ def connect_refill_job(config: ServiceConfig, job: JobConfig, replica_id: str) -
         raise UserError(f"job {job.job_id!r}: a `mode: refill` job keeps its leases and "
                         "completions in Redis: configure redis_url (serve's embedded default "
                         "does)")
-    assert job.refill is not None
     state = RefillState.connect(config.redis_url, job.job_id,
                                 lease_seconds=job.refill.lease_seconds)
     registry.register_refill_job(state.client, job.job_id,
@@ -97,7 +97,7 @@ def request_message(r: RequestPayload) -> pb.RefillRequest:
 
 class RefillServicer:
     def __init__(self, jobs: dict[str, RefillJob], tokens: dict[str, str | None],
-                 other_jobs: dict[str, str]) -> None:
+                 other_jobs: dict[str, JobMode]) -> None:
         self.jobs = jobs
         self.tokens = tokens  # every served job's (None: open)
         self.other_jobs = other_jobs  # training job id -> its mode (FAILED_PRECONDITION)
@@ -124,7 +124,7 @@ class RefillServicer:
         require_token(self.tokens.get(job_id), context, job_id)
         if rj is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"job {job_id!r} has mode {self.other_jobs[job_id]!r}: Refill "
+                          f"job {job_id!r} has mode '{self.other_jobs[job_id]}': Refill "
                           "serves `mode: refill` jobs; a training job's ranks use Stream "
                           "(trainer_client.BatchStream)")
         return rj  # type: ignore[return-value]

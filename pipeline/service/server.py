@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pipeline.config import GrpcConfig, JobConfig, ServiceConfig
+from pipeline.config import GrpcConfig, RefillJobConfig, ServiceConfig, TrainingJobConfig
 from pipeline.errors import UserError
 from pipeline.jobstate.interface import JobState
 from pipeline.preprocess.array_source import ArraySource
@@ -100,14 +100,14 @@ class RunningService:
             rt.state.close()
 
 
-def producer_settings(config: ServiceConfig, pool_steps: int | None = None) -> ProducerSettings:
+def producer_settings(config: ServiceConfig) -> ProducerSettings:
     # Room for a full client window plus the step held by the trainer and the one in flight.
     return ProducerSettings(lease_seconds=config.lease_seconds,
-                            max_ahead=2 * config.grpc.prefetch_steps + 2, pool_steps=pool_steps,
+                            max_ahead=2 * config.grpc.prefetch_steps + 2,
                             linger_seconds=max(60.0, 2 * config.rank_timeout_seconds))
 
 
-def _job_parts(config: ServiceConfig, job: JobConfig, state: JobState,
+def _job_parts(config: ServiceConfig, job: TrainingJobConfig, state: JobState,
                array: ArraySource | None, replica_id: str, settings: ProducerSettings,
                ray_ready: threading.Event | None) -> tuple[PayloadSource, ProducerHost]:
     if array is not None:
@@ -139,25 +139,23 @@ def start_service(
     sample_sources: Mapping[str, ArraySource] | None = None,
     tokens: Mapping[str, str | None] | None = None,
     resume_grace_s: float | None = None,
-    pool_steps: int | None = None,
     replica_id: str | None = None,
     ray_ready: threading.Event | None = None,
 ) -> RunningService:
     """Start this replica's runtimes and gRPC server for every job of `config`; returns once
     listening. `tokens` overrides the per-job bearer tokens (default: each job's `token_env`
-    variable); `pool_steps` the planner's balancing pool (None: the job's config).
-    `ray_ready`: an event set once Ray is initialized, for a caller that starts Ray meanwhile
-    (None: Ray is up already); until then Ray jobs are planned in this process."""
+    variable). `ray_ready`: an event set once Ray is initialized, for a caller that starts Ray
+    meanwhile (None: Ray is up already); until then Ray jobs are planned in this process."""
     enforce_exposure(config, tokens)  # no job open beyond loopback unless opted in (#28)
     job_states = dict(job_states or {})
     sample_sources = dict(sample_sources or {})
     replica_id = replica_id or new_replica_id()
-    settings = producer_settings(config, pool_steps)
+    settings = producer_settings(config)
     runtimes: dict[str, JobRuntime] = {}
     toks: dict[str, str | None] = {}
     refill_jobs: dict[str, RefillJob] = {}
     for job in config.jobs:
-        if job.mode == "refill":
+        if isinstance(job, RefillJobConfig):
             refill_jobs[job.job_id] = connect_refill_job(config, job, replica_id)
             toks[job.job_id] = (tokens[job.job_id] if tokens and job.job_id in tokens
                                 else job.token())
@@ -212,7 +210,7 @@ def start_service(
                           refill_jobs, frozenset(j for j, t in toks.items() if t is None))
 
 
-def _batch_notice(config: ServiceConfig, job: JobConfig) -> str | None:
+def _batch_notice(config: ServiceConfig, job: TrainingJobConfig) -> str | None:
     """What the job's largest batch means for its trainers, logged at start (and in status)
     when it is beyond a message or a trainer's default byte window."""
     notice = batch_size_notice(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pipeline.config import JobConfig, ServiceConfig
+from pipeline.config import ServiceConfig, TrainingJobConfig
 from pipeline.jobstate.interface import JobState
 from pipeline.jobstate.memory import MemoryJobState
 
 
-def make_job_state(config: ServiceConfig, job: JobConfig) -> JobState:
+def make_job_state(config: ServiceConfig, job: TrainingJobConfig) -> JobState:
     """Redis (shared, survives restarts) when a URL is configured; process memory otherwise."""
     if config.redis_url:
         from pipeline.coordinator import RedisJobState

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.coordinator import RedisJobState
 from pipeline.errors import StateUnavailable
 from pipeline.jobstate import Publication, QuarantineEntry
@@ -23,8 +23,8 @@ from pipeline.redis_server import LocalRedis, free_port
 QUIET_TIMEOUT = 20.0  # a producer that neither waits for input nor ends by then is stuck
 
 # The renewer never fires within an example (period = lease / 3): lapses are the model's rules.
-SETTINGS = ProducerSettings(lease_seconds=600.0, max_ahead=10**6, pool_steps=1,
-                            linger_seconds=0.0, poll_seconds=0.01, retry_cap_seconds=0.5)
+SETTINGS = ProducerSettings(lease_seconds=600.0, max_ahead=10**6, linger_seconds=0.0,
+                            poll_seconds=0.01, retry_cap_seconds=0.5)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -44,9 +44,9 @@ class ReferencePlan:
         return self.steps[step].epoch
 
 
-def reference_plan(items: Sequence[FeedItem], job: JobConfig) -> ReferencePlan:
+def reference_plan(items: Sequence[FeedItem], job: TrainingJobConfig) -> ReferencePlan:
     planner = StepPlanner(job.batching.policy(), job.world_size, job.mode, job.seed,
-                          SETTINGS.pool_steps)
+                          job.batching.pool_steps)
     steps: list[Step] = []
     ends: list[EpochEnd] = []
     quarantined: set[str] = set()
@@ -215,7 +215,7 @@ class ObservedState:
 class ProducerInstance:
     """One producer process: `Producer.run()` in a thread over its own client and gated feed."""
 
-    def __init__(self, identity: str, job: JobConfig, items: Sequence[FeedItem], url: str,
+    def __init__(self, identity: str, job: TrainingJobConfig, items: Sequence[FeedItem], url: str,
                  log: PublishLog, redis: ModelRedis) -> None:
         self.identity = identity
         self.feed = GatedFeed(items)

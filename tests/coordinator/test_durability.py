@@ -18,7 +18,7 @@ from jobstate.builders import make_end, publication, steps
 from support.valkey_server import valkey, valkey_binary
 from support.waiting import wait_for
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.coordinator import RedisJobState
 from pipeline.errors import DurabilityTimeout
 from pipeline.jobstate import Grant, MemoryJobState, ScaleRequest
@@ -121,7 +121,7 @@ def test_a_producer_rides_out_an_unconfirmed_disk(durable):
     settings = ProducerSettings(lease_seconds=10.0, max_ahead=10**6, linger_seconds=0.0,
                                 poll_seconds=0.01, retry_first_seconds=0.05,
                                 retry_cap_seconds=0.1)
-    job = JobConfig.model_validate({
+    job = TrainingJobConfig.model_validate({
         "job_id": "stall", "world_size": 2, "seed": 2, "epochs": 2,
         "source": {"paths": ["arrays"]},
         "batching": {"token_budget": 1024, "max_window_samples": 32, "pool_steps": 1}})

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 from support.waiting import wait_for
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.coordinator import RedisJobState
 from pipeline.coordinator.registry import config_hash
 from pipeline.jobstate import ScaleRequest
@@ -25,8 +25,8 @@ N = 240
 SETTINGS = ProducerSettings(lease_seconds=5.0, max_ahead=4, poll_seconds=0.01)
 
 
-def job(job_id: str, world_size: int = 3) -> JobConfig:
-    return JobConfig.model_validate({
+def job(job_id: str, world_size: int = 3) -> TrainingJobConfig:
+    return TrainingJobConfig.model_validate({
         "job_id": job_id, "world_size": world_size, "seed": 5, "source": {"paths": ["arrays"]},
         "batching": {"token_budget": 1024, "max_window_samples": 32, "pool_steps": 2}})
 
@@ -34,7 +34,7 @@ def job(job_id: str, world_size: int = 3) -> JobConfig:
 class Run:
     """A producer thread for `cfg` over the state in Redis."""
 
-    def __init__(self, cfg: JobConfig, url: str, samples, holder: str) -> None:
+    def __init__(self, cfg: TrainingJobConfig, url: str, samples, holder: str) -> None:
         self.state = RedisJobState.connect(url, cfg)
         self.producer = Producer(cfg, self.state, ArrayFeed(ArraySource(samples), "padded"),
                                  holder=holder, settings=SETTINGS)

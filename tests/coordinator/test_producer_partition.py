@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import redis
 from support.waiting import wait_for
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.coordinator import RedisJobState, scripts
 from pipeline.jobstate import MemoryJobState
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples
@@ -30,8 +30,8 @@ SETTINGS = ProducerSettings(lease_seconds=LEASE_S, max_ahead=10**6, linger_secon
                             poll_seconds=0.01, retry_first_seconds=0.05, retry_cap_seconds=0.2)
 
 
-def _job() -> JobConfig:
-    return JobConfig.model_validate({
+def _job() -> TrainingJobConfig:
+    return TrainingJobConfig.model_validate({
         "job_id": "cut", "world_size": 2, "seed": 3, "epochs": 2,
         "source": {"paths": ["arrays"]},
         "batching": {"token_budget": 1024, "max_window_samples": 16, "pool_steps": 1}})

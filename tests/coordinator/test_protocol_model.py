@@ -64,10 +64,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.coordinator import RedisJobState
 from pipeline.errors import AckAheadOfPlan, AckNotDelivered, Fenced, RankHeld
 from pipeline.jobstate import QuarantineEntry, RankAck
+from pipeline.modes import JobMode
 from pipeline.planner.types import MeasuredSample
 from pipeline.producer.producer import Outcome
 
@@ -131,7 +132,7 @@ class ProtocolModel(RuleBasedStateMachine):
         # QuarantineEntry); lengths over the budget of 64 meet the over-budget policy.
         self.items = [quarantine_entry(f"s:{i}") if n == 0
                       else MeasuredSample(f"s:{i}", n, 0, n // 2) for i, n in enumerate(rows)]
-        self.job = JobConfig(
+        self.job = TrainingJobConfig(
             job_id="model", world_size=world_size, mode=mode, seed=seed, epochs=epochs,
             source={"paths": ["model-rows"]},
             batching={"token_budget": 64, "max_window_samples": window_samples, "pool_steps": 1,
@@ -359,7 +360,7 @@ class ProtocolModel(RuleBasedStateMachine):
         # Absent: a join-mode rank past its last step of the epoch. It knows in band: the
         # END was published with this step; the replica acks it through the epoch.
         e = got.epoch
-        assert self.job.mode == "join"
+        assert self.job.mode is JobMode.JOIN
         ends = {x.epoch: x for x in view.state.epoch_ends()}
         assert e in ends, f"rank {view.rank} absent from step {n}, epoch {e} has no END"
         final = ends[e].final_step[view.rank]
@@ -484,7 +485,7 @@ class ProtocolModel(RuleBasedStateMachine):
             ids = [s.sample_id for n in self.ref.epoch_steps(end.epoch)
                    for b in self.seen[n].batches if not b.filler for s in b.samples]
             out = [s.sample_id for s in end.carried_over]
-            if self.job.mode == "join":
+            if self.job.mode is JobMode.JOIN:
                 assert not out
             assert Counter(ids) + Counter(out) == Counter(valid) + Counter(carried_in), (
                 f"epoch {end.epoch}: samples not planned exactly once")
@@ -501,7 +502,7 @@ class ProtocolModel(RuleBasedStateMachine):
                 assert got <= want, f"rank {view.rank} got steps the END does not give it"
                 if view.next > (steps[-1] if steps else -1):
                     assert got == want, f"rank {view.rank}: epoch {end.epoch} step count"
-                if self.job.mode == "quota" and final is not None:
+                if self.job.mode is JobMode.QUOTA and final is not None:
                     assert set(end.final_step) == {final}
 
     def _acks_checkpoint_counters_and_trimming(self) -> None:

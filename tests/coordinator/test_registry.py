@@ -114,10 +114,10 @@ def test_every_key_is_under_the_versioned_job_prefix(new_state, redis_client):
 
 
 def test_connect_from_job_config(redis_client, redis_url):
-    from pipeline.config import JobConfig
+    from pipeline.config import TrainingJobConfig
 
-    job = JobConfig(job_id="cfgjob", world_size=2, mode="quota", seed=5,
-                    source={"paths": ["data/a.jsonl"]})
+    job = TrainingJobConfig(job_id="cfgjob", world_size=2, mode="quota", seed=5,
+                            source={"paths": ["data/a.jsonl"]})
     st = RedisJobState.connect(redis_url, job)
     rec = registry.read_job(st.client, "cfgjob")
     assert (rec.world_size, rec.mode, rec.seed) == (2, "quota", 5)
@@ -128,7 +128,24 @@ def test_connect_from_job_config(redis_client, redis_url):
     with pytest.raises(JobMismatch, match="config_hash"):
         RedisJobState.connect(redis_url, job.model_copy(update={"seed": 6}))
     with pytest.raises(JobMismatch, match="world_size"):
-        RedisJobState.connect(redis_url, JobConfig(**{**job.model_dump(), "world_size": 4}))
+        RedisJobState.connect(redis_url, job.model_copy(update={"world_size": 4}))
+
+
+@pytest.mark.parametrize(("job", "registered_hash"), [
+    ({"job_id": "sft", "world_size": 2, "mode": "quota", "token_env": "T",
+      "source": {"paths": ["a.jsonl"]},
+      "batching": {"token_budget": 4096, "pool_steps": 2, "over_budget": "alone"}},
+     "ddb9876030ffb759"),
+    ({"job_id": "d", "world_size": 1, "source": {"paths": ["a.jsonl"]}}, "af91497357320800"),
+    ({"job_id": "gen", "mode": "refill", "epochs": 2, "source": {"paths": ["p.jsonl"]},
+      "refill": {"generation_tokens": 64, "over_budget": "alone"}}, "4c37b9b0be81ab55"),
+])
+def test_a_job_registered_by_the_one_job_model_of_earlier_builds_resumes(job, registered_hash):
+    """The hashes these configs were registered with before jobs had a type per kind (the
+    one JobConfig of earlier builds): a stored job keeps resuming after the upgrade."""
+    from pipeline.config import parse_job
+
+    assert registry.config_hash(parse_job(job)) == registered_hash
 
 
 def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, redis_url):
@@ -136,11 +153,11 @@ def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, red
     refused with another, summarized with its counts, its every key expired and deleted."""
     import numpy as np
 
-    from pipeline.config import JobConfig
+    from pipeline.config import RefillJobConfig
     from pipeline.coordinator.refill_state import RefillState, RequestPayload, SourcePosition
     from pipeline.refill.request import RefillRequest
 
-    job = JobConfig(job_id="rf", mode="refill", source={"paths": ["p.jsonl"]})
+    job = RefillJobConfig(job_id="rf", source={"paths": ["p.jsonl"]})
     h = registry.config_hash(job)
     assert registry.register_refill_job(redis_client, "rf", config_hash=h)
     assert not registry.register_refill_job(redis_client, "rf", config_hash=h)  # a resume

@@ -33,7 +33,7 @@ def samples(n: int, seed: int = 1) -> list:
 def served(redis_url: str, job_id: str, world_size: int, items: list, *,
            token: str | None = None, **service: Any):
     """The job on a real gRPC server over RedisJobState (the session's redis-server); `service`
-    holds ServiceConfig fields, `job` JobConfig fields."""
+    holds ServiceConfig fields, `job` TrainingJobConfig fields."""
     job = {"job_id": job_id, "world_size": world_size, "seed": 3,
            "source": {"paths": ["arrays"]},
            "batching": {"token_budget": 1024, "max_window_samples": 64, "pool_steps": 2},

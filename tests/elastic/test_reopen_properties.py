@@ -20,14 +20,13 @@ from collections import Counter
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import (
     Collate,
-    DgapMode,
     EpochEnd,
     MeasuredSample,
-    OverBudgetPolicy,
     Quarantined,
     Step,
 )
@@ -51,7 +50,7 @@ def scenarios(draw):
     epochs = [[MeasuredSample(f"{e}:{i}", sizes[i], 0, i % 5) for i in perm]
               for e, perm in enumerate(order)]
     return {
-        "policy": policy, "epochs": epochs, "mode": draw(st.sampled_from(list(DgapMode))),
+        "policy": policy, "epochs": epochs, "mode": draw(st.sampled_from(list(DGAP_MODES))),
         "old": draw(st.sampled_from([1, 2, 3, 4, 8])), "new": draw(st.sampled_from([1, 2, 3, 4])),
         "seed": draw(st.integers(0, 2**31)), "pool_steps": draw(st.sampled_from([None, 1, 2])),
         "b_back": draw(st.integers(1, 6)),  # B: this many steps before the final END's last
@@ -113,7 +112,7 @@ def test_reopening_the_last_epoch_keeps_every_sample_once_per_epoch(sc):
     out = run(sc)
     assume(out is not None)
     planned, kept, after, first = out
-    policy, mode, new = sc["policy"], DgapMode(sc["mode"]), sc["new"]
+    policy, mode, new = sc["policy"], JobMode(sc["mode"]), sc["new"]
     last_epoch = len(sc["epochs"]) - 1
     new_steps = [ev for ev in after if isinstance(ev, Step)]
     (end,) = [ev for ev in after if isinstance(ev, EpochEnd)]
@@ -124,7 +123,7 @@ def test_reopening_the_last_epoch_keeps_every_sample_once_per_epoch(sc):
         assert s.epoch == last_epoch
         ranks = [bt.rank for bt in s.batches]
         assert len(ranks) == len(set(ranks)) and all(0 <= r < new for r in ranks)
-        if mode is DgapMode.QUOTA or s is not new_steps[-1]:
+        if mode is JobMode.QUOTA or s is not new_steps[-1]:
             assert len(ranks) == new
         real = [bt for bt in s.batches if not bt.filler]
         assert any(bt.filler for bt in s.batches) <= (s is new_steps[-1])
@@ -137,7 +136,7 @@ def test_reopening_the_last_epoch_keeps_every_sample_once_per_epoch(sc):
     for r in range(new):
         got = [s.step for s in new_steps if s.batch_for(r) is not None]
         want = max(got) if got else None
-        assert end.final_step[r] == want or mode is DgapMode.QUOTA
+        assert end.final_step[r] == want or mode is JobMode.QUOTA
     if new_steps:
         assert end.steps == new_steps[-1].step + 1 - old_first
     # Exactly once per epoch, by origin (the id carries it): kept old + new (+ quarantined).

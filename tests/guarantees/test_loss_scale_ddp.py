@@ -24,7 +24,7 @@ import pytest
 import torch
 from ddp_loss_rank import flat_grad, tiny_model
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import Step
@@ -60,8 +60,9 @@ def _long_prompt_chats(path: Path) -> Path:
 
 
 def _samples(paths: list[str], mode: str) -> dict[str, ProcessedSample]:
-    job = JobConfig.model_validate({"job_id": "g6", "world_size": W, "source": {"paths": paths},
-                                    "batching": {"token_budget": BUDGET, "collate": mode}})
+    job = TrainingJobConfig.model_validate({
+        "job_id": "g6", "world_size": W, "source": {"paths": paths},
+        "batching": {"token_budget": BUDGET, "collate": mode}})
     proc = Processor(job, 0)
     out = {}
     for chunk in plan_chunks(expand_sources(job.source), 256, 0, None):

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.organization import embedding_cache
 from pipeline.organization.embed_stage import EmbeddingError, embed_dataset
 from pipeline.organization.embedding_text import conversation_text, decode_record
@@ -20,8 +20,8 @@ from pipeline.sample_data import IMAGES_DIR, SAMPLE_CHATS
 FIRST, ROWS = 50, 24  # rows 53 (no assistant turn) and 89 (bad UTF-8) are in 50..89
 
 
-def _job(path, **embedding) -> JobConfig:
-    return JobConfig.model_validate({
+def _job(path, **embedding) -> TrainingJobConfig:
+    return TrainingJobConfig.model_validate({
         "job_id": "t", "world_size": 1, "source": {"paths": [str(path)]},
         "organization": {"kind": "sdo", "embedding": embedding}})
 

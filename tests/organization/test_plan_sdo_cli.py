@@ -77,8 +77,8 @@ def test_sdo_plan_reports_locality_exposure_and_emits_visits(chats, tmp_path):
 
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--lengths", "L", "--organization", "sdo"], "--organization sdo needs --data"),
-    (["--data", "D", "--organization", "sdo", "--knn-k", "0"], "organization.knn_k"),
-    (["--data", "D", "--organization", "sdo", "--locality", "2"], "organization.locality"),
+    (["--data", "D", "--organization", "sdo", "--knn-k", "0"], "--knn-k = 0"),
+    (["--data", "D", "--organization", "sdo", "--locality", "2"], "--locality = 2.0"),
     (["--data", "D", "--organization", "sdo", "--embedding-model", "x",
       "--embedding-column", "c"], "one of model or column"),
 ])

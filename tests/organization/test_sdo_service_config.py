@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import JobConfig, ServiceConfig
+from pipeline.config import ServiceConfig, TrainingJobConfig
 from pipeline.errors import UserError
 from pipeline.organization.locality import planner_lookahead
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples
@@ -15,8 +15,8 @@ from pipeline.service.payloads import payload_id_of
 from pipeline.service.server import start_service
 
 
-def _job(kind: str = "sdo", locality: float = 1.0) -> JobConfig:
-    return JobConfig.model_validate({
+def _job(kind: str = "sdo", locality: float = 1.0) -> TrainingJobConfig:
+    return TrainingJobConfig.model_validate({
         "job_id": "sdo-cfg", "world_size": 2, "source": {"paths": ["chats.jsonl"]},
         "batching": {"token_budget": 1024},
         "organization": {"kind": kind, "locality": locality}})

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from collections import Counter
 
+from pipeline.modes import JobMode
 from pipeline.planner.epochs import plan_epochs
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import StepPlanner
-from pipeline.planner.types import DgapMode, EpochEnd, MeasuredSample, Quarantined, Step
+from pipeline.planner.types import EpochEnd, MeasuredSample, Quarantined, Step
 
 
 def run_epochs(
     epochs: list[list[MeasuredSample]],
     policy: BatchingPolicy,
     world_size: int,
-    mode: DgapMode | str = DgapMode.JOIN,
+    mode: JobMode | str = JobMode.JOIN,
     seed: int = 0,
     close: bool = True,
 ) -> list:
@@ -28,7 +29,7 @@ def check_plan(
     epochs: list[list[MeasuredSample]],
     policy: BatchingPolicy,
     world_size: int,
-    mode: DgapMode | str,
+    mode: JobMode | str,
     closed: bool = True,
 ) -> dict:
     """Assert every guarantee the planner gives; returns a few counts for extra asserts.
@@ -36,7 +37,7 @@ def check_plan(
     `closed`: the last epoch was ended with `last_epoch=True` (quota: nothing is carried out of
     the job; fillers only in its very last step).
     """
-    mode = DgapMode(mode)
+    mode = JobMode(mode)
     cm = policy.cost_model
     budget = policy.token_budget
     vcap = policy.max_visual_tokens
@@ -61,7 +62,7 @@ def check_plan(
             assert ranks == sorted(set(ranks)), "at most one batch per rank, sorted by rank"
             assert all(0 <= r < world_size for r in ranks)
             assert ev.batches, "a step has at least one batch"
-            if mode is DgapMode.QUOTA:
+            if mode is JobMode.QUOTA:
                 assert len(ev.batches) == world_size, "quota: every step is full"
             elif len(ev.batches) < world_size:
                 partial_this_epoch += 1
@@ -108,7 +109,7 @@ def check_plan(
             assert ev.steps == steps_this_epoch
             assert len(ev.final_step) == world_size
             assert ev.final_step == tuple(last_step), "final_step is each rank's last step"
-            if mode is DgapMode.QUOTA:
+            if mode is JobMode.QUOTA:
                 assert len(set(ev.final_step)) <= 1, "quota: every rank ends on the same step"
                 if closed and epoch == len(epochs) - 1:
                     assert ev.carried_over == (), "the job's last epoch carries nothing out"
@@ -130,7 +131,7 @@ def check_plan(
             raise AssertionError(f"unknown event {ev!r}")
     assert epoch == len(epochs), "one EpochEnd per epoch"
     if filler_steps:
-        assert mode is DgapMode.QUOTA and closed, "fillers only close a quota job"
+        assert mode is JobMode.QUOTA and closed, "fillers only close a quota job"
         assert filler_steps == all_steps[-1:], "fillers only in the job's very last step"
         assert filler_steps[0].epoch == len(epochs) - 1
     return {"steps": expected_step, "ends": ends, "filler_steps": filler_steps}

@@ -93,7 +93,7 @@ def test_config_job_gives_defaults_flags_override(tmp_path, capsys):
     assert (d["world_size"], d["mode"], d["token_budget"], d["collate"], d["max_window_samples"],
             d["lookahead_tokens"]) == (4, "quota", 2048, "packed", 32, 4096)
     assert main(["plan", "--lengths", str(lengths), "--config", str(cfg), "--json"]) == 0
-    d = json.loads(capsys.readouterr().out)  # first job; JobConfig's own batching defaults
+    d = json.loads(capsys.readouterr().out)  # first job; TrainingJobConfig's own batching defaults
     assert (d["world_size"], d["token_budget"], d["max_window_samples"], d["lookahead_tokens"]) \
         == (3, 16384, MAX_WINDOW_SAMPLES, LOOKAHEAD_BUDGETS * 16384)
 

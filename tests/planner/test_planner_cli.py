@@ -147,14 +147,17 @@ def test_jsonl_input_with_visual_cap(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--world-size", "0"], "--world-size must be >= 1, got 0"),
-        (["--token-budget", "-5"], "--token-budget must be > 0, got -5"),
-        (["--max-window-samples", "0"], "--max-window-samples must be >= 1, got 0"),
-        (["--lookahead-tokens", "99"], "--lookahead-tokens must be >= the token budget (100)"),
-        (["--epochs", "0"], "--epochs must be >= 1, got 0"),
-        (["--pool-steps", "0"], "--pool-steps must be >= 1, got 0"),
-        (["--max-visual-tokens", "0"], "--max-visual-tokens must be > 0"),
-        (["--attn-a", "-1"], "attn_a: Input should be greater than or equal to 0"),
+        # Every bound is the config model's (a flag is the job field it sets), named by flag.
+        (["--world-size", "0"], "--world-size = 0: Input should be greater than or equal to 1"),
+        (["--token-budget", "-5"], "--token-budget = -5: Input should be greater than 0"),
+        (["--max-window-samples", "0"], "--max-window-samples = 0: Input should be greater"),
+        (["--lookahead-tokens", "99"], "lookahead_tokens must be an integer >= token_budget "
+                                       "(100) or None, got 99"),
+        (["--epochs", "0"], "--epochs = 0: Input should be greater than or equal to 1"),
+        (["--pool-steps", "0"], "--pool-steps = 0: Input should be greater than 0"),
+        (["--max-visual-tokens", "0"], "--max-visual-tokens = 0: Input should be greater than 0"),
+        (["--max-visual-tokens", "3"], "below the 4 visual tokens of the smallest image"),
+        (["--attn-a", "-1"], "--attn-a = -1.0: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, lengths_file, argv, message):

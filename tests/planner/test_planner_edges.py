@@ -6,23 +6,22 @@ import numpy as np
 import pytest
 from planner_checks import check_plan, run_epochs
 
+from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
 from pipeline.planner.batch_former import BatchFormer
 from pipeline.planner.plan_report import PlanReport
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import (
     Collate,
-    DgapMode,
     EpochEnd,
     MeasuredSample,
-    OverBudgetPolicy,
     Quarantined,
     Step,
     StepInfo,
     WorldStamp,
 )
 
-MODES = list(DgapMode)
+MODES = list(DGAP_MODES)
 
 
 def samples(lengths, visual=None):
@@ -30,7 +29,7 @@ def samples(lengths, visual=None):
     return [MeasuredSample(i, n, v) for i, (n, v) in enumerate(zip(lengths, visual, strict=True))]
 
 
-def plan(lengths, w, mode=DgapMode.JOIN, epochs=1, close=True, **kw):
+def plan(lengths, w, mode=JobMode.JOIN, epochs=1, close=True, **kw):
     policy = BatchingPolicy(**{"token_budget": 1000, "max_window_samples": 64, **kw})
     data = [samples(lengths)] * epochs
     events = run_epochs(data, policy, w, mode, close=close)
@@ -61,7 +60,7 @@ def test_fewer_samples_than_ranks_join():
 
 
 def test_fewer_samples_than_ranks_quota_carries_then_completes():
-    events, _ = plan([10, 20, 30], 8, DgapMode.QUOTA, epochs=3)
+    events, _ = plan([10, 20, 30], 8, JobMode.QUOTA, epochs=3)
     ends = ends_of(events)
     # 3 (then 6) samples cannot fill 8 ranks: carried, never dropped; 9 can: one full step.
     assert [e.steps for e in ends] == [0, 0, 1]
@@ -106,7 +105,7 @@ def test_visual_cap_and_truncate_quarantines_with_reason():
                             over_budget="truncate")
     data = [samples([100, 100, 100, 100, 100], [60, 60, 60, 500, 0])]
     events = run_epochs(data, policy, 1)
-    check_plan(events, data, policy, 1, DgapMode.JOIN)
+    check_plan(events, data, policy, 1, JobMode.JOIN)
     (q,) = [e for e in events if isinstance(e, Quarantined)]
     assert q.sample.sample_id == 3 and "truncation cannot cut visual tokens" in q.detail
     for s in steps_of(events):
@@ -132,7 +131,7 @@ def test_world_size_1024(mode):
     lengths = [int(x) for x in rng.integers(1, 400, size=5000)]
     events, _ = plan(lengths, 1024, mode, epochs=2, max_window_samples=256)
     for s in steps_of(events):
-        if mode is DgapMode.QUOTA:
+        if mode is JobMode.QUOTA:
             assert len(s.batches) == 1024
 
 
@@ -145,7 +144,7 @@ def test_join_ranks_end_together_when_enough_samples():
 def test_quota_equal_steps_and_carry_reaches_next_epoch():
     # 21 single-sample batches at W=8: 2 full steps; singletons cannot split, so the other 5
     # are carried to the head of the next epoch and emitted there.
-    events, _ = plan([900] * 21, 8, DgapMode.QUOTA, epochs=2, close=False)
+    events, _ = plan([900] * 21, 8, JobMode.QUOTA, epochs=2, close=False)
     e0, e1 = ends_of(events)
     assert e0.steps == 2 and len(e0.carried_over) == 5
     assert len(set(e0.final_step)) == 1
@@ -163,8 +162,8 @@ def test_quota_last_epoch_closes_with_fillers():
     loss = {i: n // 2 for i, n in enumerate(lengths)}
     data = [[MeasuredSample(i, n, 0, loss[i]) for i, n in enumerate(lengths)]] * 2
     policy = BatchingPolicy(1000, max_window_samples=64)
-    events = run_epochs(data, policy, 8, DgapMode.QUOTA, seed=3)
-    info = check_plan(events, data, policy, 8, DgapMode.QUOTA)
+    events = run_epochs(data, policy, 8, JobMode.QUOTA, seed=3)
+    info = check_plan(events, data, policy, 8, JobMode.QUOTA)
     e0, e1 = ends_of(events)
     assert len(e0.carried_over) == 5 and e1.carried_over == ()  # nothing leaves the job
     *_, closing = steps_of(events)
@@ -188,7 +187,7 @@ def test_quota_last_epoch_closes_with_fillers():
 
 
 def test_quota_last_epoch_with_nothing_left_adds_no_step():
-    events, info = plan([100] * 80, 8, DgapMode.QUOTA)  # 8 batches of 10: one full step
+    events, info = plan([100] * 80, 8, JobMode.QUOTA)  # 8 batches of 10: one full step
     assert not info["filler_steps"] and len(steps_of(events)) == 1
 
 
@@ -289,7 +288,7 @@ def test_compute_model_balances_attention_cost():
     policy = BatchingPolicy(16384, attn_b=1 / 1024)
     data = [samples(lengths.tolist())]
     events = run_epochs(data, policy, 8)
-    check_plan(events, data, policy, 8, DgapMode.JOIN)
+    check_plan(events, data, policy, 8, JobMode.JOIN)
     cm = policy.cost_model
     ratios = []
     for s in steps_of(events)[:-1]:
@@ -303,7 +302,7 @@ def test_truncate_never_cuts_visual_tokens():
     policy = BatchingPolicy(100, over_budget="truncate")
     data = [[MeasuredSample("img", 300, 150), MeasuredSample("txt", 300, 20)]]
     events = run_epochs(data, policy, 1)
-    check_plan(events, data, policy, 1, DgapMode.JOIN)
+    check_plan(events, data, policy, 1, JobMode.JOIN)
     (q,) = [e for e in events if isinstance(e, Quarantined)]
     assert q.sample.sample_id == "img" and "150 visual tokens cannot be truncated" in q.detail
     (step,) = steps_of(events)

@@ -9,14 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planner_checks import check_plan, run_epochs
 
+from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import (
     Collate,
-    DgapMode,
     EpochEnd,
     MeasuredSample,
-    OverBudgetPolicy,
     Quarantined,
     Step,
 )
@@ -49,7 +48,7 @@ def scenarios(draw):
         base.append(MeasuredSample(i, tokens, draw(visual), draw(st.integers(0, max(0, tokens)))))
     # Same ids every epoch (a new pass over the dataset), order possibly different.
     epochs = [base] + [draw(st.permutations(base)) for _ in range(n_epochs - 1)]
-    mode = draw(st.sampled_from(list(DgapMode)))
+    mode = draw(st.sampled_from(list(DGAP_MODES)))
     seed = draw(st.integers(0, 2**31))
     return policy, world_size, mode, seed, epochs
 
@@ -71,8 +70,8 @@ def test_quota_job_emits_every_sample_of_every_epoch_exactly_once(sc):
     """Guarantee 3, quota mode, over the whole job: each (epoch, sample) fed is emitted once
     (or quarantined), every rank gets the same steps, fillers only in the last step."""
     policy, w, _, seed, epochs = sc
-    events = run_epochs(epochs, policy, w, DgapMode.QUOTA, seed)
-    info = check_plan(events, epochs, policy, w, DgapMode.QUOTA)
+    events = run_epochs(epochs, policy, w, JobMode.QUOTA, seed)
+    info = check_plan(events, epochs, policy, w, JobMode.QUOTA)
     emitted = Counter(s.sample_id for e in events if isinstance(e, Step)
                       for b in e.batches if not b.filler for s in b.samples)
     quarantined = Counter(e.sample.sample_id for e in events if isinstance(e, Quarantined))
@@ -83,8 +82,8 @@ def test_quota_job_emits_every_sample_of_every_epoch_exactly_once(sc):
         (closing,) = info["filler_steps"]
         assert sum(not b.filler for b in closing.batches) >= 1  # never a step of fillers only
     # Without closing, the same plan carries the remainder out of the job instead.
-    open_events = run_epochs(epochs, policy, w, DgapMode.QUOTA, seed, close=False)
-    check_plan(open_events, epochs, policy, w, DgapMode.QUOTA, closed=False)
+    open_events = run_epochs(epochs, policy, w, JobMode.QUOTA, seed, close=False)
+    check_plan(open_events, epochs, policy, w, JobMode.QUOTA, closed=False)
     carried = [e for e in open_events if isinstance(e, EpochEnd)][-1].carried_over
     assert bool(carried) == bool(info["filler_steps"])
 
@@ -152,7 +151,7 @@ def test_bounded_termination_join(lengths, w, window):
     """After the input ends, END arrives within ceil(held/W)+1 steps and only the last step can
     leave ranks out."""
     policy = BatchingPolicy(token_budget=300, max_window_samples=window)
-    p = StepPlanner(policy, w, DgapMode.JOIN)
+    p = StepPlanner(policy, w, JobMode.JOIN)
     for i, n in enumerate(lengths):
         p.feed(MeasuredSample(i, n))
     held = p.buffered

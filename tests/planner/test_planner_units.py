@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.modes import OverBudgetPolicy
 from pipeline.planner.cost_model import CostModel
 from pipeline.planner.lengths_file import LengthsFileError, parse_lengths, read_lengths
 from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES, BatchingPolicy
 from pipeline.planner.rank_balancer import group_by_cost, rank_order
-from pipeline.planner.types import Collate, MeasuredSample, OverBudgetPolicy
+from pipeline.planner.types import Collate, MeasuredSample
 
 
 def test_cost_model_padded_packed_compute():

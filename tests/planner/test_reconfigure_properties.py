@@ -22,14 +22,13 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import (
     Collate,
-    DgapMode,
     EpochEnd,
     MeasuredSample,
-    OverBudgetPolicy,
     Quarantined,
     Step,
     WorldStamp,
@@ -62,7 +61,7 @@ def scenarios(draw):
     at = draw(st.integers(0, ops - 1))
     return {
         "policy": policy, "old": old, "new": new, "epochs": epochs, "at": at,
-        "mode": draw(st.sampled_from(list(DgapMode))), "seed": draw(st.integers(0, 2**31)),
+        "mode": draw(st.sampled_from(list(DGAP_MODES))), "seed": draw(st.integers(0, 2**31)),
         "pool_steps": draw(st.sampled_from([None, 1, 2, 3])),
         "voided": draw(st.integers(0, 4)),  # published steps at the end that the old world
         "dead": draw(st.sets(st.integers(0, 7), max_size=2)),  # never runs; ranks that died
@@ -137,7 +136,7 @@ def _check_info(step: Step) -> None:
 @given(scenarios())
 def test_a_reconfiguration_keeps_every_guarantee_across_both_worlds(sc):
     old_events, new_events, first = run(sc)
-    policy, mode = sc["policy"], DgapMode(sc["mode"])
+    policy, mode = sc["policy"], JobMode(sc["mode"])
     old, new = sc["old"], sc["new"]
     # Every step and END knows its world: the old one's (0), then the next (1).
     assert {ev.world for ev in old_events if isinstance(ev, Step | EpochEnd)} <= {
@@ -161,7 +160,7 @@ def test_a_reconfiguration_keeps_every_guarantee_across_both_worlds(sc):
             _check_batch(bt, policy)
         _check_info(s)
         last_of_epoch = max(x.step for x in new_steps if x.epoch == s.epoch)
-        if mode is DgapMode.QUOTA or s.step != last_of_epoch:
+        if mode is JobMode.QUOTA or s.step != last_of_epoch:
             assert len(s.batches) == new, f"step {s.step}: {len(s.batches)} of {new} ranks"
         if any(bt.filler for bt in s.batches):
             assert s is new_steps[-1]  # quota's closing step only
@@ -170,8 +169,8 @@ def test_a_reconfiguration_keeps_every_guarantee_across_both_worlds(sc):
         mine = [s for s in new_steps if s.epoch == end.epoch]
         for r in range(new):
             got = [s.step for s in mine if s.batch_for(r) is not None]
-            assert end.final_step[r] == (max(got) if got else None) or mode is DgapMode.QUOTA
-        if mode is DgapMode.QUOTA and mine:
+            assert end.final_step[r] == (max(got) if got else None) or mode is JobMode.QUOTA
+        if mode is JobMode.QUOTA and mine:
             assert set(end.final_step) == {mine[-1].step}
     # Identity coverage across both worlds (the job is closed: quota carries nothing out).
     fed = Counter(s.sample_id for ep in sc["epochs"] for s in ep)

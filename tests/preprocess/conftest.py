@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.preprocess.sources import SourceFile
 
 
-def make_job(paths: list[str] | None = None, **preprocess: Any) -> JobConfig:
+def make_job(paths: list[str] | None = None, **preprocess: Any) -> TrainingJobConfig:
     extra = {k: preprocess.pop(k) for k in ("seed", "batching") if k in preprocess}
-    return JobConfig.model_validate({
+    return TrainingJobConfig.model_validate({
         "job_id": "t", "world_size": 1, "source": {"paths": paths or ["unused.jsonl"]},
         "preprocess": preprocess, **extra,
     })
@@ -56,7 +56,7 @@ def image_dir(tmp_path_factory) -> Path:
 _processors: dict[tuple, Any] = {}
 
 
-def processor_for(job: JobConfig, epoch: int = 0):
+def processor_for(job: TrainingJobConfig, epoch: int = 0):
     """Processors are cheap once the tokenizer is cached, but building the image processor is
     not; share them across tests of the session."""
     from pipeline.preprocess.process import Processor

@@ -1,7 +1,7 @@
 """Issue #13: vision-safe sample limits, through the real preprocessing with real pictures.
 
-Truncation happens in one place, `Processor`, to `JobConfig.max_sample_tokens()` (and the visual
-cap under `over_budget: truncate`). Every sample it emits holds exactly prod(grid_thw) /
+Truncation happens in one place, `Processor`, to `TrainingJobConfig.max_sample_tokens()` (and the
+visual cap under `over_budget: truncate`). Every sample it emits holds exactly prod(grid_thw) /
 merge_size**2 `<|image_pad|>` tokens per image it carries, between its vision markers; it is the
 longest prefix of the uncut sample that splits no image and fits the limits; or the record is
 quarantined with the documented reason. The oracle below is declarative (scan every prefix
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import PIXELS_PER_VISUAL_TOKEN, ConfigError, JobConfig, load_config
+from pipeline.config import PIXELS_PER_VISUAL_TOKEN, ConfigError, TrainingJobConfig, load_config
 from pipeline.preprocess.labels import IGNORE
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
 from pipeline.preprocess.truncation import Cut, vision_safe_cut
@@ -79,7 +79,7 @@ def records(draw) -> dict:
     return {"messages": messages}
 
 
-def _limit_job(image_max_pixels: int, **limits) -> JobConfig:
+def _limit_job(image_max_pixels: int, **limits) -> TrainingJobConfig:
     batching = {k: limits.pop(k) for k in ("token_budget", "over_budget", "max_visual_tokens")
                 if k in limits}
     return make_job(image_max_pixels=image_max_pixels, batching=batching, **limits)

@@ -16,7 +16,7 @@ import pytest
 import ray
 from support.waiting import wait_for
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.coordinator import RedisJobState
 from pipeline.producer.actor import find_producer, stop_producer
 from pipeline.producer.hosting import ActorHost
@@ -31,7 +31,7 @@ def test_a_frozen_producer_actor_is_restarted_and_a_successor_plans_on(ray_sessi
                                                                         redis_url, redis_client):
     chats = tmp_path / "chats.jsonl"
     chats.write_bytes(b"".join(CHATS.read_bytes().splitlines(keepends=True)[:120]))
-    job = JobConfig.model_validate({
+    job = TrainingJobConfig.model_validate({
         "job_id": "frozen", "world_size": 1, "epochs": 2, "source": {"paths": [str(chats)]},
         "batching": {"token_budget": 1024, "max_window_samples": 16, "pool_steps": 1}})
     st = RedisJobState.connect(redis_url, job)

@@ -10,7 +10,7 @@ import pydantic
 import pytest
 import ray.exceptions as rx
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.errors import (
     CheckpointConflict,
     DurabilityTimeout,
@@ -32,7 +32,7 @@ from pipeline.producer.failures import (
 
 def _bad_config() -> pydantic.ValidationError:
     with pytest.raises(pydantic.ValidationError) as err:
-        JobConfig.model_validate({"job_id": "x", "world_size": 0})
+        TrainingJobConfig.model_validate({"job_id": "x", "world_size": 0})
     return err.value
 
 

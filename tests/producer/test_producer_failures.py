@@ -15,7 +15,7 @@ import grpc
 import pytest
 from support.waiting import wait_for
 
-from pipeline.config import JobConfig, ServiceConfig
+from pipeline.config import ServiceConfig, TrainingJobConfig
 from pipeline.coordinator import RedisJobState
 from pipeline.jobstate import MemoryJobState
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples
@@ -31,8 +31,8 @@ FAST = ProducerSettings(lease_seconds=5.0, max_ahead=10**6, linger_seconds=0.0,
                         poll_seconds=0.01, retry_first_seconds=0.02, retry_cap_seconds=0.1)
 
 
-def array_job(job_id: str, world_size: int = 2) -> JobConfig:
-    return JobConfig.model_validate({
+def array_job(job_id: str, world_size: int = 2) -> TrainingJobConfig:
+    return TrainingJobConfig.model_validate({
         "job_id": job_id, "world_size": world_size, "seed": 1, "epochs": 2,
         "source": {"paths": ["arrays"]},
         "batching": {"token_budget": 1024, "max_window_samples": 32, "pool_steps": 1}})
@@ -101,8 +101,8 @@ def test_a_streak_longer_than_the_bound_fails_the_job(redis_client, redis_url):
     assert "TimeoutError: read timed out" in f.message and "retry bound" in f.message
 
 
-def _chat_job(job_id: str, source: Path) -> JobConfig:
-    return JobConfig.model_validate({
+def _chat_job(job_id: str, source: Path) -> TrainingJobConfig:
+    return TrainingJobConfig.model_validate({
         "job_id": job_id, "world_size": 2, "epochs": 1, "source": {"paths": [str(source)]},
         "batching": {"token_budget": 2048, "pool_steps": 1}})
 
@@ -168,7 +168,7 @@ def _serve(job_id: str, source: ArraySource, **kw):
 
 def test_streams_wait_through_trouble_and_end_on_a_permanent_failure_naming_it(monkeypatch):
     monkeypatch.setattr("pipeline.service.server.producer_settings",
-                        lambda config, pool_steps=None: FAST)
+                        lambda config: FAST)
     items = synthetic_samples(60, max_len=300, seed=6)
     svc = _serve("trouble", BrokenSource(items, ConnectionResetError("peer reset"), left=4))
     try:

@@ -16,7 +16,7 @@ from refill_helpers import CHATS, chats_slice, refill_config, refill_job
 from support.waiting import wait_for
 
 from pipeline.cli import main
-from pipeline.config import JobConfig
+from pipeline.config import RefillJobConfig
 from pipeline.coordinator.refill_state import RefillState
 from pipeline.preprocess.process import Processor
 from pipeline.preprocess.sample import ProcessedSample
@@ -39,7 +39,7 @@ def image_chats(tmp_path: Path) -> Path:
 
 def preprocessed(job: dict) -> dict[str, ProcessedSample]:
     """The job's samples as the project's own preprocessing makes them (epoch 0)."""
-    cfg = JobConfig.model_validate(job)
+    cfg = RefillJobConfig.model_validate(job)
     proc = Processor(cfg, 0)
     out = {}
     for chunk in plan_chunks(expand_sources(cfg.source), 64):
@@ -64,7 +64,7 @@ def test_an_image_prompt_reaches_the_consumer_with_its_pixels(tmp_path, redis_ur
         svc.stop(grace=0.2)
     want = preprocessed(job)
     assert sorted(got) == sorted(want)
-    pad = Processor(JobConfig.model_validate(job), 0).image_pad_id
+    pad = Processor(RefillJobConfig.model_validate(job), 0).image_pad_id
     images = 0
     for sid, r in got.items():
         sample = want[sid]

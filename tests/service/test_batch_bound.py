@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import Step
 from pipeline.preprocess.sample import ProcessedSample
@@ -24,10 +24,10 @@ PATCH_BYTES = {"uint8": 1176, "bfloat16": 2352, "float32": 4704}
 SOURCE = {"paths": ["records.jsonl"]}
 
 
-def job(**kw) -> JobConfig:
+def job(**kw) -> TrainingJobConfig:
     preprocess = kw.pop("preprocess", {})
-    return JobConfig.model_validate({"job_id": "vlm", "world_size": 1, "source": SOURCE,
-                                     "preprocess": preprocess, "batching": kw})
+    return TrainingJobConfig.model_validate({"job_id": "vlm", "world_size": 1, "source": SOURCE,
+                                             "preprocess": preprocess, "batching": kw})
 
 
 def sample(i: int, tokens: int, visual: int, pixels: np.ndarray | None = None,
@@ -37,7 +37,7 @@ def sample(i: int, tokens: int, visual: int, pixels: np.ndarray | None = None,
                            pixel_values=pixels, image_grid_thw=grid)
 
 
-def batch_bytes(cfg: JobConfig, samples: list[ProcessedSample]) -> list[tuple[int, int]]:
+def batch_bytes(cfg: TrainingJobConfig, samples: list[ProcessedSample]) -> list[tuple[int, int]]:
     """Every batch the planner forms of `samples`, collated: its text and its pixel bytes."""
     by_id = {s.sample_id: s for s in samples}
     planner = StepPlanner(cfg.batching.policy(), 1)

@@ -116,9 +116,9 @@ def test_multi_epoch_join_sends_end_per_epoch_then_next_epochs_steps():
 
 def test_slow_trainer_bounds_server_and_client_memory():
     samples = synthetic_samples(600, max_len=200)
-    cfg = service_config(job_dict(batching={"token_budget": 256, "max_window_samples": 16}),
-                         prefetch_steps=2)
-    with serving(cfg, {"j": samples}, pool_steps=4) as svc:
+    cfg = service_config(job_dict(batching={"token_budget": 256, "max_window_samples": 16,
+                                            "pool_steps": 4}), prefetch_steps=2)
+    with serving(cfg, {"j": samples}) as svc:
         rt = svc.runtimes["j"]
         streams = [BatchStream(svc.address, "j", r, 2, prefetch=2) for r in range(2)]
         its = [iter(s) for s in streams]
@@ -202,15 +202,15 @@ def test_server_restart_continues_the_plan_from_its_checkpoint():
     ranks resume from their state_dicts; the union is the epoch exactly once, byte-identical."""
     # ~38 steps: the producer, held 6 steps past the ranks' acks plus a pool, cannot finish.
     samples = synthetic_samples(800, max_len=500, seed=9)
-    cfg = service_config(job_dict(seed=4))
-    with serving(cfg, {"j": samples}, pool_steps=4) as svc:
+    cfg = service_config(job_dict(seed=4, batching={"pool_steps": 4}))
+    with serving(cfg, {"j": samples}) as svc:
         ref = consume_all(svc.address, "j", 2)
     ref_digests = {r: [b.digest() for b in batches(ref[r])] for r in ref}
 
     state = MemoryJobState("j", 2)
     heads: dict[int, list[str]] = {}
     saved: dict[int, dict] = {}
-    with serving(cfg, {"j": samples}, job_states={"j": state}, pool_steps=4) as svc:
+    with serving(cfg, {"j": samples}, job_states={"j": state}) as svc:
         def head(r: int) -> None:
             with BatchStream(svc.address, "j", r, 2, client_id=f"a{r}") as s:
                 it = iter(s)
@@ -223,7 +223,7 @@ def test_server_restart_continues_the_plan_from_its_checkpoint():
         for t in threads:
             t.join(30)
         assert not state.is_done()  # stopped mid-epoch (the producer is held by acks)
-    with serving(cfg, {"j": samples}, job_states={"j": state}, pool_steps=4) as svc:
+    with serving(cfg, {"j": samples}, job_states={"j": state}) as svc:
         tails: dict[int, list[str]] = {}
 
         def tail(r: int) -> None:

@@ -14,7 +14,7 @@ import pytest
 from service_helpers import job_dict
 from test_plan_view import CountingState, _publish, _step, gated_call_many
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.jobstate import MemoryJobState
 from pipeline.preprocess.array_source import ArraySource
 from pipeline.service.coalescer import AsyncCoalescer
@@ -84,7 +84,7 @@ def test_async_coalescer_a_failed_call_reaches_its_callers_and_a_cancelled_one_n
 
 
 def _runtime(state) -> JobRuntime:
-    job = JobConfig.model_validate(job_dict(world_size=2))
+    job = TrainingJobConfig.model_validate(job_dict(world_size=2))
     return JobRuntime(job, state, ArrayPayloads(ArraySource([])), None, refresh_seconds=60.0)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from pipeline.config import JobConfig
+from pipeline.config import TrainingJobConfig
 from pipeline.preprocess.process import Processor
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.preprocess.sources import SourceFile
@@ -44,7 +44,7 @@ def vlm_job(job_id: str, world_size: int, records: Path, pixel_dtype: str = "uin
 
 def preprocess(job: dict) -> list[ProcessedSample]:
     """Every record of the job's source through the real preprocessing, in order."""
-    cfg = JobConfig.model_validate(job)
+    cfg = TrainingJobConfig.model_validate(job)
     path = Path(cfg.source.paths[0])
     rows = [(i, line.encode()) for i, line in enumerate(path.read_text().splitlines())]
     out = Processor(cfg, 0).process(SourceFile(path.name, str(path), "jsonl"), rows)
