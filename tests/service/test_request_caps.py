@@ -15,12 +15,13 @@ from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
 BIG = 262_144  # tokens: one batch is ~2 MiB on the wire, twice the request limit
+CHUNK_KB = 4096  # a whole such batch fits one chunk: a single message of ~2 MiB
 
 
 @pytest.fixture(scope="module")
 def svc():
     cfg = service_config(job_dict("secret-job-a", batching={"token_budget": BIG}),
-                         job_dict("secret-job-b"), max_request_mb=1)
+                         job_dict("secret-job-b"), max_request_mb=1, chunk_kb=CHUNK_KB)
     big = synthetic_samples(40, lengths=[30_000] * 40, source="big")
     with serving(cfg, {"secret-job-a": big, "secret-job-b": synthetic_samples(40)}) as s:
         yield s
