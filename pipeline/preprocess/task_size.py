@@ -28,15 +28,12 @@ import functools
 from pipeline.config import PIXELS_PER_VISUAL_TOKEN, JobConfig
 from pipeline.preprocess.records import decode_line, parse_record
 from pipeline.preprocess.sources import SourceFile, read_head, stat_key
-from pipeline.preprocess.vision import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE
+from pipeline.preprocess.vision import PATCH_VALUES, PATCHES_PER_VISUAL_TOKEN, PIXEL_BYTES
 
 MAX_TASK_ROWS = 256
 SAMPLE_ROWS = 64  # a file's rows sampled for its estimate (one line-index stride: one read)
 MiB = 1 << 20
 
-_PIXEL_ITEM_BYTES = {"uint8": 1, "bfloat16": 2, "float32": 4}
-# A visual token covers MERGE_SIZE**2 patches of 3 channels x T frames x P x P values.
-_VALUES_PER_VISUAL_TOKEN = MERGE_SIZE**2 * 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE**2
 TOKEN_BYTES = 8  # int32 input_ids + int32 labels
 _ROW_BYTES = 256  # a row's ids, counts and strings besides its arrays
 
@@ -54,7 +51,7 @@ def row_bytes(job: JobConfig, images: int, text_chars: int) -> int:
     limit = job.max_sample_tokens()
     visual = min(images * (p.image_max_pixels // PIXELS_PER_VISUAL_TOKEN), limit)
     tokens = min(text_chars + visual, limit)
-    pixels = visual * _VALUES_PER_VISUAL_TOKEN * _PIXEL_ITEM_BYTES[p.pixel_dtype]
+    pixels = visual * PATCHES_PER_VISUAL_TOKEN * PATCH_VALUES * PIXEL_BYTES[p.pixel_dtype]
     return _ROW_BYTES + TOKEN_BYTES * tokens + pixels
 
 
