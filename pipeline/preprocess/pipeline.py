@@ -7,10 +7,10 @@ mapped by a pool of Ray workers. Each worker builds the tokenizer/template/image
 (per-process cache in task mode, the default, which Ray keeps warm across datasets/epochs; or
 once per actor with `_ChunkActor`) and processes a chunk per call, yielding it in parts of about
 `preprocess.task_output_mb` as they are done (one batched tokenizer call per part; a chunk of
-chats is one part), each a block of its own. JSONL is not read with `read_json`/`read_text` on
-purpose: they would fail on a bad line or lose exact line numbers. Order is preserved (file
-order, then row order) and the object-store budget is capped so a paused consumer stops the
-producers (backpressure), between the blocks of one task too.
+chats is one part; a part of images leaves as a block at once). JSONL is not read with
+`read_json`/`read_text` on purpose: they would fail on a bad line or lose exact line numbers.
+Order is preserved (file order, then row order) and the object-store budget is capped so a
+paused consumer stops the producers (backpressure), between the blocks of one task too.
 
 Random access (`SampleStore`) runs the very same `Processor` in-process on one row re-read from
 the source by its cached byte offset, so it returns byte-identical samples to the stream.
@@ -95,8 +95,8 @@ def _process_chunks(processor: Processor, batch: pa.Table) -> Iterator[pa.Table]
 
 
 def _chunk_parts(processor: Processor, chunk: Chunk) -> Iterator[pa.Table]:
-    """The chunk's items as Arrow tables of about `preprocess.task_output_mb` each, yielded as
-    soon as each is done (a chunk of chats: one table)."""
+    """The chunk's items as Arrow tables of about `preprocess.task_output_mb` each (a chunk of
+    chats: one table), each yielded as soon as it is done."""
     for items in processor.process_parts(chunk.file, read_chunk(chunk),
                                          task_bytes(processor.job)):
         yield to_table(items)
@@ -157,8 +157,8 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
         # 15); the service and the CLI start Ray with the settings they need.
         raise RuntimeError("Ray is not initialized: call ray.init(...) before preprocessing")
     files = expand_sources(job.source)
-    chunks = plan_chunks(files, chunk_rows or functools.partial(rows_per_task, job), start_row,
-                         limit)
+    rows = functools.partial(rows_per_task, job) if chunk_rows is None else chunk_rows
+    chunks = plan_chunks(files, rows, start_row, limit)
     if not chunks:
         return ray.data.from_arrow(SCHEMA.empty_table())
     ds = ray.data.from_items([{"chunk": pickle.dumps(c)} for c in chunks],

@@ -12,10 +12,12 @@ back-pressure could not act inside one. Both sizes below come from `preprocess.t
   fit the target, at least one and at most `MAX_TASK_ROWS`, so chat tasks stay as large as
   before and Ray's cost per task stays small next to their work.
 - Blocks inside a task: the task prepares its records one by one and finishes and yields a
-  part as soon as the part holds the target (`Processor.process_parts`: measured pixels, not
-  estimated); Ray Data, whose `target_max_block_size` is the same target, ships such a part as a
-  block at once. So a file whose later rows carry more images than its sample still streams
-  blocks of at most the target plus one record, and back-pressure acts between them.
+  part as soon as what the part holds reaches the target (`Processor.process_parts`: pixels
+  measured, text counted at 8 bytes a character); Ray Data, whose `target_max_block_size` is
+  the same target, emits a block as soon as what it was handed exceeds it, so a part of images
+  leaves as a block at once. A file whose later rows carry more images than its sample still
+  streams blocks of about the target (a part of images: at most the target plus one record),
+  and back-pressure acts between them.
 
 Sizes change how rows are grouped into tasks and blocks, never which rows or what they become:
 sample ids are source rows (sources.py) and augmentation is seeded per sample (augment.py).
