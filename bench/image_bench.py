@@ -11,12 +11,14 @@ one-line question and answer (the text is a rounding error next to the image).
 Contenders, same images in the same order, each handing the driver numpy pixel arrays:
 - plain loop: `vision.decode_image` (PIL) + `VisionProcessor.process` (resize + patchify) in one
   process, nothing else;
-- Processor loop: the pipeline's `Processor.process` on the same chunks in one process (what a
-  Ray task runs: + record parsing, chat template, tokenizer, labels, visual-token expansion);
+- Processor loop: the pipeline's `Processor.process_parts` on the same chunks in one process
+  (what a Ray task runs: + record parsing, chat template, tokenizer, labels, visual-token
+  expansion);
 - Ray Data, k workers (k = 1 .. the cores): `iter_samples` — `build_dataset`'s `map_batches`
-  tasks, Arrow blocks through the object store, the driver turning rows into samples. Ray is
-  started once (num_cpus = the cores); every k runs one warm-up epoch first (worker start-up and
-  the per-worker `Processor` are not counted), then the timed rounds.
+  tasks sized by bytes as the service sizes them (`preprocess.task_output_mb`, 64 MiB: 10 of
+  these images a task), Arrow blocks through the object store, the driver turning rows into
+  samples. Ray is started once (num_cpus = the cores); every k runs one warm-up epoch first
+  (worker start-up and the per-worker `Processor` are not counted), then the timed rounds.
 
 Per core: images/s divided by the processes doing the work (Ray: k workers), and CPU per image
 of every process a contender runs on (driver; Ray: + its workers, daemons and actors), read from
@@ -59,15 +61,14 @@ sys.path.insert(0, str(ROOT))
 from preprocess_bench import cpu_since, tree_cpu  # noqa: E402
 
 from pipeline.config import TrainingJobConfig  # noqa: E402
+from pipeline.preprocess.sources import expand_sources  # noqa: E402
+from pipeline.preprocess.task_size import rows_per_task  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "image"
 # skimage.data pictures that ship with the wheel (no pooch download).
 PICTURES = ["astronaut", "coffee", "chelsea", "rocket", "retina", "hubble_deep_field", "camera",
             "coins", "moon", "logo", "brick", "page", "text"]
 LONG_SIDE = 1344
-# Rows per Ray task: one image record is ~40 ms of work and ~6 MB of output, so the default
-# 256-row chunks of chats would be 10 s tasks and 1.5 GB blocks.
-CHUNK_ROWS = 8
 ROLES = {"plain": ("driver",), "ray": ("driver", "ray workers", "ray daemons")}
 
 
@@ -144,15 +145,18 @@ def plain_loop(job: TrainingJobConfig, data: Path) -> dict:
 
 
 def processor_loop(proc, job: TrainingJobConfig) -> dict:
-    """The Ray task's own code (`Processor.process` per chunk) in this process."""
+    """The Ray task's own code (`Processor.process_parts` per chunk, the chunks Ray's tasks
+    get) in this process."""
     from pipeline.preprocess.sample import ProcessedSample
     from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk
+    from pipeline.preprocess.task_size import rows_per_task, task_bytes
 
     m = Meter(ROLES["plain"])
-    for c in plan_chunks(expand_sources(job.source), CHUNK_ROWS):
-        for it in proc.process(c.file, read_chunk(c)):
-            if isinstance(it, ProcessedSample):
-                m.add(it.pixel_values)
+    for c in plan_chunks(expand_sources(job.source), lambda f: rows_per_task(job, f)):
+        for part in proc.process_parts(c.file, read_chunk(c), task_bytes(job)):
+            for it in part:
+                if isinstance(it, ProcessedSample):
+                    m.add(it.pixel_values)
     return m.result("Processor loop (1 process)", 1)
 
 
@@ -161,7 +165,7 @@ def ray_pass(job: TrainingJobConfig, workers: int) -> dict:
     from pipeline.preprocess.sample import ProcessedSample
 
     m = Meter(ROLES["ray"])
-    for it in iter_samples(job, 0, chunk_rows=CHUNK_ROWS, concurrency=workers):
+    for it in iter_samples(job, 0, concurrency=workers):
         if isinstance(it, ProcessedSample):
             m.add(it.pixel_values)
     return m.result(f"Ray Data, {workers} worker{'s' * (workers > 1)}", workers)
@@ -323,6 +327,7 @@ def main() -> int:
         job = TrainingJobConfig.model_validate({
             "job_id": "images", "world_size": 1, "source": {"paths": [str(data)]},
             "preprocess": {"augment": {"enabled": False}}})
+        rows = rows_per_task(job, expand_sources(job.source)[0])
         got = run(job, data, tmp, rounds, args.max_workers, args.profile)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -330,7 +335,8 @@ def main() -> int:
     stem = "image_bench" + ("_quick" if args.quick else "")
     meta = {"images": n, "rounds": rounds, "pictures": PICTURES, "long_side_px": LONG_SIDE,
             "image_max_pixels": job.preprocess.image_max_pixels,
-            "pixel_dtype": job.preprocess.pixel_dtype, "chunk_rows": CHUNK_ROWS,
+            "pixel_dtype": job.preprocess.pixel_dtype,
+            "task_output_mb": job.preprocess.task_output_mb, "rows_per_task": rows,
             "cpus": os.cpu_count(), "max_workers": args.max_workers,
             "loadavg_start": load0, "loadavg_end": os.getloadavg(),
             "python": sys.version.split()[0], "platform": platform.platform(),

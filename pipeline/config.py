@@ -99,8 +99,13 @@ class PreprocessConfig(_Model):
     augment: AugmentConfig = AugmentConfig()
     object_store_mb: int = Field(
         256, gt=0, description="Ray object-store memory the epoch's preprocessing may fill ahead "
-        "of the planner before it waits (back-pressure); must hold a few blocks (a 256-row block "
-        "with 15% images is ~50 MB)")
+        "of the planner before it waits (back-pressure); must hold a few blocks (each about "
+        "task_output_mb)")
+    task_output_mb: int = Field(
+        64, gt=0, description="the output one Ray preprocessing task aims at, and the size of "
+        "its blocks: a task reads as many rows as fit (estimated from its file's first rows, "
+        "images at image_max_pixels in pixel_dtype; at most 256) and streams its output in "
+        "blocks of about this size")
 
     @model_validator(mode="after")
     def _pixel_range(self) -> PreprocessConfig:

@@ -1,13 +1,16 @@
 """Ray Data wiring: the preprocessing plan, the ordered sample stream, and random access by id.
 
-Plan: the driver indexes the sources and cuts them into chunks of whole rows (sources.py); the
-chunks become a Ray dataset (one chunk per block) mapped by a pool of Ray workers. Each worker
-builds the tokenizer/template/image processor once (per-process cache in task mode, the
-default, which Ray keeps warm across datasets/epochs; or once per actor with `_ChunkActor`)
-and processes a chunk per call with one batched tokenizer call. JSONL is not read with
+Plan: the driver indexes the sources and cuts them into chunks of whole rows (sources.py), as
+many rows per chunk as one task's output target holds (task_size.py: a chat file keeps 256, a
+file of 1024 x 1024 images ~10); the chunks become a Ray dataset (one chunk per input block)
+mapped by a pool of Ray workers. Each worker builds the tokenizer/template/image processor once
+(per-process cache in task mode, the default, which Ray keeps warm across datasets/epochs; or
+once per actor with `_ChunkActor`) and processes a chunk per call, yielding it in parts of about
+`preprocess.task_output_mb` as they are done (one batched tokenizer call per part; a chunk of
+chats is one part; a part of images leaves as a block at once). JSONL is not read with
 `read_json`/`read_text` on purpose: they would fail on a bad line or lose exact line numbers.
 Order is preserved (file order, then row order) and the object-store budget is capped so a
-paused consumer stops the producers (backpressure).
+paused consumer stops the producers (backpressure), between the blocks of one task too.
 
 Random access (`SampleStore`) runs the very same `Processor` in-process on one row re-read from
 the source by its cached byte offset, so it returns byte-identical samples to the stream.
@@ -15,6 +18,7 @@ the source by its cached byte offset, so it returns byte-identical samples to th
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import threading
@@ -29,17 +33,23 @@ from pipeline.config import JobConfig, job_from_json
 from pipeline.preprocess.process import Processor, split_sample_id
 from pipeline.preprocess.rows import SCHEMA, from_table, to_table
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
-from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk, read_row
+from pipeline.preprocess.sources import (
+    Chunk,
+    expand_sources,
+    plan_chunks,
+    read_chunk,
+    read_row,
+)
+from pipeline.preprocess.task_size import rows_per_task, task_bytes
 
 Item = ProcessedSample | QuarantinedRecord
 
-DEFAULT_CHUNK_ROWS = 256
 DEFAULT_COMPUTE = "tasks"
 # The object-store budget of the preprocessing stream is `preprocess.object_store_mb`. Ray's
 # default (unbounded for this op) produced the whole epoch while the consumer was paused; a cap
-# makes producers wait. It must hold a few blocks: Qwen2-VL pixel patches are ~1.5 MB per
-# 256x256 image, so a 256-row block with 15% images is ~50 MB, and a 64 MB cap halved
-# throughput (bench/preprocess_bench.py).
+# makes producers wait. It must hold a few blocks (each about `preprocess.task_output_mb`): a
+# 64 MB cap with 256-row blocks of chats and 15% images (~50 MB each) halved throughput
+# (bench/preprocess_bench.py).
 
 
 @dataclass
@@ -79,12 +89,17 @@ def _one_thread_tokenizer() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _process_chunks(processor: Processor, batch: pa.Table) -> pa.Table:
-    items: list[Item] = []
+def _process_chunks(processor: Processor, batch: pa.Table) -> Iterator[pa.Table]:
     for blob in batch.column("chunk").to_pylist():
-        chunk = pickle.loads(blob)
-        items += processor.process(chunk.file, read_chunk(chunk))
-    return to_table(items)
+        yield from _chunk_parts(processor, pickle.loads(blob))
+
+
+def _chunk_parts(processor: Processor, chunk: Chunk) -> Iterator[pa.Table]:
+    """The chunk's items as Arrow tables of about `preprocess.task_output_mb` each (a chunk of
+    chats: one table), each yielded as soon as it is done."""
+    for items in processor.process_parts(chunk.file, read_chunk(chunk),
+                                         task_bytes(processor.job)):
+        yield to_table(items)
 
 
 class _ChunkActor:
@@ -94,14 +109,14 @@ class _ChunkActor:
         _one_thread_tokenizer()
         self.processor = Processor(job_from_json(job_json), epoch)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         return _process_chunks(self.processor, batch)
 
 
 _task_processors: OrderedDict[tuple[str, int], Processor] = OrderedDict()
 
 
-def _chunk_task(batch: pa.Table, job_json: str, epoch: int) -> pa.Table:
+def _chunk_task(batch: pa.Table, job_json: str, epoch: int) -> Iterator[pa.Table]:
     """Task mode: Ray reuses worker processes across tasks and datasets, so a per-process
     cache gives the same once-per-worker setup as actors and stays warm between epochs."""
     key = (job_json, epoch)
@@ -115,7 +130,7 @@ def _chunk_task(batch: pa.Table, job_json: str, epoch: int) -> pa.Table:
 
 
 def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
-                  limit: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                  limit: int | None = None, chunk_rows: int | None = None,
                   concurrency: int | None = None, compute: str = DEFAULT_COMPUTE,
                   object_store_limit: int | None = None) -> Any:
     """The Ray Data plan of one epoch (lazy `ray.data.Dataset`; rows follow `rows.SCHEMA`).
@@ -125,7 +140,9 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
     quarantine_detail;
     arrays are little-endian bytes (see rows.py; `rows.from_row` turns a row into a sample).
     `start_row` leaves out the first rows of the stream (all sources, in order), `limit` keeps
-    at most that many rows after it. `concurrency` = a fixed number of parallel workers;
+    at most that many rows after it. `chunk_rows` = rows per task; None (the service) = as
+    many as `preprocess.task_output_mb` holds (task_size.py). `concurrency` = a fixed number
+    of parallel workers;
     None (the service) = as many as the cluster has CPUs for, at every moment: nothing is
     frozen at epoch start, so a growing cluster (the KubeRay autoscaler sees the pending tasks)
     is used at once; `compute` = "tasks" (pooled workers, warm across epochs) or "actors"
@@ -140,7 +157,8 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
         # 15); the service and the CLI start Ray with the settings they need.
         raise RuntimeError("Ray is not initialized: call ray.init(...) before preprocessing")
     files = expand_sources(job.source)
-    chunks = plan_chunks(files, chunk_rows, start_row, limit)
+    rows = functools.partial(rows_per_task, job) if chunk_rows is None else chunk_rows
+    chunks = plan_chunks(files, rows, start_row, limit)
     if not chunks:
         return ray.data.from_arrow(SCHEMA.empty_table())
     ds = ray.data.from_items([{"chunk": pickle.dumps(c)} for c in chunks],
@@ -149,10 +167,11 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
     ctx.execution_options.preserve_order = True  # deterministic stream order
     ctx.execution_options.resource_limits = ExecutionResources(
         object_store_memory=object_store_limit or job.preprocess.object_store_mb * 2**20)
+    ctx.target_max_block_size = task_bytes(job)  # a task's parts, gathered into blocks
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     n = min(concurrency, len(chunks)) if concurrency else None
-    common = {"batch_size": 1,  # one chunk per call; a chunk is already `chunk_rows` records
+    common = {"batch_size": 1,  # one chunk per call: it is already sized for one task
               "batch_format": "pyarrow", "num_cpus": 1}
     if compute == "actors":
         pool = (ray.data.ActorPoolStrategy(size=n) if n else
@@ -167,7 +186,7 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
 
 def iter_samples(job: JobConfig, epoch: int, *, start_row: int = 0,
                  limit: int | None = None, stats: PreprocessStats | None = None,
-                 chunk_rows: int = DEFAULT_CHUNK_ROWS, concurrency: int | None = None,
+                 chunk_rows: int | None = None, concurrency: int | None = None,
                  compute: str = DEFAULT_COMPUTE,
                  object_store_limit: int | None = None) -> Iterator[Item]:
     """Every record of the epoch in source order (file, then row), as a sample or quarantined.

@@ -4,7 +4,9 @@ Ray actors (pipeline.py), the plain/multiprocessing benchmark baselines and `Sam
 access all call `Processor.process`, so a sample rebuilt by id is byte-identical to the streamed
 one. Work per chunk: parse -> augment -> decode images -> render template (per record), then ONE
 batched tokenizer call for the chunk (the per-call overhead dominated short chats), then labels,
-visual-token expansion, truncation and cost (per record, numpy).
+visual-token expansion, truncation and cost (per record, numpy). A Ray task runs its chunk in
+parts (`process_parts`) closed by the bytes its prepared records hold, so a chunk of large images
+yields bounded pieces as it goes; a chunk of chats is one part, as before.
 
 Truncation happens here and nowhere else (not in the planner, not in the collate): a sample is
 cut to its job's `max_sample_tokens()` tokens and `max_sample_visual_tokens()` visual tokens
@@ -28,7 +30,7 @@ sample (ConfigError naming the fields otherwise).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,7 @@ from pipeline.preprocess.records import (
 )
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
 from pipeline.preprocess.sources import SourceFile
+from pipeline.preprocess.task_size import TOKEN_BYTES
 from pipeline.preprocess.tokenizer import ChatTokenizer
 from pipeline.preprocess.truncation import Cut, image_spans, vision_safe_cut
 from pipeline.preprocess.vision import VisionProcessor, decode_image
@@ -81,6 +84,12 @@ class _Prepared:
     spans: list[tuple[int, int]]
     pixel_values: np.ndarray | None
     grid: np.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        """About the most this record's sample holds: its pixels, its text's ids and labels."""
+        pixels = 0 if self.pixel_values is None else self.pixel_values.nbytes
+        return pixels + TOKEN_BYTES * len(self.chat.text)
 
 
 class Processor:
@@ -222,17 +231,43 @@ class Processor:
     # -- per chunk --------------------------------------------------------------------------
 
     def process(self, file: SourceFile, rows: Sequence[tuple[int, Any]]) -> list[Item]:
-        out: list[Item | None] = [None] * len(rows)
-        prepared: list[tuple[int, _Prepared]] = []
-        for i, (row, raw) in enumerate(rows):
-            try:
-                prepared.append((i, self._prepare(file, row, raw)))
-            except RecordError as exc:
-                out[i] = QuarantinedRecord(file.source, row, exc.reason, exc.detail)
-            except Exception as exc:  # a failure we did not foresee: keep the stream going
-                out[i] = QuarantinedRecord(file.source, row, R.PREPROCESS_ERROR,
-                                           f"{type(exc).__name__}: {exc}")
-        chats = [p.chat for _, p in prepared]
+        return self._finish_part(file, [self._try_prepare(file, row, raw) for row, raw in rows])
+
+    def process_parts(self, file: SourceFile, rows: Sequence[tuple[int, Any]],
+                      part_bytes: int) -> Iterator[list[Item]]:
+        """`process` in parts, each yielded once done: records are prepared one by one (parsed,
+        images decoded and patchified) and a part is finished (one batched tokenizer call) as
+        soon as what it holds reaches `part_bytes` (its pixels, and 8 bytes per character of
+        text: int32 ids and labels, at most a token per character). A part holds at most
+        `part_bytes` plus one record, whatever the chunk's rows turn out to carry; the items are
+        those `process` returns for the same rows (task_size.py)."""
+        part: list[_Prepared | QuarantinedRecord] = []
+        held = 0
+        for row, raw in rows:
+            prepared = self._try_prepare(file, row, raw)
+            part.append(prepared)
+            held += prepared.nbytes if isinstance(prepared, _Prepared) else 0
+            if held >= part_bytes:
+                yield self._finish_part(file, part)
+                part, held = [], 0
+        if part:
+            yield self._finish_part(file, part)
+
+    def _try_prepare(self, file: SourceFile, row: int, raw: Any
+                     ) -> _Prepared | QuarantinedRecord:
+        try:
+            return self._prepare(file, row, raw)
+        except RecordError as exc:
+            return QuarantinedRecord(file.source, row, exc.reason, exc.detail)
+        except Exception as exc:  # a failure we did not foresee: keep the stream going
+            return QuarantinedRecord(file.source, row, R.PREPROCESS_ERROR,
+                                     f"{type(exc).__name__}: {exc}")
+
+    def _finish_part(self, file: SourceFile, part: Sequence[_Prepared | QuarantinedRecord]
+                     ) -> list[Item]:
+        """Prepared records -> items, with ONE batched tokenizer call for their chats."""
+        prepared = [p for p in part if isinstance(p, _Prepared)]
+        chats = [p.chat for p in prepared]
         encoded: list[tuple[np.ndarray, np.ndarray] | Exception]
         try:
             encoded = list(self.chat_tokenizer.encode(chats))
@@ -243,17 +278,21 @@ class Processor:
                     encoded.append(self.chat_tokenizer.encode([chat])[0])
                 except Exception as exc:  # that record is quarantined
                     encoded.append(exc)
-        for (i, p), enc_i in zip(prepared, encoded, strict=True):
-            try:
-                if isinstance(enc_i, Exception):
-                    raise RecordError(R.TOKENIZE_ERROR, f"{type(enc_i).__name__}: {enc_i}")
-                out[i] = self._finish(file, p, enc_i[0], enc_i[1])
-            except RecordError as exc:
-                out[i] = QuarantinedRecord(file.source, p.row, exc.reason, exc.detail)
-            except Exception as exc:  # see above
-                out[i] = QuarantinedRecord(file.source, p.row, R.PREPROCESS_ERROR,
-                                           f"{type(exc).__name__}: {exc}")
-        return out  # type: ignore[return-value]
+        results = iter(encoded)  # in the order of `prepared`
+        return [p if isinstance(p, QuarantinedRecord) else self._finish_one(file, p, next(results))
+                for p in part]
+
+    def _finish_one(self, file: SourceFile, p: _Prepared,
+                    enc: tuple[np.ndarray, np.ndarray] | Exception) -> Item:
+        try:
+            if isinstance(enc, Exception):
+                raise RecordError(R.TOKENIZE_ERROR, f"{type(enc).__name__}: {enc}")
+            return self._finish(file, p, enc[0], enc[1])
+        except RecordError as exc:
+            return QuarantinedRecord(file.source, p.row, exc.reason, exc.detail)
+        except Exception as exc:  # see _try_prepare
+            return QuarantinedRecord(file.source, p.row, R.PREPROCESS_ERROR,
+                                     f"{type(exc).__name__}: {exc}")
 
     def process_one(self, file: SourceFile, row: int, raw: Any) -> Item:
         return self.process(file, [(row, raw)])[0]

@@ -4,10 +4,10 @@ Rows are numbered by the source itself (0-based JSONL line / Parquet row), never
 layout, so `sample_id = "<source>:<row>"` is stable across runs, block sizes and restarts. A
 JSONL file is indexed once (`LineIndex`: the byte offset of every 64th line start, found by
 Ray tasks over byte ranges for large files, cached per process), which gives both the read plan
-(chunks of whole lines, read in parallel by Ray tasks) and random access for `SampleStore` (one
-read of at most 64 lines). JSONL is read as bytes and parsed by us: a bad line becomes a
-quarantined row instead of failing Ray's JSON reader. Local paths and any URI pyarrow's
-filesystems understand (s3://, gs://, ...) work.
+(chunks of whole lines, read in parallel by Ray tasks; their row counts may differ per file,
+task_size.py) and random access for `SampleStore` (one read of at most 64 lines). JSONL is read
+as bytes and parsed by us: a bad line becomes a quarantined row instead of failing Ray's JSON
+reader. Local paths and any URI pyarrow's filesystems understand (s3://, gs://, ...) work.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import glob
 import os
 import posixpath
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
 import numpy as np
@@ -129,7 +130,8 @@ def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
 
 def read_bytes(path: str, start: int = 0, end: int | None = None) -> bytes:
     with open_input(path) as f:
-        f.seek(start)
+        if start:  # a whole file needs no seek: a pipe (FIFO) reads too
+            f.seek(start)
         return f.read() if end is None else f.read(end - start)
 
 
@@ -142,7 +144,8 @@ def resolve_relative(source_path: str, rel: str) -> str:
     return os.path.join(os.path.dirname(source_path), rel)
 
 
-def _stat_key(path: str) -> tuple:
+def stat_key(path: str) -> tuple:
+    """(path, size, mtime): what per-file caches are keyed by, so a changed file is re-read."""
     if is_remote(path):
         fs, p = _remote_fs(path)
         info = fs.get_file_info(p)
@@ -250,7 +253,7 @@ def _line_index(key: tuple) -> LineIndex:
 
 def line_index(path: str) -> LineIndex:
     """The file's `LineIndex` (cached per process while the file's size and mtime stay)."""
-    return _line_index(_stat_key(path))
+    return _line_index(stat_key(path))
 
 
 @functools.lru_cache(maxsize=64)
@@ -269,7 +272,7 @@ def _open_parquet_target(path: str):
 
 
 def parquet_row_groups(path: str) -> np.ndarray:
-    return _parquet_groups(_stat_key(path))
+    return _parquet_groups(stat_key(path))
 
 
 def num_rows(f: SourceFile) -> int:
@@ -278,29 +281,32 @@ def num_rows(f: SourceFile) -> int:
     return int(parquet_row_groups(f.path).sum())
 
 
-def plan_chunks(files: list[SourceFile], chunk_rows: int, start_row: int = 0,
+ChunkRows = int | Callable[[SourceFile], int]
+
+
+def plan_chunks(files: list[SourceFile], chunk_rows: ChunkRows, start_row: int = 0,
                 limit: int | None = None) -> list[Chunk]:
     """Read plan in stream order; the first `start_row` rows (across files) are left out and
-    at most `limit` rows follow."""
-    chunks = _plan(files, chunk_rows, start_row)
-    if limit is None:
-        return chunks
-    out: list[Chunk] = []
-    left = limit
-    for c in chunks:
-        if left <= 0:
+    at most `limit` rows follow. `chunk_rows` is the rows per chunk, or a function giving them
+    per file, asked only about the files the plan reads."""
+    rows_for = chunk_rows if callable(chunk_rows) else lambda _f: chunk_rows
+    chunks: list[Chunk] = []
+    skip, left = start_row, limit
+    for f in files:
+        if left is not None and left <= 0:
             break
-        if c.num_rows > left:
-            c = _head(c, left)
-        out.append(c)
-        left -= c.num_rows
-    return out
-
-
-def _head(c: Chunk, n: int) -> Chunk:
-    if c.file.kind == "jsonl":
-        return _jsonl_chunk(c.file, line_index(c.file.path), c.first_row, c.first_row + n)
-    return replace(c, num_rows=n)
+        n = num_rows(f)
+        first = min(skip, n)
+        skip -= first
+        end = n if left is None else min(n, first + left)
+        if end <= first:
+            continue
+        k = rows_for(f)
+        if k <= 0:
+            raise ValueError(f"chunk_rows must be > 0, got {k} for {f.source}")
+        chunks += _file_chunks(f, first, end, k)
+        left = None if left is None else left - (end - first)
+    return chunks
 
 
 def _jsonl_chunk(f: SourceFile, idx: LineIndex, first: int, end: int) -> Chunk:
@@ -309,28 +315,19 @@ def _jsonl_chunk(f: SourceFile, idx: LineIndex, first: int, end: int) -> Chunk:
                  span_rows=span_rows)
 
 
-def _plan(files: list[SourceFile], chunk_rows: int, start_row: int) -> list[Chunk]:
-    if chunk_rows <= 0:
-        raise ValueError("chunk_rows must be > 0")
+def _file_chunks(f: SourceFile, first: int, end: int, k: int) -> list[Chunk]:
+    """Rows [first, end) of one file in chunks of at most `k` (Parquet: never across row
+    groups)."""
+    if f.kind == "jsonl":
+        idx = line_index(f.path)
+        return [_jsonl_chunk(f, idx, r, min(end, r + k)) for r in range(first, end, k)]
     chunks: list[Chunk] = []
-    skip = start_row
-    for f in files:
-        if f.kind == "jsonl":
-            idx = line_index(f.path)
-            n = idx.rows
-            first = min(skip, n)
-            skip -= first
-            for r in range(first, n, chunk_rows):
-                chunks.append(_jsonl_chunk(f, idx, r, min(n, r + chunk_rows)))
-        else:
-            base = 0
-            for g, n in enumerate(parquet_row_groups(f.path).tolist()):
-                first = min(skip, n)
-                skip -= first
-                for r in range(first, n, chunk_rows):
-                    e = min(n, r + chunk_rows)
-                    chunks.append(Chunk(f, base + r, e - r, row_group=g, group_offset=r))
-                base += n
+    base = 0
+    for g, n in enumerate(parquet_row_groups(f.path).tolist()):
+        lo, hi = max(first, base), min(end, base + n)
+        chunks += [Chunk(f, r, min(hi, r + k) - r, row_group=g, group_offset=r - base)
+                   for r in range(lo, hi, k)]
+        base += n
     return chunks
 
 
@@ -393,3 +390,18 @@ def read_row(f: SourceFile, row: int) -> Any:
     g = int(np.searchsorted(ends, row, side="right"))
     off = row - (int(ends[g - 1]) if g else 0)
     return _groups.get(f.path, g).slice(off, 1).to_pylist()[0]
+
+
+def read_head(f: SourceFile, n: int) -> list[Any]:
+    """The raw values of the file's first `n` rows (all of them when it has fewer), as
+    `read_chunk` yields them: one read (JSONL: anchored bytes; Parquet: the first record batch,
+    not the first row group whole)."""
+    if not num_rows(f):
+        return []
+    if f.kind == "jsonl":
+        idx = line_index(f.path)
+        return [raw for _, raw in read_chunk(_jsonl_chunk(f, idx, 0, min(n, idx.rows)))]
+    import pyarrow.parquet as pq
+
+    batches = pq.ParquetFile(_open_parquet_target(f.path)).iter_batches(batch_size=n)
+    return next(batches).to_pylist()

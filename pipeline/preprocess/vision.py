@@ -33,6 +33,9 @@ from trainer_client.pixels import PixelNorm, bfloat16_bits
 PIXEL_NORM = PixelNorm(rescale=1 / 255, mean=(0.48145466, 0.4578275, 0.40821073),
                        std=(0.26862954, 0.26130258, 0.27577711))
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2  # Qwen2-VL's vision encoder
+PATCH_VALUES = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE  # one patch: C x T x P x P
+PATCHES_PER_VISUAL_TOKEN = MERGE_SIZE * MERGE_SIZE
+PIXEL_BYTES = {"uint8": 1, "bfloat16": 2, "float32": 4}  # a stored value, by pixel_dtype
 
 
 def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int,
@@ -144,8 +147,7 @@ class VisionProcessor:
                 values.append(_normalized(rgb))
             grids.append((1, h // PATCH_SIZE, w // PATCH_SIZE))
         rows = [g[1] * g[2] for g in grids]
-        dim = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE
-        pv = np.empty((sum(rows), dim), dtype=values[0].dtype)
+        pv = np.empty((sum(rows), PATCH_VALUES), dtype=values[0].dtype)
         start = 0
         for v, n in zip(values, rows, strict=True):
             _patchify_into(v, pv[start : start + n])

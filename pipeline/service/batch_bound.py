@@ -23,11 +23,8 @@ from dataclasses import dataclass
 
 from pipeline.config import PIXELS_PER_VISUAL_TOKEN, TrainingJobConfig
 from pipeline.modes import OverBudgetPolicy
-from pipeline.preprocess.vision import MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE
+from pipeline.preprocess.vision import PATCH_VALUES, PATCHES_PER_VISUAL_TOKEN, PIXEL_BYTES
 
-PIXEL_BYTES = {"uint8": 1, "bfloat16": 2, "float32": 4}
-PATCH_VALUES = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE  # one patch: C x T x P x P
-PATCHES_PER_VISUAL_TOKEN = MERGE_SIZE * MERGE_SIZE
 GRID_ROW_BYTES = 3 * 8  # image_grid_thw: int64 (t, h, w)
 MB = 1e6
 MiB = 1024 * 1024

@@ -109,7 +109,7 @@ def test_a_large_file_is_indexed_by_ray_tasks_alike(ray_session, tmp_path, monke
     p = tmp_path / "big.jsonl"
     p.write_bytes(b"\n".join(lines) + b"\n")
     (f,) = expand_sources(SourceConfig(paths=[str(p)]))
-    local = sources._line_index.__wrapped__(sources._stat_key(str(p)))
+    local = sources._line_index.__wrapped__(sources.stat_key(str(p)))
     monkeypatch.setattr(sources, "INDEX_SPLIT_BYTES", 4096)
     ranges, _, anchors_of = sources._index_ranges(str(p), p.stat().st_size)
     assert len(ranges) > 50 and anchors_of is not sources._anchors_in  # really distributed
@@ -119,3 +119,30 @@ def test_a_large_file_is_indexed_by_ray_tasks_alike(ray_session, tmp_path, monke
     assert spread.anchors.tolist() == local.anchors.tolist()
     assert [raw for _, _, raw in _rows([f], 256, start=77)] == lines[77:]
     assert read_row(f, 4999) == lines[4999]
+
+
+def test_rows_per_chunk_per_file_asked_only_of_the_files_read(tmp_path):
+    """A plan's chunk size may differ per file (task_size.py); files the plan leaves out by
+    `start_row` or `limit` are not asked (sizing one reads its first rows), and the rows are
+    exact whatever the sizes."""
+    paths = []
+    for name, n in (("a", 5), ("b", 7), ("c", 4), ("d", 3)):
+        p = tmp_path / f"{name}.jsonl"
+        p.write_bytes(b"".join(b"%s%d\n" % (name.encode(), i) for i in range(n)))
+        paths.append(str(p))
+    files = expand_sources(SourceConfig(paths=paths))
+    sizes = {f.source: k for f, k in zip(files, (2, 3, 1, 2), strict=True)}
+    asked: list[str] = []
+
+    def rows_for(f):
+        asked.append(f.source.rsplit("/", 1)[1])
+        return sizes[f.source]
+
+    plan = plan_chunks(files, rows_for, start_row=6, limit=8)
+    assert asked == ["b.jsonl", "c.jsonl"]
+    assert [(c.file.source.rsplit("/", 1)[1], c.first_row, c.num_rows) for c in plan] == [
+        ("b.jsonl", 1, 3), ("b.jsonl", 4, 3), ("c.jsonl", 0, 1), ("c.jsonl", 1, 1)]
+    got = [raw for c in plan for _, raw in read_chunk(c)]
+    assert got == [b"b1", b"b2", b"b3", b"b4", b"b5", b"b6", b"c0", b"c1"]
+    with pytest.raises(ValueError, match="chunk_rows must be > 0"):
+        plan_chunks(files, lambda f: 0)
