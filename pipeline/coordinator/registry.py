@@ -42,6 +42,10 @@ class JobRecord:
 # Who may call a job is no part of its plan: changing it never refuses a resume.
 _NOT_HASHED = {"token_env", "allow_unauthenticated"}
 
+# Options added after stored jobs were hashed, with the default those jobs ran under: at that
+# default an option is left out of the hash, so the stored job's hash still matches.
+_ADDED_LATER: dict[tuple[str, str], object] = {("preprocess", "task_output_mb"): 64}
+
 
 def config_hash(job: JobConfig) -> str:
     """What a job's plan depends on, hashed: everything in its config but the auth token's env
@@ -57,6 +61,9 @@ def config_hash(job: JobConfig) -> str:
     else:
         earlier = {"refill": None}
     data = {**earlier, **job.model_dump(mode="json", exclude=_NOT_HASHED)}
+    for (section, name), default in _ADDED_LATER.items():
+        if data.get(section, {}).get(name) == default:
+            del data[section][name]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
