@@ -392,7 +392,7 @@ class RedisJobState(JobState):
         return Step(epoch=h["e"], step=h["n"], info=StepInfo(*h["i"]),
                     batches=tuple(step_codec.decode_batch(wanted[r], r)
                                   for r in h["r"] if r in wanted),
-                    world=step_codec.header_world(h))
+                    world=step_codec.header_world(h), compute=step_codec.header_compute(h))
 
     def _stamped(self, steps: list[Step | None]) -> list[Step | None]:
         """Steps a build before stamping published get their world derived (one more read)."""
