@@ -115,7 +115,8 @@ def run_arm(arm: str, args: argparse.Namespace, samples: list, tmp: Path) -> dic
 
     job = {"job_id": "bench", "world_size": args.world, "mode": "quota",
            "source": {"paths": ["arrays"]},
-           "batching": {"token_budget": args.budget, "compute_balancing": {
+           "batching": {"token_budget": args.budget, "pool_steps": args.pool_steps,
+                        "compute_balancing": {
                "enabled": arm == "calibrated", "min_reports": args.min_reports}}}
     cfg = ServiceConfig.model_validate({"grpc": {"port": 0}, "metrics_port": None,
                                         "jobs": [job]})
@@ -164,7 +165,7 @@ def run_arm(arm: str, args: argparse.Namespace, samples: list, tmp: Path) -> dic
         "gate_opened_at_step": gate_step,
         "fit": None if fit is None else {
             "gate_open": fit.gate_open, "error": fit.error, "reports": fit.reports,
-            "last_error": fit.last_error, "rejected": fit.rejected,
+            "last_error": fit.last_error, "accepted": fit.accepted, "rejected": fit.rejected,
             "coefficients": list(fit.coefficients)},
         "ratios": ratios,
     }
@@ -188,6 +189,13 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _shown(v: object) -> object:
+    """A path as the command line gave it (relative to the repository when it is inside)."""
+    if isinstance(v, Path):
+        return str(v.relative_to(ROOT)) if v.is_relative_to(ROOT) else str(v)
+    return v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small run that proves it works")
@@ -198,17 +206,20 @@ def main() -> None:
     ap.add_argument("--image-share", type=float, default=0.25)
     ap.add_argument("--patches", type=int, default=256)
     ap.add_argument("--min-reports", type=int, default=32)
+    ap.add_argument("--pool-steps", type=int, default=None,
+                    help="the planner's balancing pool in steps (default: ~256 batches); a "
+                    "model applies from the next pool released after the gate opens")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/compute")
     args = ap.parse_args()
     if args.quick:
-        args.samples, args.budget, args.dim = 600, 2048, 32
+        args.samples, args.budget, args.dim, args.pool_steps = 1200, 2048, 32, 4
     samples = make_samples(args.samples, 0, args.image_share, args.patches, 1024)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_arm(arm, args, samples, Path(tmp)) for arm in ("tokens", "calibrated")]
     name = "quick" if args.quick else "full"
-    report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    report = {"args": {k: _shown(v) for k, v in vars(args).items()},
               "load_avg": os.getloadavg(), "cpus": os.cpu_count(),
               "results": [{k: v for k, v in r.items() if k != "ratios"} for r in results]}
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))

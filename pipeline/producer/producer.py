@@ -438,6 +438,7 @@ class Producer:
                 if head.published_through < self._last_published:  # Redis lost the reveal
                     self.state.reveal(fence=self.generation)
                 acked = self.state.acked_all()
+                self._update_compute()  # planning is over; the fit's status follows the ranks
             except Fenced:  # a successor holds the lease: its payloads are its own
                 self._fenced.set()
                 break
