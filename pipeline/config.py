@@ -122,17 +122,23 @@ class PreprocessConfig(_Model):
         return -(-self.image_min_pixels // PIXELS_PER_VISUAL_TOKEN)
 
 
+_FIT = FitSettings()  # the fit's defaults are its own (one place)
+
+
 class ComputeBalancingConfig(_Model):
     """Balance ranks by measured compute (docs/compute-balancing.md): trainers report each
     batch's compute seconds, the job fits a cost model of them, and once it predicts held-out
     batches within `max_error` the planner balances ranks by predicted time instead of tokens."""
 
     enabled: bool = False
-    max_error: float = Field(0.10, gt=0.0, lt=1.0, description="the gate: held-out mean "
-                             "relative error (worst 10% left out) at most this")
-    min_reports: int = Field(32, ge=8, description="reports before the gate can open")
-    window: int = Field(512, ge=8, description="reports kept (the newest) for the fit")
-    warmup_steps: int = Field(3, ge=0, description="each world's first steps are not fitted")
+    max_error: float = Field(_FIT.max_error, gt=0.0, lt=1.0, description="the gate: held-out "
+                             "mean relative error (worst 10% left out) at most this")
+    min_reports: int = Field(_FIT.min_reports, ge=8, description="reports before the gate can "
+                             "open")
+    window: int = Field(_FIT.window, ge=8, le=4096, description="reports kept (the newest) for "
+                        "the fit (the job's state keeps 4096)")
+    warmup_steps: int = Field(_FIT.warmup_steps, ge=0, description="each world's first steps "
+                              "are not fitted")
 
     @model_validator(mode="after")
     def _valid_fit(self) -> ComputeBalancingConfig:
