@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,9 +169,6 @@ class ComputeFitter:
         self.accepted += 1
         self._new += 1
         return True
-
-    def offer_many(self, reports: Iterable[ComputeReport], *, world_first_step: int = 0) -> int:
-        return sum(self.offer(r, world_first_step=world_first_step) for r in reports)
 
     def refit(self, *, force: bool = False) -> ComputeModel | None:
         """Check the model in force for drift and fit again when `refit_every` reports arrived

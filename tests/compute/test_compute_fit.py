@@ -49,6 +49,11 @@ def planted_reports(coef, n: int, noise: float, seed: int, outliers: float = 0.0
     return out
 
 
+def offer_all(fitter: ComputeFitter, reports: list[ComputeReport]) -> None:
+    for r in reports:
+        assert fitter.offer(r)
+
+
 coefficients = st.tuples(
     st.floats(1e-4, 1e-2), st.floats(1e-7, 1e-5), st.floats(0, 1e-5), st.floats(0, 1e-8),
     st.floats(0, 1e-4), st.floats(0, 1e-2), st.floats(0, 1e-3))
@@ -117,9 +122,9 @@ def test_nnls_matches_the_kkt_conditions():
 def test_gate_stays_closed_with_few_reports():
     coef = (2e-3, 1e-6, 3e-6, 2e-9, 5e-5, 8e-3, 4e-4)
     fitter = ComputeFitter(FitSettings(min_reports=32, warmup_steps=0))
-    fitter.offer_many(planted_reports(coef, 31, noise=0.0, seed=1))
+    offer_all(fitter, planted_reports(coef, 31, noise=0.0, seed=1))
     assert fitter.refit(force=True) is None
-    fitter.offer_many(planted_reports(coef, 1, noise=0.0, seed=2, first_step=31))
+    offer_all(fitter, planted_reports(coef, 1, noise=0.0, seed=2, first_step=31))
     model = fitter.refit(force=True)
     assert model is not None and model.reports == 32
 
@@ -127,7 +132,7 @@ def test_gate_stays_closed_with_few_reports():
 def test_gate_stays_closed_on_noise_the_model_cannot_explain():
     coef = (2e-3, 1e-6, 3e-6, 2e-9, 5e-5, 8e-3, 4e-4)
     fitter = ComputeFitter(FitSettings(warmup_steps=0))
-    fitter.offer_many(planted_reports(coef, 400, noise=0.5, seed=4))
+    offer_all(fitter, planted_reports(coef, 400, noise=0.5, seed=4))
     assert fitter.refit(force=True) is None
     assert fitter.last_fit is not None and fitter.last_fit.error > 0.10
 
