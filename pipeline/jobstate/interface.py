@@ -77,7 +77,7 @@ class ComputeFitStatus:
     `reports`: the model in force, empty/0 while the gate is closed (ranks balanced by tokens);
     `last_error`: the latest fit's held-out error, passed or not (-1: none yet); `imbalance`:
     per step, max/mean of the ranks' measured compute, the newest steps whose ranks all
-    reported (oldest first: `(step, ratio)`)."""
+    reported (oldest first: `(step, ratio)`). JSON keys of the rank maps are strings."""
 
     gate_open: bool = False
     coefficients: tuple[float, ...] = ()
@@ -90,6 +90,11 @@ class ComputeFitStatus:
     stale: int = 0  # reports of an ended world, ignored
     drifts: int = 0
     imbalance: tuple[tuple[int, float], ...] = ()
+    # The newest fully reported step: each rank's measured seconds and those predicted by the
+    # model the step was balanced by (none for a step balanced by tokens).
+    last_step: int = -1
+    last_measured: Mapping[int, float] = field(default_factory=dict)
+    last_predicted: Mapping[int, float] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__dataclass_fields__})
@@ -99,6 +104,8 @@ class ComputeFitStatus:
         d = json.loads(data)
         d["coefficients"] = tuple(d["coefficients"])
         d["imbalance"] = tuple((int(n), float(r)) for n, r in d["imbalance"])
+        for k in ("last_measured", "last_predicted"):
+            d[k] = {int(r): float(v) for r, v in d.get(k, {}).items()}
         return cls(**d)
 
 

@@ -221,6 +221,11 @@ class ComputeStatus:
     imbalance_p50: float | None = None
     imbalance_p90: float | None = None
     imbalance_steps: int = 0
+    # The newest fully reported step: each rank's measured seconds, and those predicted by the
+    # model the step was balanced by (None: balanced by tokens).
+    last_step: int | None = None
+    rank_measured_s: Mapping[int, float] | None = None
+    rank_predicted_s: Mapping[int, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ _OTHER = ("odb_replica_samples_fetched_total", "odb_samples_in_total", "odb_samp
           "odb_quarantined_total", "odb_job_info", "odb_job_open", "odb_job_failed",
           "odb_producer_generation", "odb_producer_live", "odb_service_start_time_seconds",
           "odb_world_generation", "odb_reconfiguration_seconds",
-          "odb_reconfiguration_first_batch_seconds", "odb_compute_coefficient")
+          "odb_reconfiguration_first_batch_seconds", "odb_compute_coefficient",
+          "odb_compute_rank_seconds")
 
 
 def _n(value: object) -> float:
@@ -166,10 +167,20 @@ class OdbCollector(Collector):
         coefficient = GaugeMetricFamily(
             "odb_compute_coefficient", "The compute model in force: seconds per unit of a batch "
             "feature", labels=["job_id", "feature"])
+        rank_seconds = GaugeMetricFamily(
+            "odb_compute_rank_seconds", "The newest fully reported step: a rank's measured "
+            "compute seconds, and those its step's model predicted",
+            labels=["job_id", "rank", "kind"])
         for job in status.jobs:
             jid = job.job_id
-            for feature, c in (job.compute.coefficients or {}).items() if job.compute else ():
-                coefficient.add_metric([jid, feature], c)
+            c = job.compute
+            if c is not None:
+                for feature, v in (c.coefficients or {}).items():
+                    coefficient.add_metric([jid, feature], v)
+                for kind, per_rank in (("measured", c.rank_measured_s),
+                                       ("predicted", c.rank_predicted_s)):
+                    for r, v in (per_rank or {}).items():
+                        rank_seconds.add_metric([jid, str(r), kind], v)
             info.add_metric([jid, job.mode], 1.0)
             open_.add_metric([jid], 1.0 if job.open else 0.0)
             failed.add_metric([jid], 1.0 if job.error else 0.0)
@@ -215,7 +226,8 @@ class OdbCollector(Collector):
                       refill_gauges):
             yield from (fam for fam, _ in group)
         yield from (refill_epoch, fetched, samples_in, planned, quarantined, info, open_,
-                    failed, generation, live, start, world_gen, switch, first_batch, coefficient)
+                    failed, generation, live, start, world_gen, switch, first_batch, coefficient,
+                    rank_seconds)
 
 
 def metric_names() -> set[str]:

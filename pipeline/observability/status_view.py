@@ -218,7 +218,10 @@ def compute_status(fit: ComputeFitStatus | None) -> ComputeStatus | None:
         last_error=None if fit.last_error < 0 else fit.last_error, accepted=fit.accepted,
         rejected=fit.rejected, warmup=fit.warmup, stale=fit.stale, drifts=fit.drifts,
         imbalance_last=fit.imbalance[-1][1] if fit.imbalance else None,
-        imbalance_p50=pct(0.5), imbalance_p90=pct(0.9), imbalance_steps=len(ratios))
+        imbalance_p50=pct(0.5), imbalance_p90=pct(0.9), imbalance_steps=len(ratios),
+        last_step=None if fit.last_step < 0 else fit.last_step,
+        rank_measured_s=dict(fit.last_measured) if fit.last_step >= 0 else None,
+        rank_predicted_s=dict(fit.last_predicted) if fit.last_predicted else None)
 
 
 def refill_job_status(job_id: str, c: RefillCounts, *, epochs: int | None = None,

@@ -38,8 +38,10 @@ class ComputeBalancer:
         self._next_poll = 0.0
         self._seen = 0  # reports read so far (the state's running count)
         self.stale = 0
-        self._open: dict[int, tuple[int, dict[int, float]]] = {}  # step -> (ranks, seconds)
+        # step -> (its ranks, rank -> (measured seconds, predicted seconds or None))
+        self._open: dict[int, tuple[int, dict[int, tuple[float, float | None]]]] = {}
         self._imbalance: deque[tuple[int, float]] = deque(maxlen=IMBALANCE_STEPS)
+        self._last: tuple[int, dict[int, tuple[float, float | None]]] = (-1, {})
 
     def adopt(self, planner: StepPlanner) -> None:
         """A planner restored from a checkpoint: its model (the one its steps were balanced by)
@@ -73,7 +75,9 @@ class ComputeBalancer:
             features = batch_features(batch.samples, lengths, self.collate)
             if self.fitter.offer(ComputeReport(r.step, r.rank, r.seconds, features),
                                  world_first_step=world_first_step):
-                self._note_measured(r, len(step.batches))
+                model = step.compute  # the model its step was balanced by (None: tokens)
+                self._note_measured(r, len(step.batches),
+                                    None if model is None else model.predict(features))
         model = self.fitter.refit()
         if model != planner.compute_model:
             planner.set_compute_model(model)
@@ -87,7 +91,9 @@ class ComputeBalancer:
             error=m.error if m else 0.0, reports=m.reports if m else 0,
             last_error=f.last_fit.error if f.last_fit else -1.0, accepted=f.accepted,
             rejected=f.rejected, warmup=f.warmup, stale=self.stale, drifts=f.drifts,
-            imbalance=tuple(self._imbalance))
+            imbalance=tuple(self._imbalance), last_step=self._last[0],
+            last_measured={r: m for r, (m, _) in self._last[1].items()},
+            last_predicted={r: p for r, (_, p) in self._last[1].items() if p is not None})
 
     def _steps_of(self, reports: list[RankCompute], world_size: int) -> dict[int, Step]:
         """The reported steps, every batch of each (one read): a step's imbalance needs to
@@ -96,15 +102,18 @@ class ComputeBalancer:
         got = self.state.get_steps_for([(n, range(world_size)) for n in order])
         return {n: s for n, s in zip(order, got, strict=True) if s is not None}
 
-    def _note_measured(self, r: RankCompute, ranks: int) -> None:
-        """Once every rank of a step reported: its imbalance, max/mean of measured compute."""
+    def _note_measured(self, r: RankCompute, ranks: int, predicted: float | None) -> None:
+        """Once every rank of a step reported: its imbalance, max/mean of measured compute, and
+        its ranks' measured and predicted seconds."""
         if not math.isfinite(r.seconds):
             return
         _, seen = self._open.setdefault(r.step, (ranks, {}))
-        seen[r.rank] = r.seconds
+        seen[r.rank] = (r.seconds, predicted)
         if len(seen) == ranks:
             del self._open[r.step]
-            t = list(seen.values())
+            t = [m for m, _ in seen.values()]
             self._imbalance.append((r.step, max(t) * len(t) / sum(t)))
+            if r.step > self._last[0]:
+                self._last = (r.step, seen)
         while len(self._open) > _OPEN_STEPS:
             del self._open[min(self._open)]

@@ -160,4 +160,9 @@ def _compute(c: ComputeStatus) -> list[str]:
         lines.append(f"    measured imbalance (max/mean rank compute) over {c.imbalance_steps} "
                      f"steps: p50 {c.imbalance_p50:.3f}  p90 {c.imbalance_p90:.3f}  last "
                      f"{c.imbalance_last:.3f}")
+    if c.rank_measured_s:
+        pred = c.rank_predicted_s or {}
+        lines.append(f"    step {c.last_step} per rank, measured (predicted) s: " + "  ".join(
+            f"{r}: {m:.3g}" + (f" ({pred[r]:.3g})" if r in pred else "")
+            for r, m in sorted(c.rank_measured_s.items())))
     return lines

@@ -55,6 +55,10 @@ def test_reports_open_the_gate_and_the_planner_gets_the_model():
     assert [r for _, r in fit.imbalance] == [
         max(seconds(s, 0), seconds(s, 1)) * W / (seconds(s, 0) + seconds(s, 1))
         for s in steps[-len(fit.imbalance):]]
+    last = steps[-1]
+    assert fit.last_step == last.step  # balanced by tokens: measured, nothing predicted
+    assert fit.last_measured == {b.rank: seconds(last, b.rank) for b in last.batches}
+    assert fit.last_predicted == {}
     # Nothing new: nothing read again, the model stays.
     before = planner.compute_model
     balancer.update(planner, world=0, world_first_step=0)

@@ -67,6 +67,10 @@ def test_gate_opens_and_later_steps_are_balanced_by_predicted_time(redis_url):
         probe = features_of(state, steps[-1].step, steps[-1].batches[0].rank)
     assert fit is not None and fit.gate_open, fit
     assert fit.error <= 0.10 and fit.rejected >= 1 and fit.accepted >= 32
+    # The newest fully reported step was balanced by the model: its ranks' times predicted.
+    assert fit.last_predicted.keys() == fit.last_measured.keys() and fit.last_predicted
+    for r, measured in fit.last_measured.items():
+        assert fit.last_predicted[r] == pytest.approx(measured, rel=0.1)
     by_model = [s for s in steps if s.compute is not None]
     by_tokens = [s for s in steps if s.compute is None]
     assert by_model and by_tokens, "the job starts by tokens and switches once the gate opens"
