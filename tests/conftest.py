@@ -13,8 +13,11 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from support import ast_lock
 
 from pipeline.redis_server import LocalRedis
+
+ast_lock.install()  # CPython 3.11: "AST constructor recursion depth mismatch" (support/ast_lock.py)
 
 # Private Ray: no token auth files in ~/.ray, workers not starved by nice 15 (NOTES.md).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
