@@ -17,11 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline import owned_processes
@@ -54,7 +57,8 @@ def join_cluster(address: str) -> None:
                         "the GCS address (host:6379) or 'auto'")
     if not ray.is_initialized():
         _driver(_OWN_SIGNALS)
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        with _sigterm_kept():
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
 
 
 def _driver(settings: dict[str, tuple[str, str, object]]) -> None:
@@ -65,6 +69,20 @@ def _driver(settings: dict[str, tuple[str, str, object]]) -> None:
         os.environ[env] = value
         if constants is not None:
             setattr(constants, constant, parsed)
+
+
+@contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """`ray.init` in the main thread replaces the SIGTERM handler with one that exits at once:
+    keep the process's own (serve's orderly stop, the demo's cleanup)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class PrivateRay:
@@ -131,8 +149,9 @@ class PrivateRay:
                 raise RuntimeError(f"the private Ray node did not start "
                                    f"(exit {self.node.poll()}): {tail}")
             time.sleep(0.1)
-        ray.init(address=address_file.read_text().strip(), log_to_driver=False,
-                 configure_logging=False)
+        with _sigterm_kept():
+            ray.init(address=address_file.read_text().strip(), log_to_driver=False,
+                     configure_logging=False)
         self.connected = True
         # Ray Data's per-dataset INFO/WARNING chatter is noise in a command's output.
         import ray.data  # configures its loggers on import: set the level after
