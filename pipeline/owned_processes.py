@@ -65,7 +65,7 @@ def session_members(sid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:  # exited meanwhile
             continue
-        if int(stat.rsplit(")", 1)[1].split()[4]) == sid:
+        if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
             out.append(int(entry.name))
     return out
 
