@@ -121,9 +121,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stopped(started: ExitStack) -> int:
-    """Stop everything started (in order), then end the process with status 0."""
+    """Stop everything started (in order), then end the process: status 0, or 1 if a part of
+    the stop failed (said in the log; the rest was still stopped)."""
     print("odb-pipeline serve: draining", flush=True)
-    started.close()
+    status = 0
+    try:
+        started.close()
+    except Exception:
+        log.exception("the stop failed")
+        status = 1
     print("odb-pipeline serve: stopped", flush=True)
     # Everything this command started is stopped and its state is in Redis: end the process
     # here. Interpreter finalization with gRPC's and Ray's native threads still winding down
@@ -131,7 +137,7 @@ def _stopped(started: ExitStack) -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _first_steps_out(runtimes: Iterable[JobRuntime]) -> bool:

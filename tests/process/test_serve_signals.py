@@ -92,6 +92,23 @@ def test_a_group_sigterm_while_redis_starts_the_service_stops_cleanly(tmp_path):
         tree.kill()
 
 
+@pytest.mark.slow
+def test_a_kill_9_of_serve_takes_everything_it_started_with_it(tmp_path):
+    """No drain is possible, but nothing is left either: the embedded Redis and the private
+    Ray's node die with serve (parent-death signal), and Ray's processes with their node."""
+    tree = ServeTree(tmp_path)
+    try:
+        tree.wait_for_line("Ray is up")
+        tree.signal(signal.SIGKILL, group=False)
+        assert tree.proc.wait(30) == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while tree.leftovers():
+            assert time.monotonic() < deadline, f"left running: {tree.leftovers()}"
+            time.sleep(0.2)
+    finally:
+        tree.kill()
+
+
 def _status(config: Path) -> tuple[float, int, str, str]:
     """`odb-pipeline status --json --config FILE` in this process (warm imports: the time is
     the service's answer, not a Python start): (seconds, exit status, stdout, stderr)."""
@@ -122,6 +139,8 @@ def test_status_answers_at_every_poll_while_the_private_ray_starts(tmp_path):
             after_up += not starting
             assert tree.proc.poll() is None, tree.output()[-3000:]
         assert any(starting for _, starting in polls), "Ray was up before the first poll"
+        print(f"status: {len(polls)} polls, {sum(st for _, st in polls)} while Ray started; "
+              f"the slowest {max(t for t, _ in polls):.2f} s")
         slow = [round(t, 1) for t, _ in polls if t >= 5.0]
         assert not slow, f"status stalled: {slow} s (all polls: {polls})"
         tree.signal(signal.SIGTERM, group=False)
