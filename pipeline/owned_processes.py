@@ -45,12 +45,13 @@ def die_with_parent_hook() -> Callable[[], None] | None:
     return hook
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Called first thing in a child: SIGKILL when its parent dies; exits at once if the parent
-    (`parent_pid`) is already gone, since the signal would then never come."""
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Called first thing in a child: `sig` when its parent dies (SIGTERM for a child that
+    stops children of its own on it); exits at once if the parent (`parent_pid`) is already
+    gone, since the signal would then never come."""
     prctl = _prctl()
     if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(_PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent_pid:
         os._exit(1)
 

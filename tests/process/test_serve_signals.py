@@ -1,7 +1,8 @@
 """`serve` on the embedded default (#28, #29): under SIGTERM to its pid, SIGTERM to its whole
 process group and SIGINT to its group, during the start and at steady state, it drains and
 exits 0 within its stop grace, and leaves nothing it started running; everything it started
-listens on loopback only, and its Redis wants the password."""
+listens on loopback only, and its Redis wants the password; `status` answers at every poll
+while the private Ray starts (checked on the way to each steady state)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,38 @@ def _check_listeners(tree: ServeTree) -> None:
         assert s.recv(64).startswith(b"-NOAUTH"), "the embedded Redis answered without a password"
 
 
+def _status(config: Path) -> tuple[float, int, str, str]:
+    """`odb-pipeline status --json --config FILE` in this process (warm imports: the time is
+    the service's answer, not a Python start): (seconds, exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.monotonic()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["status", "--json", "--config", str(config)])
+    return time.monotonic() - t0, rc, out.getvalue(), err.getvalue()
+
+
+def _poll_status_until_ray_is_up(tree: ServeTree) -> None:
+    """`status --json` answers at every poll from the moment serve listens until the private
+    Ray is up, and after. The bound per call is generous on purpose (a loaded machine): it is
+    a "never stalls" check (the stall it guards against was over 15 s while Ray started inside
+    serve's process), not a latency goal."""
+    polls: list[tuple[float, bool]] = []  # (seconds, asked while Ray was starting)
+    after_up = 0
+    while after_up < 2:
+        starting = "Ray is up" not in tree.output()
+        took, rc, out, err = _status(tree.config)
+        assert rc == 0, err
+        assert [j["job_id"] for j in json.loads(out)["jobs"]] == ["sft"]
+        polls.append((took, starting))
+        after_up += not starting
+        assert tree.proc.poll() is None, tree.output()[-3000:]
+    assert any(starting for _, starting in polls), "Ray was up before the first poll"
+    print(f"status: {len(polls)} polls, {sum(st for _, st in polls)} while Ray started; "
+          f"the slowest {max(t for t, _ in polls):.2f} s")
+    slow = [round(t, 1) for t, _ in polls if t >= 5.0]
+    assert not slow, f"status stalled: {slow} s (all polls: {polls})"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["ray-starting", "steady"])
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -62,7 +95,7 @@ def test_a_signal_stops_serve_in_order_and_leaves_nothing_running(tmp_path, kind
             tree.wait_for(lambda: _node_started(tree), "the private Ray's node process")
             assert "Ray is up" not in tree.output()
         else:
-            tree.wait_for_line("Ray is up")
+            _poll_status_until_ray_is_up(tree)
             _check_listeners(tree)
         sent = tree.signal(sig, group)
         rc = tree.proc.wait(GRACE_S + SLACK_S + 30)
@@ -105,45 +138,5 @@ def test_a_kill_9_of_serve_takes_everything_it_started_with_it(tmp_path):
         while tree.leftovers():
             assert time.monotonic() < deadline, f"left running: {tree.leftovers()}"
             time.sleep(0.2)
-    finally:
-        tree.kill()
-
-
-def _status(config: Path) -> tuple[float, int, str, str]:
-    """`odb-pipeline status --json --config FILE` in this process (warm imports: the time is
-    the service's answer, not a Python start): (seconds, exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    t0 = time.monotonic()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli.main(["status", "--json", "--config", str(config)])
-    return time.monotonic() - t0, rc, out.getvalue(), err.getvalue()
-
-
-@pytest.mark.slow
-def test_status_answers_at_every_poll_while_the_private_ray_starts(tmp_path):
-    """`odb-pipeline status --json` from the moment serve listens until Ray is up and after.
-    The bound per call is generous on purpose (a loaded machine): it is a "never stalls"
-    check (the stall it guards against was over 15 s while Ray started inside serve), not a
-    latency goal."""
-    tree = ServeTree(tmp_path)
-    try:
-        tree.wait_for_line("listening on")
-        polls: list[tuple[float, bool]] = []  # (seconds, asked while Ray was starting)
-        after_up = 0
-        while after_up < 2:
-            starting = "Ray is up" not in tree.output()
-            took, rc, out, err = _status(tree.config)
-            assert rc == 0, err
-            assert [j["job_id"] for j in json.loads(out)["jobs"]] == ["sft"]
-            polls.append((took, starting))
-            after_up += not starting
-            assert tree.proc.poll() is None, tree.output()[-3000:]
-        assert any(starting for _, starting in polls), "Ray was up before the first poll"
-        print(f"status: {len(polls)} polls, {sum(st for _, st in polls)} while Ray started; "
-              f"the slowest {max(t for t, _ in polls):.2f} s")
-        slow = [round(t, 1) for t, _ in polls if t >= 5.0]
-        assert not slow, f"status stalled: {slow} s (all polls: {polls})"
-        tree.signal(signal.SIGTERM, group=False)
-        assert tree.proc.wait(GRACE_S + SLACK_S + 30) == 0
     finally:
         tree.kill()
