@@ -128,15 +128,20 @@ def test_a_group_sigterm_while_redis_starts_the_service_stops_cleanly(tmp_path):
 @pytest.mark.slow
 def test_a_kill_9_of_serve_takes_everything_it_started_with_it(tmp_path):
     """No drain is possible, but nothing is left either: the embedded Redis and the private
-    Ray's node die with serve (parent-death signal), and Ray's processes with their node."""
+    Ray's node die with serve (parent-death signal), Ray's processes with their node, and the
+    node removes its temp dir."""
     tree = ServeTree(tmp_path)
     try:
         tree.wait_for_line("Ray is up")
+        node = next(cmdline(p).split() for p in tree.started if "pipeline.ray_node" in cmdline(p))
+        ray_temp = Path(node[node.index("--temp-dir") + 1])
+        assert ray_temp.is_dir()
         tree.signal(signal.SIGKILL, group=False)
         assert tree.proc.wait(30) == -signal.SIGKILL
         deadline = time.monotonic() + 30
-        while tree.leftovers():
-            assert time.monotonic() < deadline, f"left running: {tree.leftovers()}"
+        while tree.leftovers() or ray_temp.exists():  # the orphaned node removes its temp dir
+            assert time.monotonic() < deadline, \
+                f"left running: {tree.leftovers()}; {ray_temp} exists: {ray_temp.exists()}"
             time.sleep(0.2)
     finally:
         tree.kill()
