@@ -36,6 +36,7 @@ from pydantic import (
 
 from pipeline.errors import UserError
 from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy, RankFailurePolicy
+from pipeline.planner.compute_fit import FitSettings
 from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES, BatchingPolicy
 
 ENV_PREFIX = "ODB_"
@@ -121,6 +122,34 @@ class PreprocessConfig(_Model):
         return -(-self.image_min_pixels // PIXELS_PER_VISUAL_TOKEN)
 
 
+_FIT = FitSettings()  # the fit's defaults are its own (one place)
+
+
+class ComputeBalancingConfig(_Model):
+    """Balance ranks by measured compute (docs/compute-balancing.md): trainers report each
+    batch's compute seconds, the job fits a cost model of them, and once it predicts held-out
+    batches within `max_error` the planner balances ranks by predicted time instead of tokens."""
+
+    enabled: bool = False
+    max_error: float = Field(_FIT.max_error, gt=0.0, lt=1.0, description="the gate: held-out "
+                             "mean relative error (worst 10% left out) at most this")
+    min_reports: int = Field(_FIT.min_reports, ge=8, description="reports before the gate can "
+                             "open")
+    window: int = Field(_FIT.window, ge=8, le=4096, description="reports kept (the newest) for "
+                        "the fit (the job's state keeps 4096)")
+    warmup_steps: int = Field(_FIT.warmup_steps, ge=0, description="each world's first steps "
+                              "are not fitted")
+
+    @model_validator(mode="after")
+    def _valid_fit(self) -> ComputeBalancingConfig:
+        self.fit_settings()  # the fit owns the rules between fields
+        return self
+
+    def fit_settings(self) -> FitSettings:
+        return FitSettings(window=self.window, min_reports=self.min_reports,
+                           max_error=self.max_error, warmup_steps=self.warmup_steps)
+
+
 class BatchingConfig(_Model):
     """A job's batching settings. These defaults are the only ones: `serve` uses them and `plan`
     takes its defaults from here too, so a dry run plans what the service would."""
@@ -147,6 +176,7 @@ class BatchingConfig(_Model):
         "`truncate` = preprocessing cuts every sample to fit a batch alone "
         "(TrainingJobConfig.max_sample_tokens); "
         "`alone` = a batch of its own, flagged; `quarantine` = set aside as over_budget")
+    compute_balancing: ComputeBalancingConfig = ComputeBalancingConfig()
 
     @model_validator(mode="after")
     def _valid_policy(self) -> BatchingConfig:

@@ -48,6 +48,12 @@ the channel fails over between the addresses it resolves with gRPC's own load-ba
 Exit: a stream left open (a trainer that stops early, raises or gets Ctrl-C) is closed at
 interpreter exit, before gRPC's threads could abort the process.
 
+Compute balancing (docs/compute-balancing.md): `stream.report_compute(batch, seconds)`, or
+`with stream.timed(batch): ...` around forward + backward, tells the service how long the batch
+took to compute; the reports ride on the next Ack (no round trip of their own), and a job with
+`batching.compute_balancing` fits a cost model of them to balance ranks by time. Time compute
+only: the wait inside collectives (the all-reduce of a faster rank) is what balancing removes.
+
 Elastic worlds (docs/elastic.md): when the job's world is reconfigured, this rank gets its
 batches up to the boundary and then an END whose `reason` is "reconfigure" and whose
 `world_size` is the new world's (`stream.last_end`; `stream.done` stays False). The rank then
@@ -64,7 +70,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -84,6 +91,8 @@ _RETRYABLE = {
 }
 RESUME_FROM_CURSOR = -1  # Open.resume_step: where the service's cursor says the rank left off
 _STATE_VERSION = 2  # 2 adds epoch_first_step; version 1 states still load
+_MAX_COMPUTE_PER_ACK = 64  # the service's bound per Ack; more wait for the next one
+_MAX_COMPUTE_HELD = 1024  # reports not yet sent (a stream not acking): the oldest are dropped
 
 
 class StreamError(RuntimeError):
@@ -233,6 +242,7 @@ class BatchStream:
         self._queued_bytes = 0  # their tensor bytes
         self._unsent_credits = 0  # freed queue slots not yet granted to the service
         self._unsent_credit_bytes = 0  # and their bytes
+        self._unsent_compute: list[pb.ComputeReport] = []  # ride on the next Ack
 
     # --- checkpointing ---
     def state_dict(self) -> dict[str, Any]:
@@ -252,6 +262,7 @@ class BatchStream:
             raise ValueError(f"state_dict is for job={state.get('job')!r}, "
                              f"this stream has job={self.job!r}")
         self._link.stop()
+        self._unsent_compute.clear()  # of steps the restored position may not have reached
         self._next_step = int(state["next_step"])
         self._epoch = int(state["epoch"])
         self._done = bool(state.get("done", False))
@@ -323,6 +334,28 @@ class BatchStream:
             self._positioned = True
             yield item
 
+    def report_compute(self, batch: StreamBatch, seconds: float) -> None:
+        """Report that `batch` took `seconds` of compute on this rank (forward + backward,
+        without the wait inside collectives). Sent with the next Ack; a job that does not
+        balance by compute ignores it."""
+        with self._link.lock:
+            self._unsent_compute.append(pb.ComputeReport(step=batch.info.step,
+                                                         seconds=float(seconds)))
+            del self._unsent_compute[:-_MAX_COMPUTE_HELD]
+
+    @contextmanager
+    def timed(self, batch: StreamBatch, sync: Callable[[], None] | None = None) -> Iterator[None]:
+        """Time the block as `batch`'s compute and report it (`report_compute`) when it ends
+        without an exception. `sync` (e.g. `torch.cuda.synchronize`) runs before each clock
+        reading, so queued device work is counted where it ran."""
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        yield
+        if sync is not None:
+            sync()
+        self.report_compute(batch, time.perf_counter() - start)
+
     def ack(self) -> None:
         """Acknowledge the last yielded batch now (and grant the freed queue slots)."""
         with self._link.lock:
@@ -374,10 +407,12 @@ class BatchStream:
 
     def _send_ack_locked(self) -> None:
         if self._link.reqs is not None:
+            compute = self._unsent_compute[:_MAX_COMPUTE_PER_ACK]
             self._link.reqs.put(pb.ClientMessage(ack=pb.Ack(
                 consumed_step=self._last_yielded, credits=self._unsent_credits,
-                credit_bytes=self._unsent_credit_bytes)))
+                credit_bytes=self._unsent_credit_bytes, compute=compute)))
             self._unsent_credits = self._unsent_credit_bytes = 0
+            del self._unsent_compute[:len(compute)]
 
     def _ensure_receiver(self) -> None:
         if not self._finalizer.alive:

@@ -112,13 +112,26 @@ class JobKeys:
     def fsyncs(self) -> str:  # string: a counter a durable call writes before its WAITAOF
         return self.base + "fsyncs"
 
+    @property
+    def compute(self) -> str:  # list: the newest compute reports "<world>,<step>,<rank>,<s>"
+        return self.base + "compute"
+
+    @property
+    def compute_total(self) -> str:  # string: compute reports ever recorded
+        return self.base + "compute_total"
+
+    @property
+    def compute_fit(self) -> str:  # string: the compute fit's status (JSON, the producer's)
+        return self.base + "compute_fit"
+
     def fixed(self) -> list[str]:
         """Every job's keys except the per-step ones (those are found from meta's step range)
         and the SDO ones (`organization_keys`)."""
         return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
                 self.lease_exp, self.lease, self.lapsed, self.claimed, self.counters,
                 self.quarantine_ids, self.quarantine, self.worlds, self.grants, self.draining,
-                self.world_times, self.pending_ends, self.fsyncs]
+                self.world_times, self.pending_ends, self.fsyncs, self.compute,
+                self.compute_total, self.compute_fit]
 
     # --- refill jobs (docs/refill.md): written by the scripts coordinator/lua/refill_*.lua ---
     @property

@@ -37,6 +37,8 @@ from pipeline.errors import (
     WorldChanged,
 )
 from pipeline.jobstate.interface import (
+    COMPUTE_REPORTS_KEPT,
+    ComputeFitStatus,
     JobCounters,
     JobState,
     PlannerCheckpoint,
@@ -45,6 +47,7 @@ from pipeline.jobstate.interface import (
     Publication,
     QuarantineEntry,
     RankAck,
+    RankCompute,
     RankHealth,
     RankLease,
 )
@@ -392,7 +395,7 @@ class RedisJobState(JobState):
         return Step(epoch=h["e"], step=h["n"], info=StepInfo(*h["i"]),
                     batches=tuple(step_codec.decode_batch(wanted[r], r)
                                   for r in h["r"] if r in wanted),
-                    world=step_codec.header_world(h))
+                    world=step_codec.header_world(h), compute=step_codec.header_compute(h))
 
     def _stamped(self, steps: list[Step | None]) -> list[Step | None]:
         """Steps a build before stamping published get their world derived (one more read)."""
@@ -533,6 +536,40 @@ class RedisJobState(JobState):
                 msg = res.decode() if isinstance(res, bytes) else str(res)
                 out[i] = self._error_for(msg, acks[i].rank) or RuntimeError(msg)
         return out
+
+    def record_compute(self, reports: Sequence[RankCompute]) -> list[None]:
+        if reports:
+            with unavailable_as_error(self._where):
+                pipe = self.client.pipeline(transaction=True)
+                pipe.rpush(self.keys.compute, *(f"{r.world},{r.step},{r.rank},{r.seconds!r}"
+                                                for r in reports))
+                pipe.ltrim(self.keys.compute, -COMPUTE_REPORTS_KEPT, -1)
+                pipe.incrby(self.keys.compute_total, len(reports))
+                pipe.execute()
+        return [None] * len(reports)
+
+    def compute_reports(self, after: int = 0) -> tuple[int, list[RankCompute]]:
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.get(self.keys.compute_total)
+            pipe.lrange(self.keys.compute, 0, -1)
+            total, raw = pipe.execute()
+        total = int(total or 0)
+        new = max(0, min(len(raw), total - after))
+        out = []
+        for item in raw[len(raw) - new:]:
+            world, step, rank, seconds = item.decode().split(",")
+            out.append(RankCompute(int(world), int(step), int(rank), float(seconds)))
+        return total, out
+
+    def set_compute_fit(self, status: ComputeFitStatus) -> None:
+        with unavailable_as_error(self._where):
+            self.client.set(self.keys.compute_fit, status.to_json())
+
+    def compute_fit(self) -> ComputeFitStatus | None:
+        with unavailable_as_error(self._where):
+            raw = self.client.get(self.keys.compute_fit)
+        return None if raw is None else ComputeFitStatus.from_json(raw)
 
     def release_rank(self, rank: int, client_id: str) -> None:
         self._check_rank(rank, self._lease_ranks())

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import redis
 
-from pipeline.config import BatchingConfig, JobConfig, OrganizationConfig
+from pipeline.config import BatchingConfig, ComputeBalancingConfig, JobConfig, OrganizationConfig
 from pipeline.coordinator import keys, refill_scripts, scripts
 from pipeline.errors import JobMismatch, SchemaMismatch
 from pipeline.modes import JobMode
@@ -44,7 +44,10 @@ _NOT_HASHED = {"token_env", "allow_unauthenticated"}
 
 # Options added after stored jobs were hashed, with the default those jobs ran under: at that
 # default an option is left out of the hash, so the stored job's hash still matches.
-_ADDED_LATER: dict[tuple[str, str], object] = {("preprocess", "task_output_mb"): 64}
+_ADDED_LATER: dict[tuple[str, str], object] = {
+    ("preprocess", "task_output_mb"): 64,
+    ("batching", "compute_balancing"): ComputeBalancingConfig().model_dump(mode="json"),
+}
 
 
 def config_hash(job: JobConfig) -> str:

@@ -10,6 +10,9 @@ World stamps ("w": [generation, size]) are written for stamped steps and ENDs on
 unstamped value encodes as before stamping. A record a build before stamping published decodes
 with `WorldStamp()` (not stamped); `RedisJobState` derives its stamp from the job's worlds
 (`worlds.stamp_of_step` / `stamp_of_end`) when it reads it.
+
+A step balanced by a fitted compute model records it ("m": coefficients, error, reports); a step
+balanced by tokens has no "m", so it encodes as before compute balancing existed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from pipeline.jobstate.interface import PlannerCheckpoint, QuarantineEntry
 from pipeline.jobstate.worlds import ScaleReason, World
+from pipeline.planner.compute_fit import ComputeModel
 from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo, WorldStamp
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
@@ -83,16 +87,25 @@ def _unstamp(d: dict) -> WorldStamp:
 
 def encode_header(step: Step) -> bytes:
     # "r": rank order of `batches` as published, so decoding rebuilds an equal tuple.
-    return _dumps(_stamp({
+    d = _stamp({
         "e": int(step.epoch), "n": int(step.step),
         "i": [int(step.info.step_samples), int(step.info.step_tokens),
               int(step.info.step_loss_tokens)],
         "r": [int(b.rank) for b in step.batches],
-    }, step.world)).encode()
+    }, step.world)
+    if step.compute is not None:
+        d["m"] = step.compute.to_list()
+    return _dumps(d).encode()
 
 
 def decode_header(data: bytes) -> dict:
     return json.loads(data)
+
+
+def header_compute(h: dict) -> ComputeModel | None:
+    """The compute model a decoded header's step was balanced by (None: by tokens)."""
+    m = h.get("m")
+    return None if m is None else ComputeModel.from_list(m)
 
 
 def header_world(h: dict) -> WorldStamp:
@@ -113,7 +126,7 @@ def decode_step(header: bytes, blobs: dict[int, bytes]) -> Step:
     return Step(
         epoch=h["e"], step=h["n"],
         batches=tuple(decode_batch(blobs[r], r) for r in h["r"]),
-        info=StepInfo(*h["i"]), world=_unstamp(h),
+        info=StepInfo(*h["i"]), world=_unstamp(h), compute=header_compute(h),
     )
 
 

@@ -3,6 +3,7 @@ contract and the values that cross it (interface.py), a job's succession of worl
 and the contract kept in process memory (memory.py; in Redis: `pipeline.coordinator`)."""
 
 from pipeline.jobstate.interface import (
+    ComputeFitStatus,
     JobCounters,
     JobState,
     PlannerCheckpoint,
@@ -11,6 +12,7 @@ from pipeline.jobstate.interface import (
     Publication,
     QuarantineEntry,
     RankAck,
+    RankCompute,
     RankHealth,
     RankLease,
 )
@@ -25,7 +27,8 @@ from pipeline.jobstate.worlds import (
     WorldTimings,
 )
 
-__all__ = ["Grant", "JobCounters", "JobState", "MemoryJobState", "PlanHead", "PlannerCheckpoint",
+__all__ = ["ComputeFitStatus", "Grant", "JobCounters", "JobState", "MemoryJobState", "PlanHead",
+           "PlannerCheckpoint",
            "ProducerFailure", "ProducerLease", "Publication", "QuarantineEntry", "RankAck",
-           "RankHealth", "RankLease", "ScaleReason", "ScaleRequest", "ScaleResult", "World",
-           "WorldTimings"]
+           "RankCompute", "RankHealth", "RankLease", "ScaleReason", "ScaleRequest",
+           "ScaleResult", "World", "WorldTimings"]

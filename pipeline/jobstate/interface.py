@@ -21,6 +21,7 @@ Who writes what:
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,62 @@ class RankAck:
     client_id: str
     step: int = -1
     renew: bool = True
+
+
+# Compute reports a job keeps (the newest): the fit's window is at most this.
+COMPUTE_REPORTS_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class RankCompute:
+    """A trainer's measured compute seconds for its batch of `step`, reported by rank `rank` of
+    world `world` (compute balancing, docs/compute-balancing.md). Kept as reported: the fit
+    rejects and counts nonsense."""
+
+    world: int
+    step: int
+    rank: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ComputeFitStatus:
+    """What a job's compute fit stands at (the producer writes it, `status` shows it).
+
+    `coefficients` (seconds per unit of each `compute_fit.FEATURES` entry), `error` and
+    `reports`: the model in force, empty/0 while the gate is closed (ranks balanced by tokens);
+    `last_error`: the latest fit's held-out error, passed or not (-1: none yet); `imbalance`:
+    per step, max/mean of the ranks' measured compute, the newest steps whose ranks all
+    reported (oldest first: `(step, ratio)`). JSON keys of the rank maps are strings."""
+
+    gate_open: bool = False
+    coefficients: tuple[float, ...] = ()
+    error: float = 0.0
+    reports: int = 0
+    last_error: float = -1.0
+    accepted: int = 0
+    rejected: int = 0
+    warmup: int = 0
+    stale: int = 0  # reports of an ended world, ignored
+    drifts: int = 0
+    imbalance: tuple[tuple[int, float], ...] = ()
+    # The newest fully reported step: each rank's measured seconds and those predicted by the
+    # model the step was balanced by (none for a step balanced by tokens).
+    last_step: int = -1
+    last_measured: Mapping[int, float] = field(default_factory=dict)
+    last_predicted: Mapping[int, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({k: getattr(self, k) for k in self.__dataclass_fields__})
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> ComputeFitStatus:
+        d = json.loads(data)
+        d["coefficients"] = tuple(d["coefficients"])
+        d["imbalance"] = tuple((int(n), float(r)) for n, r in d["imbalance"])
+        for k in ("last_measured", "last_predicted"):
+            d[k] = {int(r): float(v) for r, v in d.get(k, {}).items()}
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -302,6 +359,25 @@ class JobState(ABC):
         rank's delivery grant (`AckNotDelivered`: a cursor never skips a step the rank was not
         sent). ValueError for an empty client id, or a rank outside the current world (for a
         heartbeat: outside the current world and the draining ranks of the one it ended)."""
+
+    @abstractmethod
+    def record_compute(self, reports: Sequence[RankCompute]) -> list[None]:
+        """Keep rank streams' compute reports, the newest `COMPUTE_REPORTS_KEPT`, in one round
+        trip (one None per report: the replica groups its streams' reports)."""
+
+    @abstractmethod
+    def compute_reports(self, after: int = 0) -> tuple[int, list[RankCompute]]:
+        """(reports ever recorded, the ones recorded after the first `after` that are still
+        kept, oldest first)."""
+
+    @abstractmethod
+    def set_compute_fit(self, status: ComputeFitStatus) -> None:
+        """Record where the job's compute fit stands (the producer, after it refits)."""
+
+    @abstractmethod
+    def compute_fit(self) -> ComputeFitStatus | None:
+        """Where the job's compute fit stands; None: never recorded (not balancing by compute,
+        or no report yet)."""
 
     @abstractmethod
     def acked(self, rank: int) -> int:

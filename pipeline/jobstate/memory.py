@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -25,6 +25,8 @@ from pipeline.errors import (
     WorldChanged,
 )
 from pipeline.jobstate.interface import (
+    COMPUTE_REPORTS_KEPT,
+    ComputeFitStatus,
     JobCounters,
     JobState,
     PlannerCheckpoint,
@@ -33,6 +35,7 @@ from pipeline.jobstate.interface import (
     Publication,
     QuarantineEntry,
     RankAck,
+    RankCompute,
     RankHealth,
     RankLease,
 )
@@ -80,6 +83,9 @@ class MemoryJobState(JobState):
         self._acked = [-1] * world_size
         self._counts: Counter = Counter()
         self._quarantine: dict[str, QuarantineEntry] = {}  # insertion-ordered, one per id
+        self._compute: deque[RankCompute] = deque(maxlen=COMPUTE_REPORTS_KEPT)
+        self._compute_total = 0
+        self._compute_fit: ComputeFitStatus | None = None
 
     @property
     def world_size(self) -> int:
@@ -325,6 +331,23 @@ class MemoryJobState(JobState):
         with self._lock:
             self._check_published(step)
             self._acked[rank] = max(self._acked[rank], step)
+
+    def record_compute(self, reports: Sequence[RankCompute]) -> list[None]:
+        with self._lock:
+            self._compute.extend(reports)
+            self._compute_total += len(reports)
+        return [None] * len(reports)
+
+    def compute_reports(self, after: int = 0) -> tuple[int, list[RankCompute]]:
+        with self._lock:
+            new = max(0, min(len(self._compute), self._compute_total - after))
+            return self._compute_total, list(self._compute)[len(self._compute) - new:]
+
+    def set_compute_fit(self, status: ComputeFitStatus) -> None:
+        self._compute_fit = status
+
+    def compute_fit(self) -> ComputeFitStatus | None:
+        return self._compute_fit
 
     def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
         now = self._clock()

@@ -201,6 +201,34 @@ class CoordinatorStatus:
 
 
 @dataclass(frozen=True)
+class ComputeStatus:
+    """Ranks balanced by measured compute (docs/compute-balancing.md): the fit and the
+    imbalance the trainers measure. `gate_open` False: the ranks are balanced by tokens."""
+
+    gate_open: bool
+    coefficients: Mapping[str, float] | None = None  # the model in force: seconds per unit
+    error: float | None = None  # its held-out relative error
+    reports: int = 0  # the reports it was fitted on
+    last_error: float | None = None  # the latest fit's, passed or not
+    accepted: int = 0
+    rejected: int = 0  # nonsense reports (negative, NaN, infinite, absurd)
+    warmup: int = 0  # reports of a world's first steps, left out
+    stale: int = 0  # reports of an ended world, ignored
+    drifts: int = 0  # refits because the model in force stopped predicting (trainer changed)
+    # Per step, max/mean of the ranks' measured compute (1.0: balanced), over the newest steps
+    # whose ranks all reported.
+    imbalance_last: float | None = None
+    imbalance_p50: float | None = None
+    imbalance_p90: float | None = None
+    imbalance_steps: int = 0
+    # The newest fully reported step: each rank's measured seconds, and those predicted by the
+    # model the step was balanced by (None: balanced by tokens).
+    last_step: int | None = None
+    rank_measured_s: Mapping[int, float] | None = None
+    rank_predicted_s: Mapping[int, float] | None = None
+
+
+@dataclass(frozen=True)
 class JobStatus:
     """One job. `state`: training jobs waiting (nothing published) | running | draining
     (planning over, ranks still consuming) | finished (every rank acked its last step) | failed;
@@ -234,6 +262,7 @@ class JobStatus:
     replica: ReplicaStatus | None = None
     coordinator: CoordinatorStatus | None = None
     exposure: Mapping[str, Any] | None = None  # an SDO job's ledger summary (docs/sdo.md)
+    compute: ComputeStatus | None = None  # None: not balancing by compute (or no report yet)
     # What the job's largest possible batch means for its trainers, when it is beyond a message
     # or a trainer's default byte window (`service/batch_bound.py`).
     batch_size_notice: str | None = None

@@ -62,6 +62,17 @@ _JOB_GAUGES: tuple[tuple[str, str, Callable[[JobStatus], Any]], ...] = (
     ("odb_token_budget", "The job's token budget per batch", lambda j: j.token_budget),
     ("odb_world_size", "The job's world size", lambda j: j.world_size),
     ("odb_job_done", "1 once every epoch is planned", lambda j: j.done),
+    # Compute balancing (docs/compute-balancing.md); absent for a job that does not use it.
+    ("odb_compute_gate_open", "1 while ranks are balanced by the fitted compute model, 0 by "
+     "tokens", lambda j: j.compute and j.compute.gate_open),
+    ("odb_compute_fit_error", "Held-out relative error of the compute model in force",
+     lambda j: j.compute and j.compute.error),
+    ("odb_compute_reports_rejected", "Compute reports rejected as nonsense (negative, NaN, "
+     "infinite, absurd)", lambda j: j.compute and j.compute.rejected),
+    ("odb_compute_imbalance_p50", "Per-step max/mean of the ranks' measured compute, median of "
+     "the newest fully reported steps", lambda j: j.compute and j.compute.imbalance_p50),
+    ("odb_compute_imbalance_p90", "Per-step max/mean of the ranks' measured compute, p90",
+     lambda j: j.compute and j.compute.imbalance_p90),
 )
 # A refill job's requests (docs/refill.md).
 _REFILL_COUNTERS: tuple[tuple[str, str, Callable[[RefillStatus], Any]], ...] = (
@@ -87,7 +98,8 @@ _OTHER = ("odb_replica_samples_fetched_total", "odb_samples_in_total", "odb_samp
           "odb_quarantined_total", "odb_job_info", "odb_job_open", "odb_job_failed",
           "odb_producer_generation", "odb_producer_live", "odb_service_start_time_seconds",
           "odb_world_generation", "odb_reconfiguration_seconds",
-          "odb_reconfiguration_first_batch_seconds")
+          "odb_reconfiguration_first_batch_seconds", "odb_compute_coefficient",
+          "odb_compute_rank_seconds")
 
 
 def _n(value: object) -> float:
@@ -152,8 +164,23 @@ class OdbCollector(Collector):
             "odb_reconfiguration_first_batch_seconds",
             "The latest reconfiguration, from its request to the rank's first batch in the new "
             "world", labels=["job_id", "rank"])
+        coefficient = GaugeMetricFamily(
+            "odb_compute_coefficient", "The compute model in force: seconds per unit of a batch "
+            "feature", labels=["job_id", "feature"])
+        rank_seconds = GaugeMetricFamily(
+            "odb_compute_rank_seconds", "The newest fully reported step: a rank's measured "
+            "compute seconds, and those its step's model predicted",
+            labels=["job_id", "rank", "kind"])
         for job in status.jobs:
             jid = job.job_id
+            c = job.compute
+            if c is not None:
+                for feature, v in (c.coefficients or {}).items():
+                    coefficient.add_metric([jid, feature], v)
+                for kind, per_rank in (("measured", c.rank_measured_s),
+                                       ("predicted", c.rank_predicted_s)):
+                    for r, v in (per_rank or {}).items():
+                        rank_seconds.add_metric([jid, str(r), kind], v)
             info.add_metric([jid, job.mode], 1.0)
             open_.add_metric([jid], 1.0 if job.open else 0.0)
             failed.add_metric([jid], 1.0 if job.error else 0.0)
@@ -199,7 +226,8 @@ class OdbCollector(Collector):
                       refill_gauges):
             yield from (fam for fam, _ in group)
         yield from (refill_epoch, fetched, samples_in, planned, quarantined, info, open_,
-                    failed, generation, live, start, world_gen, switch, first_batch)
+                    failed, generation, live, start, world_gen, switch, first_batch, coefficient,
+                    rank_seconds)
 
 
 def metric_names() -> set[str]:

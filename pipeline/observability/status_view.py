@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.modes import JobMode
 from pipeline.observability.job_status import (
+    ComputeStatus,
     EpochEndStatus,
     JobStatus,
     Planned,
@@ -39,11 +40,12 @@ from pipeline.observability.job_status import (
     WorldStatus,
 )
 from pipeline.observability.plan_totals import STALL_AFTER_S, PlanTotals
+from pipeline.planner.compute_fit import FEATURES
 
 if TYPE_CHECKING:
     from pipeline.config import TrainingJobConfig
     from pipeline.coordinator.refill_state import RefillCounts
-    from pipeline.jobstate.interface import JobState
+    from pipeline.jobstate.interface import ComputeFitStatus, JobState
     from pipeline.service.job_runtime import JobRuntime, ReplicaFacts
     from pipeline.service.refill_server import RefillJob
     from pipeline.service.server import RunningService
@@ -196,7 +198,30 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
                                     _records(state.quarantine(records)) if records else None),
         replica=None if replica_id is None else ReplicaStatus(
             replica_id, facts.uptime_s if facts else None),
-        batch_size_notice=batch_size_notice)
+        batch_size_notice=batch_size_notice, compute=compute_status(state.compute_fit()))
+
+
+def compute_status(fit: ComputeFitStatus | None) -> ComputeStatus | None:
+    """The job's compute fit as status shows it (None: never recorded)."""
+    if fit is None:
+        return None
+    ratios = sorted(r for _, r in fit.imbalance)
+
+    def pct(q: float) -> float | None:
+        return ratios[min(len(ratios) - 1, int(q * len(ratios)))] if ratios else None
+
+    return ComputeStatus(
+        gate_open=fit.gate_open,
+        coefficients=dict(zip(FEATURES, fit.coefficients, strict=True)) if fit.gate_open
+        else None,
+        error=fit.error if fit.gate_open else None, reports=fit.reports,
+        last_error=None if fit.last_error < 0 else fit.last_error, accepted=fit.accepted,
+        rejected=fit.rejected, warmup=fit.warmup, stale=fit.stale, drifts=fit.drifts,
+        imbalance_last=fit.imbalance[-1][1] if fit.imbalance else None,
+        imbalance_p50=pct(0.5), imbalance_p90=pct(0.9), imbalance_steps=len(ratios),
+        last_step=None if fit.last_step < 0 else fit.last_step,
+        rank_measured_s=dict(fit.last_measured) if fit.last_step >= 0 else None,
+        rank_predicted_s=dict(fit.last_predicted) if fit.last_predicted else None)
 
 
 def refill_job_status(job_id: str, c: RefillCounts, *, epochs: int | None = None,

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
 from pipeline.planner.batch_former import BatchFormer
+from pipeline.planner.compute_fit import ComputeModel, batch_features
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.rank_balancer import group_by_cost, rank_order
 from pipeline.planner.types import (
@@ -94,6 +95,7 @@ class PlannerState:
     window: tuple[MeasuredSample, ...] = ()
     pool: tuple[PendingBatch, ...] = ()
     quarantined: int = 0
+    compute_model: ComputeModel | None = None  # the model balancing ranks (None: tokens)
 
     def to_dict(self) -> dict:
         """JSON-ready form (sample ids stay int or str), e.g. to keep in Redis."""
@@ -101,7 +103,7 @@ class PlannerState:
         def smp(s: MeasuredSample) -> list:
             return [s.sample_id, s.num_tokens, s.num_visual_tokens, s.loss_tokens]
 
-        return {
+        d = {
             "epoch": self.epoch,
             "next_step": self.next_step,
             "samples_consumed": self.samples_consumed,
@@ -120,6 +122,9 @@ class PlannerState:
             ],
             "quarantined": self.quarantined,
         }
+        if self.compute_model is not None:  # absent when off: such a state encodes as before
+            d["compute_model"] = self.compute_model.to_list()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> PlannerState:
@@ -144,6 +149,8 @@ class PlannerState:
                 for b in d["pool"]
             ),
             quarantined=int(d["quarantined"]),
+            compute_model=(ComputeModel.from_list(d["compute_model"])
+                           if "compute_model" in d else None),
         )
 
 
@@ -172,8 +179,10 @@ class StepPlanner:
         pool_steps: int | None = None,
         *,
         generation: int = 0,
+        compute_model: ComputeModel | None = None,
     ) -> None:
-        """`generation`: the world the plan is for (0: the job's first; see `WorldStamp`)."""
+        """`generation`: the world the plan is for (0: the job's first; see `WorldStamp`).
+        `compute_model`: balance ranks by its predicted seconds (None: by the policy's cost)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if mode not in DGAP_MODES:
@@ -197,6 +206,7 @@ class StepPlanner:
         self._last_step: list[int | None] = [None] * world_size
         self._carry: tuple[MeasuredSample, ...] = ()
         self.quarantined = 0
+        self.compute_model = compute_model
 
     # -- public API -------------------------------------------------------------------------
 
@@ -218,6 +228,11 @@ class StepPlanner:
         if len(self._pool) >= self._pool_now:
             self._release(events, final=False)
         return events
+
+    def set_compute_model(self, model: ComputeModel | None) -> None:
+        """Balance the steps released from now on by `model` (None: by the policy's cost).
+        Which samples an epoch holds never depends on it: only their rank and step do."""
+        self.compute_model = model
 
     def feed_many(self, samples: Iterable[MeasuredSample]) -> list[PlanEvent]:
         events: list[PlanEvent] = []
@@ -332,6 +347,7 @@ class StepPlanner:
             window=tuple(self._former.samples()),
             pool=tuple(self._pool),
             quarantined=self.quarantined,
+            compute_model=self.compute_model,
         )
 
     @classmethod
@@ -348,7 +364,8 @@ class StepPlanner:
     ) -> StepPlanner:
         """A planner that continues exactly where the one that took `state` was (for world
         `generation` of `world_size` ranks: the state's checkpoint names it)."""
-        p = cls(policy, world_size, mode, seed, pool_steps, generation=generation)
+        p = cls(policy, world_size, mode, seed, pool_steps, generation=generation,
+                compute_model=state.compute_model)
         if len(state.last_step) != world_size:
             raise ValueError(f"state is for world_size {len(state.last_step)}, not {world_size}")
         p.epoch = state.epoch
@@ -457,6 +474,14 @@ class StepPlanner:
             return [cut.get(s.sample_id, s.num_tokens) for s in pb.samples]
         return [s.num_tokens for s in pb.samples]
 
+    def _cost(self, pb: PendingBatch) -> float:
+        """What rank balancing evens out: predicted seconds under a compute model, else the
+        policy's compute cost."""
+        lens = self._lengths(pb)
+        if self.compute_model is None:
+            return self._cm.compute_cost(lens)
+        return self.compute_model.predict(batch_features(pb.samples, lens, self._cm.collate))
+
     def _release(self, events: list[PlanEvent], final: bool) -> list[PendingBatch]:
         """Group the pool into full steps and emit them; a short remainder stays pooled.
 
@@ -468,7 +493,7 @@ class StepPlanner:
         rem = len(pool) % w
         if final and rem:
             pool = _split_to_fill(pool, w - rem)
-        costs = [self._cm.compute_cost(self._lengths(b)) for b in pool]
+        costs = [self._cost(b) for b in pool]
         groups = group_by_cost(costs, w)
         rest: list[int] = []
         if groups and len(groups[-1]) < w and not (final and self.mode is JobMode.JOIN):
@@ -518,7 +543,7 @@ class StepPlanner:
             loss += b.loss_tokens
         batches.sort(key=lambda b: b.rank)
         events.append(Step(self.epoch, step, tuple(batches), StepInfo(samples, tokens, loss),
-                           self.world))
+                           self.world, self.compute_model))
 
 
 def _filler_of(

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from pipeline.quarantine import QuarantineReason
+
+if TYPE_CHECKING:
+    from pipeline.planner.compute_fit import ComputeModel
 
 # Opaque and hashable. The service uses "<source>:<row>" strings; the `plan` CLI uses the
 # line number of a lengths file (int) or whatever the JSONL file names.
@@ -105,6 +109,8 @@ class Step:
     last step of epoch e), so a single integer identifies a resume point.
     A rank that has no batch at a step (join mode, after its final step) is absent from `batches`.
     `world`: the world whose ranks run it (its size is the batches' `world_size` on the wire).
+    `compute`: the fitted compute model its batches were balanced by (None: by tokens), recorded
+    so a replayed step is explained by its record alone.
     """
 
     epoch: int
@@ -112,6 +118,7 @@ class Step:
     batches: tuple[Batch, ...]
     info: StepInfo
     world: WorldStamp = WorldStamp()
+    compute: ComputeModel | None = None
 
     def batch_for(self, rank: int) -> Batch | None:
         for b in self.batches:

@@ -41,6 +41,7 @@ from pipeline.jobstate.interface import (
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
 from pipeline.producer.adoption import adopt
+from pipeline.producer.compute_balancing import ComputeBalancer
 from pipeline.producer.failures import (
     Backoff,
     Cause,
@@ -72,6 +73,7 @@ class ProducerSettings:
     give_up_seconds: float = 600.0
     linger_seconds: float = 120.0  # after planning, keep payloads this long without ack progress
     poll_seconds: float = 0.05  # back-pressure poll of the ranks' cursors
+    compute_poll_seconds: float = 1.0  # compute balancing: how often the ranks' reports are read
 
     @property
     def backoff(self) -> Backoff:
@@ -107,6 +109,11 @@ class Producer:
         self._attempts = 0
         self._job_failed = False  # the job has a permanent failure: nothing to do
         self._lease_until = 0.0  # monotonic: the lease is surely ours until then
+        cb = job.batching.compute_balancing
+        self._compute = ComputeBalancer(
+            state, cb, job.batching.collate,
+            poll_seconds=self.settings.compute_poll_seconds) if cb.enabled else None
+        self._planner: StepPlanner | None = None  # the one planning now (compute balancing)
 
     # --- lifecycle ---
     def stop(self) -> None:
@@ -279,6 +286,9 @@ class Producer:
             log.info("job %s: planner restored at epoch %d row %d, next step %d",
                      self.job.job_id, cp.epoch, cp.samples_consumed, cp.next_step,
                      extra={"job": self.job.job_id})
+        if self._compute is not None:
+            self._compute.adopt(planner)
+        self._planner = planner
         self._adoption = None
         if planned_for != self._world_gen:
             self._adoption = adopt(planner, planned_for, worlds[:self._world_gen + 1],
@@ -374,6 +384,13 @@ class Producer:
             self._last_published = max(self._last_published, step.step)
             for b in step.batches:
                 self._unacked[b.rank].append(step.step)
+        self._update_compute()
+
+    def _update_compute(self) -> None:
+        """Compute balancing: read the ranks' reports and hand the planner the model in force
+        (throttled to `compute_poll_seconds`)."""
+        if self._compute is not None and self._planner is not None:
+            self._compute.update(self._planner, self._world_gen, self._world_first)
 
     def _release_acked(self, acked: list[int]) -> None:
         if len(acked) != len(self._unacked):  # the cursors of another world: re-plan first
@@ -394,6 +411,7 @@ class Producer:
             self._release_acked(acked)
             if max(len(s) for s in self._unacked) <= self.settings.max_ahead:
                 return
+            self._update_compute()  # the ranks are training: their reports come in
             head = self.state.head()  # stalled: did the world change, or the state lose steps?
             if head.generation != self._world_gen:
                 raise WorldChanged(f"job {self.job.job_id}: world {head.generation} replaced "
@@ -420,6 +438,7 @@ class Producer:
                 if head.published_through < self._last_published:  # Redis lost the reveal
                     self.state.reveal(fence=self.generation)
                 acked = self.state.acked_all()
+                self._update_compute()  # planning is over; the fit's status follows the ranks
             except Fenced:  # a successor holds the lease: its payloads are its own
                 self._fenced.set()
                 break

@@ -54,7 +54,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -72,7 +72,7 @@ from pipeline.errors import (
     ReplicaUnavailable,
     StateUnavailable,
 )
-from pipeline.jobstate.interface import ProducerFailure, RankAck
+from pipeline.jobstate.interface import ProducerFailure, RankAck, RankCompute
 from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd
 from pipeline.producer.failures import Cause
@@ -91,6 +91,8 @@ from pipeline.service.rank_cursor import (
 from pipeline.service.stream_io import JobIO
 from pipeline.service.world_open import MAX_CREDITS, StreamStart, resolve
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+
+MAX_COMPUTE_REPORTS = 64  # per Ack (a client sends one per batch taken since its last Ack)
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +345,14 @@ class RankStream:
                                    f"{self.job_id!r}, which was sent steps through "
                                    f"{s.cursor.last_sent} only: a step can only be acked after "
                                    "it was delivered")
+        if len(ack.compute) > MAX_COMPUTE_REPORTS:
+            return BadRequest(f"an Ack carries at most {MAX_COMPUTE_REPORTS} compute reports, "
+                              f"got {len(ack.compute)}")
+        for c in ack.compute:
+            if not 0 <= c.step <= s.cursor.last_sent:
+                return BadRequest(f"compute report of step {c.step} by rank {s.rank} of job "
+                                  f"{self.job_id!r}, which was sent steps through "
+                                  f"{s.cursor.last_sent} only")
         # Credits first: the sender may go on while the ack is recorded. (Never more than the
         # replica's window in flight, whatever a client returns.)
         try:
@@ -356,7 +366,24 @@ class RankStream:
             target = s.cursor.end_ack_due(step)
             if target is not None:
                 problem = await self._renew(target)
+        if problem is None and ack.compute:
+            await self._record_compute(ack.compute)
         return problem
+
+    async def _record_compute(self, reports: Sequence[pb.ComputeReport]) -> None:
+        """Keep the reports when the job balances by compute and the rank is of the current
+        world (an ended world's reports describe another layout). Best effort: a report lost
+        to an unavailable state only delays the fit, so it never ends the stream."""
+        s = self.s
+        if not (self.rt.job.batching.compute_balancing.enabled and s.leased
+                and s.cursor.limit is None):
+            return
+        try:
+            await self.jio.record_compute([RankCompute(s.cursor.world, c.step, s.rank, c.seconds)
+                                           for c in reports])
+        except (StateUnavailable, ReplicaUnavailable) as exc:
+            log.info("job %s rank %d: compute reports not kept: %s", self.job_id, s.rank, exc,
+                     extra=self._log_extra())
 
     async def _renew(self, step: int) -> OdbError | None:
         """Record the client's sign of life (its lease renewed) and, for a rank of the current

@@ -27,7 +27,7 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from pipeline.errors import ReplicaUnavailable
-from pipeline.jobstate.interface import RankAck
+from pipeline.jobstate.interface import RankAck, RankCompute
 from pipeline.jobstate.worlds import Grant, PlanHead
 from pipeline.planner.types import EpochEnd, Step
 from pipeline.service.chunk_framing import WireBatch
@@ -90,6 +90,8 @@ class JobIO:
             functools.partial(rt.state.ack_many, lease_seconds=lease_seconds), executor)
         self._grants: AsyncCoalescer[tuple[int, int, int], Grant] = AsyncCoalescer(
             rt.state.grant, executor)
+        self._compute: AsyncCoalescer[RankCompute, None] = AsyncCoalescer(
+            rt.state.record_compute, executor)
         self._steps: AsyncCoalescer[tuple[int, int], Step | None] = AsyncCoalescer(
             rt.plan.fetch_steps, executor)
         self._heads: AsyncCoalescer[None, PlanHead] = AsyncCoalescer(
@@ -199,6 +201,10 @@ class JobIO:
         """`state.ack_many` of one ack or heartbeat, grouped with the other streams' (raises
         its own refusal: `RankHeld`, `AckAheadOfPlan`, `AckNotDelivered`, ValueError)."""
         await self._bounded(self._acks(ack))
+
+    async def record_compute(self, reports: Sequence[RankCompute]) -> None:
+        """`state.record_compute`, grouped with the other streams' reports."""
+        await self._bounded(asyncio.gather(*(self._compute(r) for r in reports)))
 
     async def grant(self, world: int, rank: int, through: int) -> Grant:
         """`state.grant`, grouped with the other streams' grants."""

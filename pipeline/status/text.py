@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.observability.job_status import JobStatus, RefillStatus, WorldStatus
+from pipeline.observability.job_status import ComputeStatus, JobStatus, RefillStatus, WorldStatus
 from pipeline.status.report import StatusReport
 
 
@@ -117,6 +117,8 @@ def _job(job: JobStatus, show_records: bool) -> list[str]:
         lines.append(f"  exposure (sdo ledger) after {ex['epochs']} planned epoch(s): min "
                      f"{ex['min']}  p50 {ex['p50']}  max {ex['max']} visits per sample; "
                      f"longest unseen run {ex['max_epochs_unseen']} epoch(s)")
+    if job.compute is not None:
+        lines += _compute(job.compute)
     if job.coordinator is not None:
         c = job.coordinator
         lines.append(f"  redis: state={c.state}  retained_steps={c.retained_steps}  "
@@ -139,3 +141,28 @@ def render(report: StatusReport, show_records: bool = False) -> str:
     body = ("\n\n".join("\n".join(_job(j, show_records)) for j in report.jobs)
             if report.jobs else "no jobs")
     return "\n".join([*_sources(report.sources), body])
+
+
+def _compute(c: ComputeStatus) -> list[str]:
+    """Compute balancing: what balances the ranks, the fit, the measured imbalance."""
+    fit = (f"last fit error {c.last_error:.1%}" if c.last_error is not None else "no fit yet")
+    if c.gate_open:
+        head = (f"  compute balancing: by fitted time (error {c.error:.1%} over {c.reports} "
+                f"reports)")
+    else:
+        head = f"  compute balancing: by tokens until the fit passes its gate ({fit})"
+    lines = [head + f"; reports accepted {c.accepted}, rejected {c.rejected}, warm-up "
+             f"{c.warmup}, stale {c.stale}; refits after drift {c.drifts}"]
+    if c.coefficients:
+        lines.append("    seconds per unit: " + "  ".join(
+            f"{k}={v:.3g}" for k, v in c.coefficients.items() if v))
+    if c.imbalance_steps:
+        lines.append(f"    measured imbalance (max/mean rank compute) over {c.imbalance_steps} "
+                     f"steps: p50 {c.imbalance_p50:.3f}  p90 {c.imbalance_p90:.3f}  last "
+                     f"{c.imbalance_last:.3f}")
+    if c.rank_measured_s:
+        pred = c.rank_predicted_s or {}
+        lines.append(f"    step {c.last_step} per rank, measured (predicted) s: " + "  ".join(
+            f"{r}: {m:.3g}" + (f" ({pred[r]:.3g})" if r in pred else "")
+            for r, m in sorted(c.rank_measured_s.items())))
+    return lines

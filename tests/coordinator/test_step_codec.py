@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pipeline.coordinator import step_codec
 from pipeline.jobstate import PlannerCheckpoint, QuarantineEntry
+from pipeline.planner.compute_fit import FEATURES, ComputeModel
 from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, Step, StepInfo, WorldStamp
 
 sample_ids = st.one_of(st.integers(-(2**40), 2**40), st.text(min_size=0, max_size=12))
@@ -25,8 +26,12 @@ def steps(draw):
         batches.append(Batch(r, ss, draw(st.integers(0, 10**7)), draw(st.booleans()), trunc,
                              filler=draw(st.booleans())))
     world = WorldStamp(draw(st.integers(0, 9)), w) if draw(st.booleans()) else WorldStamp()
+    compute = draw(st.one_of(st.none(), st.builds(
+        ComputeModel, st.tuples(*[st.floats(0, 1, allow_subnormal=True)] * len(FEATURES)),
+        st.floats(0, 1), st.integers(0, 10**4))))
     return Step(draw(st.integers(0, 50)), draw(st.integers(0, 10**6)), tuple(batches),
-                StepInfo(draw(st.integers(0, 10**4)), draw(st.integers(0, 10**8))), world)
+                StepInfo(draw(st.integers(0, 10**4)), draw(st.integers(0, 10**8))), world,
+                compute)
 
 
 @settings(max_examples=150, deadline=None)
@@ -41,8 +46,10 @@ def test_step_round_trip_is_lossless_and_canonical(step):
     rev = Step(step.epoch, step.step, tuple(
         Batch(b.rank, b.samples, b.cost, b.over_budget, dict(reversed(b.truncated_to.items())),
               b.filler)
-        for b in step.batches), step.info, step.world)
+        for b in step.batches), step.info, step.world, step.compute)
     assert step_codec.encode_step(rev) == (header, blobs)
+    # A step balanced by tokens encodes as before compute balancing existed (no "m").
+    assert (b'"m":' in header) == (step.compute is not None)
 
 
 def test_epoch_end_and_checkpoint_round_trip():

@@ -7,13 +7,12 @@ from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_checks import check_plan, run_epochs
+from planner_checks import check_plan, run_epochs, scenarios
 
-from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
+from pipeline.modes import JobMode
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import (
-    Collate,
     EpochEnd,
     MeasuredSample,
     Quarantined,
@@ -21,36 +20,6 @@ from pipeline.planner.types import (
 )
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@st.composite
-def scenarios(draw):
-    budget = draw(st.integers(1, 400))
-    world_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
-    vcap = draw(st.one_of(st.none(), st.integers(1, 60)))
-    policy = BatchingPolicy(
-        token_budget=budget,
-        collate=draw(st.sampled_from(list(Collate))),
-        # Both window bounds small, so cutting (and its restore) happens often.
-        lookahead_tokens=budget * draw(st.integers(1, 8)),
-        max_window_samples=draw(st.integers(1, 48)),
-        over_budget=draw(st.sampled_from(list(OverBudgetPolicy))),
-        max_visual_tokens=vcap,
-        attn_b=draw(st.sampled_from([0.0, 0.001])),
-    )
-    n_epochs = draw(st.integers(1, 3))
-    length = st.integers(0, budget + budget // 3 + 1)
-    visual = st.integers(0, 80) if vcap is not None else st.just(0)
-    n = draw(st.integers(0, 120))
-    base = []
-    for i in range(n):
-        tokens = draw(length)
-        base.append(MeasuredSample(i, tokens, draw(visual), draw(st.integers(0, max(0, tokens)))))
-    # Same ids every epoch (a new pass over the dataset), order possibly different.
-    epochs = [base] + [draw(st.permutations(base)) for _ in range(n_epochs - 1)]
-    mode = draw(st.sampled_from(list(DGAP_MODES)))
-    seed = draw(st.integers(0, 2**31))
-    return policy, world_size, mode, seed, epochs
 
 
 @SETTINGS

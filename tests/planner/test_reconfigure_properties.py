@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
+from pipeline.planner.compute_fit import FEATURES, ComputeModel
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import (
@@ -68,6 +69,9 @@ def scenarios(draw):
         "dead_lag": draw(st.integers(0, 3)),  # steps before B the dead ranks did not ack
         "gap": draw(st.integers(0, 2)),  # extra step numbers skipped at the switch
         "snapshot": draw(st.sampled_from(["none", "before", "after"])),
+        # Balanced by a fitted compute model (it carries over the switch) or by the policy.
+        "compute_model": draw(st.one_of(st.none(), st.builds(
+            lambda c: ComputeModel(c), st.tuples(*[st.floats(0, 1e-2)] * len(FEATURES))))),
     }
 
 
@@ -80,7 +84,8 @@ def _roundtrip(p: StepPlanner, sc: dict, world: int) -> StepPlanner:
 def run(sc: dict) -> tuple[list, list, int]:
     """(old-world events as run, new-world events, the new world's first step)."""
     old, new = sc["old"], sc["new"]
-    p = StepPlanner(sc["policy"], old, sc["mode"], sc["seed"], sc["pool_steps"])
+    p = StepPlanner(sc["policy"], old, sc["mode"], sc["seed"], sc["pool_steps"],
+                    compute_model=sc["compute_model"])
     ops = [(e, s) for e, samples in enumerate(sc["epochs"]) for s in [*samples, None]]
     last_epoch = len(sc["epochs"]) - 1
     before: list = []
@@ -152,6 +157,7 @@ def test_a_reconfiguration_keeps_every_guarantee_across_both_worlds(sc):
     # New world: numbered from first_step on, contiguous, its ranks only, aligned.
     new_steps = [ev for ev in new_events if isinstance(ev, Step)]
     assert [s.step for s in new_steps] == list(range(first, first + len(new_steps)))
+    assert all(s.compute == sc["compute_model"] for s in new_steps), "the model carries over"
     ends = [ev for ev in new_events if isinstance(ev, EpochEnd)]
     for s in new_steps:
         assert sorted(bt.rank for bt in s.batches) == sorted({bt.rank for bt in s.batches})

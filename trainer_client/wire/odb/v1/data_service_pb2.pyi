@@ -103,14 +103,24 @@ class Open(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ..., wire_version: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("consumed_step", "credits", "credit_bytes")
+    __slots__ = ("consumed_step", "credits", "credit_bytes", "compute")
     CONSUMED_STEP_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     CREDIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
     consumed_step: int
     credits: int
     credit_bytes: int
-    def __init__(self, consumed_step: _Optional[int] = ..., credits: _Optional[int] = ..., credit_bytes: _Optional[int] = ...) -> None: ...
+    compute: _containers.RepeatedCompositeFieldContainer[ComputeReport]
+    def __init__(self, consumed_step: _Optional[int] = ..., credits: _Optional[int] = ..., credit_bytes: _Optional[int] = ..., compute: _Optional[_Iterable[_Union[ComputeReport, _Mapping]]] = ...) -> None: ...
+
+class ComputeReport(_message.Message):
+    __slots__ = ("step", "seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    seconds: float
+    def __init__(self, step: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
