@@ -7,17 +7,18 @@ Used when no REDIS_URL is configured. Binary: `redis-server` from PATH, else the
 from __future__ import annotations
 
 import importlib.util
+import os
+import secrets
 import shutil
-import signal
 import socket
+import stat
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.owned_processes import die_with_parent_hook
 
 
 def find_redis_binary() -> str:
@@ -37,21 +38,31 @@ def find_redis_binary() -> str:
     )
 
 
-def _death_signal_setter() -> Callable[[], None] | None:
-    """A pre-exec hook making the child get SIGKILL when its parent dies (Linux prctl), so an
-    embedded Redis never outlives a `kill -9`-ed serve/demo. Resolved in the parent: the hook
-    itself only makes one libc call between fork and exec."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
+PASSWORD_FILE = "password"
 
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    pr_set_pdeathsig = 1
 
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-    return hook
+def state_password(path: Path) -> str:
+    """The embedded Redis's password kept in `path`: made on first use (mode 0600), the same
+    one after a restart (the AOF-backed jobs resume behind it). A file that others can read is
+    refused: the password may be known, and the server would be open to them."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise UserError(
+                f"{path} (the embedded Redis's password) has mode {mode:04o}: other users may "
+                f"have read it. Make it private (`chmod 600 {path}`) if no one did, or delete "
+                "it and a new password is made at the next start") from None
+        password = path.read_text().strip()
+        if not password:
+            raise UserError(f"{path} (the embedded Redis's password) is empty: delete it and "
+                            "a new password is made at the next start") from None
+        return password
+    password = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password
 
 
 def free_port() -> int:
@@ -78,8 +89,9 @@ class LocalRedis:
         self.appendonly = appendonly
         self.appendfsync = appendfsync  # "always": nothing acknowledged is lost to a kill -9
         self.password = password
-        # Only for a server started before the process has threads (serve, demo): a pre-exec
-        # hook in a threaded process can deadlock the child.
+        # A service's own server (serve, demo): in a session of its own, dying with the
+        # service (`pipeline.owned_processes`). Only for a server started before the process
+        # has threads: the pre-exec hook in a threaded process can deadlock the child.
         self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
         self._lock = None  # the state-dir lock of a durable embedded server
@@ -107,7 +119,8 @@ class LocalRedis:
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             pass_fds=(self._lock.fileno(),) if self._lock is not None else (),
-            preexec_fn=_death_signal_setter() if self.die_with_parent else None)
+            start_new_session=self.die_with_parent,
+            preexec_fn=die_with_parent_hook() if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -135,6 +148,8 @@ class LocalRedis:
             self.proc.wait(5)
 
     def stop(self) -> None:
+        """SIGTERM: Redis's own shutdown, which fsyncs the AOF before it exits (nothing
+        acknowledged is lost), then the process is waited for."""
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -170,7 +185,12 @@ class LocalRedis:
             raise UserError(f"state_dir {state_dir} is in use by another odb-pipeline process "
                             "(its embedded Redis); give each process its own state_dir, or "
                             "share one Redis with redis_url") from None
-        server = cls(data_dir=data, appendonly=True, die_with_parent=True)
+        try:
+            password = state_password(data / PASSWORD_FILE)
+        except UserError:
+            lock.close()
+            raise
+        server = cls(data_dir=data, appendonly=True, password=password, die_with_parent=True)
         server._lock = lock
         return server
 

@@ -137,11 +137,16 @@ def _running(pids: set[int]) -> set[int]:
     return {p for p in pids if (st := _proc_stat(p)) is not None and st[0] != "Z"}
 
 
-def _interrupt_and_check(proc: subprocess.Popen, kids: set[int]) -> str:
-    """SIGINT the demo: it exits 130 (KeyboardInterrupt) and everything it started is gone."""
-    proc.send_signal(signal.SIGINT)
+def _interrupt_and_check(proc: subprocess.Popen, kids: set[int],
+                         group_sigterm: bool = False) -> str:
+    """SIGINT the demo (or SIGTERM its whole process group): it exits 130 (interrupted) and
+    everything it started is gone."""
+    if group_sigterm:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, f"demo exited {proc.returncode} after SIGINT\n{err[-3000:]}"
+    assert proc.returncode == 130, f"demo exited {proc.returncode} after the signal\n{err[-3000:]}"
     assert "interrupted" in err
     # Orphans are reaped by init; wait for that with a deadline, then name any survivor.
     try:
@@ -218,10 +223,13 @@ def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
     assert not list((run_dir / "state" / "services").glob("*.json"))
 
 
-def test_ctrl_c_during_start_up_stops_everything(tmp_path):
-    """SIGINT while Ray starts (its GCS is up, the rest may not be): nothing survives either."""
+@pytest.mark.parametrize("group_sigterm", [False, True], ids=["sigint", "group-sigterm"])
+def test_ctrl_c_during_start_up_stops_everything(tmp_path, group_sigterm):
+    """SIGINT, or SIGTERM to the demo's whole process group (its Redis and Ray run in sessions
+    of their own, so the demo stops them itself), while Ray starts (its GCS is up, the rest may
+    not be): nothing survives either."""
     proc = subprocess.Popen(_demo(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env(tmp_path))
+                            text=True, env=_env(tmp_path), start_new_session=True)
     try:
         kids: set[int] = set()
 
@@ -231,7 +239,7 @@ def test_ctrl_c_during_start_up_stops_everything(tmp_path):
             return any(_comm(k) == "gcs_server" for k in kids)
 
         wait_for(gcs_started, 300, "Ray's GCS")
-        _interrupt_and_check(proc, kids | _descendants(proc.pid))
+        _interrupt_and_check(proc, kids | _descendants(proc.pid), group_sigterm)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,7 +1,8 @@
 """`odb-pipeline demo`: embedded Redis, local Ray, the service and N real trainer ranks.
 
-Ctrl-C at any moment ends it non-zero with nothing it started left running
-(`pipeline.demo.ctrl_c`).
+Ctrl-C or SIGTERM at any moment ends it non-zero with nothing it started left running
+(`pipeline.demo.ctrl_c`); its Redis and Ray run in sessions of their own, so a signal to the
+demo's process group reaches the demo, which stops them in order.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def run(args: argparse.Namespace) -> int:
             print(format_table(report))
             print(f"\nsummary: {out_dir / 'summary.txt'}\nplot:    {out_dir / 'demo.png'}")
         sys.stdout.flush()
-    # Everything the demo started is stopped: from here a Ctrl-C ends the process by the
-    # signal itself (exit status 130 from the shell), never as a run that succeeded.
+    # Everything the demo started is stopped: from here a Ctrl-C or SIGTERM ends the process
+    # by the signal itself (exit status 130 or 143 from the shell), never as a run that
+    # succeeded.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if not report["coverage_ok"]:
         print("demo: identity coverage check FAILED", file=sys.stderr)
         return 1

@@ -1,5 +1,5 @@
-"""How the demo takes Ctrl-C (SIGINT): at once, but never between starting a child process and
-holding its handle, nor in the middle of stopping the children.
+"""How the demo takes Ctrl-C (SIGINT), and SIGTERM alike: at once, but never between starting a
+child process and holding its handle, nor in the middle of stopping the children.
 
 Python raises KeyboardInterrupt at whatever line the main thread is on when SIGINT arrives. Cut
 between `Popen` and keeping the handle, a child (redis-server, a trainer rank) would outlive the
@@ -17,12 +17,14 @@ from __future__ import annotations
 import signal
 from types import FrameType, TracebackType
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; `kill`, systemd, a container's stop
+
 
 class CtrlC:
     def __init__(self) -> None:
         self.received = False
         self._held = 0
-        self._previous: object = None
+        self._previous: dict[signal.Signals, object] = {}
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.received = True
@@ -30,11 +32,12 @@ class CtrlC:
             raise KeyboardInterrupt
 
     def __enter__(self) -> CtrlC:
-        self._previous = signal.signal(signal.SIGINT, self._handler)
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in _SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
 
     def held(self) -> _Held:
         return _Held(self)

@@ -188,7 +188,9 @@ def run_demo(opts: DemoOptions, ctrl_c: CtrlC) -> dict:
         with progress.phase("starting Ray (local, 2 CPUs)"):
             ray = PrivateRay(num_cpus=2, prefix="odb-demo-ray-")
             stack.callback(ray.close)
-            ray.__enter__()
+            with ctrl_c.held():
+                ray.start()  # its node process, in a session of its own
+            ray.connect()
         with progress.phase("starting the service"):
             svc = start_service(config, tokens={DEMO_JOB: token})
             stack.callback(svc.stop)

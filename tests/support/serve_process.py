@@ -56,9 +56,8 @@ class ServeProcess:
             time.sleep(0.2)
 
     def wait_for_ray(self) -> None:
-        """Until the private Ray is up. While `ray.init` runs in a thread of serve, the
-        process's other threads (GetJob, the metrics endpoint) can stall on a loaded machine:
-        a test that is not about start-up asks its questions after that."""
+        """Until the private Ray is up: a test that is not about start-up asks its questions
+        once the job's producer has moved to its Ray actor."""
         self.wait_for("Ray is up")
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
