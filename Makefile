@@ -8,10 +8,9 @@ BIN := $(VENV)/bin
 $(BIN)/odb-pipeline: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first and pinned (constraints.txt): this machine carries the CPU build; an unpinned
-	# torch pulls a multi-GB CUDA build.
-	$(BIN)/pip install -q -c constraints.txt torch
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench]'
+	# One resolve, torch pinned (constraints.txt): this machine carries the CPU build; an
+	# unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q -c constraints.txt torch -e '.[dev,bench]'
 	@touch $@
 
 setup: $(BIN)/odb-pipeline

@@ -13,8 +13,11 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from support import ast_lock
 
 from pipeline.redis_server import LocalRedis
+
+ast_lock.install()  # CPython 3.11: "AST constructor recursion depth mismatch" (support/ast_lock.py)
 
 # Private Ray: no token auth files in ~/.ray, workers not starved by nice 15 (NOTES.md).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -68,3 +71,17 @@ def ray_session() -> Iterator[None]:
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's loadgroup reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of a module that share a module-scoped fixture (a cluster, a served README)
+    run on one xdist worker (`--dist loadgroup`), so that fixture is set up once, not once per
+    worker. A test already in a group keeps it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        defs = getattr(item, "_fixtureinfo", None)
+        if defs is not None and any(d[-1].scope == "module"
+                                    for d in defs.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

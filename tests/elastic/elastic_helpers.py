@@ -50,10 +50,12 @@ def served(redis_url: str, job_id: str, world_size: int, items: list, *,
 
 
 class RankProc:
-    """elastic_rank.py for one rank of one world; its log and state live in `tmp`."""
+    """elastic_rank.py for one rank of one world; its log and state live in `tmp`. With `gate`
+    it holds after `hold_after` batches until that file exists (`open_gate`)."""
 
     def __init__(self, tmp: Path, address: str, job: str, rank: int, world: int, *,
-                 restore: Path | None = None, sleep: float = 0.02, tag: str = "") -> None:
+                 restore: Path | None = None, sleep: float = 0.02, tag: str = "",
+                 gate: Path | None = None, hold_after: int = 0) -> None:
         self.rank, self.world = rank, world
         name = f"w{world}{tag}-r{rank}"
         self.log, self.state = tmp / f"{name}.jsonl", tmp / f"{name}.state.json"
@@ -62,6 +64,8 @@ class RankProc:
                "--state", str(self.state), "--sleep", str(sleep)]
         if restore is not None:
             cmd += ["--restore", str(restore)]
+        if gate is not None:
+            cmd += ["--gate", str(gate), "--hold-after", str(hold_after)]
         self.proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT)
 

@@ -5,7 +5,9 @@ Consumes its rank's stream until an END, appending one JSON line per batch ({"wo
 and saving its state_dict after every batch (atomic rename: a SIGKILL never leaves half a
 checkpoint). `--restore` loads a state saved by any rank of any world of the job. At the END it
 saves its state once more, writes {"end": reason, "world_size", "final_step", "done"} and exits
-0; a refused stream writes {"error": CODE, "details"} and exits 3.
+0; a refused stream writes {"error": CODE, "details"} and exits 3. With `--gate FILE` it holds
+after `--hold-after` batches (its stream open, heartbeating) until FILE exists: a test acts on a
+world mid-epoch however slowly the machine runs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main() -> None:
     p.add_argument("--state", required=True)
     p.add_argument("--restore", default="")
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--gate", default="")
+    p.add_argument("--hold-after", type=int, default=0)
     args = p.parse_args()
     state = Path(args.state)
     # Heartbeats well within the tests' short leases (1-2 s): a live rank never lapses.
@@ -50,7 +54,7 @@ def main() -> None:
             os.fsync(log.fileno())
 
         try:
-            for batch in stream:
+            for taken, batch in enumerate(stream, 1):
                 i = batch.info
                 emit({"world": args.world, "rank": args.rank, "step": i.step, "epoch": i.epoch,
                       "ids": list(i.sample_ids), "digest": batch.digest(),
@@ -58,6 +62,8 @@ def main() -> None:
                       "step_tokens": i.step_tokens, "rank_tokens": i.rank_tokens})
                 time.sleep(args.sleep)  # "training"
                 save()
+                while args.gate and taken == args.hold_after and not Path(args.gate).exists():
+                    time.sleep(0.02)
         except StreamError as exc:
             emit({"error": exc.code.name, "details": exc.details})
             sys.exit(3)

@@ -41,10 +41,14 @@ def test_four_then_two_then_three_ranks_in_one_epoch_exactly_once(redis_client, 
                                                                   tmp_path):
     items = samples(1500)
     with served(redis_url, "el", 4, items) as svc:
-        old = [RankProc(tmp_path, svc.address, "el", r, 4, sleep=0.01 * (r + 1))
-               for r in range(4)]
+        # Each world's ranks hold after 5 batches until its switch was requested: mid-epoch
+        # however long the scale command takes to start on a loaded machine.
+        gates = [tmp_path / f"gate-{n}" for n in range(2)]
+        old = [RankProc(tmp_path, svc.address, "el", r, 4, sleep=0.01 * (r + 1), gate=gates[0],
+                        hold_after=5) for r in range(4)]
         wait_for(lambda: _progress(old, 5), 60, "every rank of 4 to take 5 batches")
         reply = scale_cli(svc.address, "el", 2)  # the operator's command, in its own process
+        gates[0].touch()
         assert reply["changed"] and reply["world"]["world_size"] == 2
         b0 = reply["previous"]["last_step"]
         for r in old:
@@ -53,12 +57,15 @@ def test_four_then_two_then_three_ranks_in_one_epoch_exactly_once(redis_client, 
             assert (end["end"], end["world_size"], end["done"]) == ("reconfigure", 2, False)
             assert end["final_step"] == b0 and r.batches()[-1]["step"] == b0
         # New world: states of *other* old ranks restore its ranks.
-        mid = [RankProc(tmp_path, svc.address, "el", 0, 2, restore=old[3].state, sleep=0.02),
-               RankProc(tmp_path, svc.address, "el", 1, 2, restore=old[1].state, sleep=0.03)]
+        mid = [RankProc(tmp_path, svc.address, "el", 0, 2, restore=old[3].state, sleep=0.02,
+                        gate=gates[1], hold_after=5),
+               RankProc(tmp_path, svc.address, "el", 1, 2, restore=old[1].state, sleep=0.03,
+                        gate=gates[1], hold_after=5)]
         wait_for(lambda: _progress(mid, 5), 60, "both ranks of 2 to take 5 batches")
         with grpc.insecure_channel(svc.address) as ch:  # the API a launcher would call
             second = pb_grpc.DataServiceStub(ch).Scale(
                 pb.ScaleRequest(job_id="el", world_size=3), timeout=30)
+        gates[1].touch()
         assert second.changed and second.previous.world_size == 2
         for r in mid:
             end = r.finish().end()

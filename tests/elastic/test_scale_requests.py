@@ -92,6 +92,12 @@ def test_a_second_switch_waits_for_the_first_and_old_ranks_end_in_band(redis_cli
                                                                        capsys):
     with served(redis_url, "sr", 2, samples(900), token=TOKEN) as svc:
         a = svc.address
+        # The plan runs ahead of the ranks' credits before they open, so each held stream waits
+        # for a credit with steps left to send, and drains only when its rank moves on. (A
+        # stream already sent all that was published learns of the switch at once and leaves
+        # with its END(reconfigure): nothing would be left to drain.)
+        state = svc.runtimes["sr"].state
+        wait_for(lambda: state.published_through() >= 5, 30, "the plan to run ahead")
         held = [Held(a, r, 2) for r in range(2)]
         wait_for(lambda: all(h.steps for h in held), 30, "both ranks' first batch")
         assert main(["scale", "--endpoint", a, "--job", "sr", "--world-size", "1",
@@ -100,8 +106,7 @@ def test_a_second_switch_waits_for_the_first_and_old_ranks_end_in_band(redis_cli
         b = first["previous"]["last_step"]
         assert first["changed"] and first["previous"]["rank_last_steps"] == [b, b]
         # The old ranks hold their streams: the switch is in progress until they drained.
-        wait_for(lambda: svc.runtimes["sr"].state.world_timings(1).adopted_at is not None, 30,
-                 "the new plan")
+        wait_for(lambda: state.world_timings(1).adopted_at is not None, 30, "the new plan")
         code, details = _code(lambda: _scale(a, 3))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "draining" in details
         assert _get(a).reconfiguring

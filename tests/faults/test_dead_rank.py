@@ -29,7 +29,8 @@ from pipeline.service.server import start_service
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.slow
+# Asserts time bounds: these modules run on one xdist worker, one test at a time (docs/ci.md).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("time-bounds")]
 W, N, LEASE, TIMEOUT = 3, 900, 2.0, 2.0
 
 

@@ -35,7 +35,8 @@ from pipeline.service.server import start_service
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.slow
+# Asserts time bounds: these modules run on one xdist worker, one test at a time (docs/ci.md).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("time-bounds")]
 KEEPALIVE = {"keepalive_time_s": 1.0, "keepalive_timeout_s": 1.0}
 LEASE, TIMEOUT = 3.0, 3.0
 

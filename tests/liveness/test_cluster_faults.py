@@ -48,7 +48,8 @@ from pipeline.coordinator import RedisJobState
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.slow
+# Asserts time bounds: these modules run on one xdist worker, one test at a time (docs/ci.md).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("time-bounds")]
 
 CHATS = REPO / "pipeline" / "sample_data" / "chats.jsonl"
 # 96 samples in 21 steps of 4 ranks (the pictures are not copied: records with one are

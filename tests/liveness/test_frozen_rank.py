@@ -47,7 +47,8 @@ from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.redis_server import LocalRedis
 from pipeline.service.server import RunningService, start_service
 
-pytestmark = pytest.mark.slow
+# Asserts time bounds: these modules run on one xdist worker, one test at a time (docs/ci.md).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("time-bounds")]
 W, N = 3, 600
 SLACK_S = 4.0  # the replica's failure checks and the streams' reactions, on 2 loaded cores
 EPOCH_S = 60.0  # the rest of the epoch, however slow the machine: only a hang exceeds it
