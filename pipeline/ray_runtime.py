@@ -29,6 +29,7 @@ from pathlib import Path
 
 from pipeline import owned_processes
 from pipeline.errors import UserError
+from pipeline.redis_server import free_port
 
 log = logging.getLogger("pipeline.ray")
 _PRIVATE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0",
@@ -125,7 +126,10 @@ class PrivateRay:
         self.tmp = tempfile.mkdtemp(prefix=self.prefix, dir="/tmp")
         args = ["--head", "--block", "--port", "0", "--node-ip-address", "127.0.0.1",
                 "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", self.tmp,
-                "--object-store-memory", str(self.object_store_mb * 1024 * 1024)]
+                "--object-store-memory", str(self.object_store_mb * 1024 * 1024),
+                # Ray Client's proxy (unused here) would take the fixed port 10001, which two
+                # private Rays on one machine would then share: a free one instead.
+                "--ray-client-server-port", str(free_port())]
         if self.num_cpus is not None:
             args += ["--num-cpus", str(self.num_cpus)]
         with open(Path(self.tmp) / "node.log", "wb") as out:
