@@ -83,7 +83,9 @@ def test_status_without_flags_finds_the_tls_service_and_its_ranks(local_env, cap
     assert src["endpoint"] == f"127.0.0.1:{proc.port}"
     assert src["metrics"] == f"127.0.0.1:{proc.metrics_port}"
     assert src["tls"] is True and "grpc_skipped" not in src
-    assert src["redis"].startswith("redis://127.0.0.1:")  # the embedded Redis, found
+    # The embedded Redis, found, with its password (from the state dir) masked in the output.
+    password = (d / "state" / "redis" / "password").read_text().strip()
+    assert src["redis"].startswith("redis://:***@127.0.0.1:") and password not in str(out)
     (job,) = out["jobs"]
     assert job["job_id"] == JOB and job["world_size"] == 1
     assert job["replica"]["id"]  # GetJob answered, over TLS, with the job's token
