@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline.owned_processes import stat_fields
+
 RECORDS_DIR = "services"
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
@@ -44,11 +46,8 @@ def dial_host(host: str) -> str:
 
 
 def _proc_start(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks
+    fields = stat_fields(pid)
+    return fields[19] if fields else None  # start time in clock ticks
 
 
 def _alive(record: LocalService) -> bool:

@@ -56,17 +56,23 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """`/proc/<pid>/stat` after the command name, None once the process is gone: [0] state,
+    [1] parent pid, [3] session id, [19] start time (the name may hold spaces and parentheses,
+    so the fields are read after its last ')')."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
 def session_members(sid: int) -> list[int]:
-    """The processes of session `sid` now (from /proc: field 6 of stat is the session id)."""
+    """The processes of session `sid` now."""
     out = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+        if entry.name.isdigit() and (fields := stat_fields(entry.name)) is not None \
+                and int(fields[3]) == sid:
             out.append(int(entry.name))
     return out
 

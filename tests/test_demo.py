@@ -14,6 +14,7 @@ import pytest
 from support.waiting import wait_for
 
 from pipeline.demo.report import figure
+from pipeline.owned_processes import stat_fields
 from pipeline.sample_data import sample_chats_path
 
 ROWS = 90
@@ -99,12 +100,8 @@ def test_demo_plot_compares_with_standard_on_integer_steps(tmp_path):
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, parent pid), None once gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1])
+    fields = stat_fields(pid)
+    return (fields[0], int(fields[1])) if fields else None
 
 
 def _descendants(pid: int) -> set[int]:

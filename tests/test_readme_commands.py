@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from support.serve_process import REPO, ServeProcess
 
+from pipeline.owned_processes import stat_fields
 from pipeline.redis_server import free_port
 
 README = REPO / "README.md"
@@ -151,20 +152,13 @@ def test_what_survives_a_kill_9_of_serve(readme_run):
 def _children(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (st := _stat(int(entry.name))) and int(st[1]) == pid:
+        if entry.name.isdigit() and (st := stat_fields(int(entry.name))) and int(st[1]) == pid:
             out.append(int(entry.name))
     return out
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def _state(pid: int) -> str | None:
-    st = _stat(pid)
+    st = stat_fields(pid)
     return st[0] if st else None
 
 

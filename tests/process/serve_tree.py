@@ -20,6 +20,8 @@ from pathlib import Path
 
 from support.freeze import descendants
 
+from pipeline.owned_processes import stat_fields
+
 ROOT = Path(__file__).resolve().parents[2]
 CHATS = ROOT / "pipeline" / "sample_data" / "chats.jsonl"
 
@@ -31,13 +33,6 @@ def serve_config(tmp_path: Path) -> Path:
     path = tmp_path / "odb.json"
     path.write_text(json.dumps(cfg))
     return path
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
 
 
 def comm(pid: int) -> str:
@@ -59,7 +54,7 @@ def alive(pids: set[int]) -> dict[int, str]:
     """Those of `pids` still running (zombies are gone for this purpose), with their names."""
     out = {}
     for pid in pids:
-        st = _stat_fields(pid)
+        st = stat_fields(pid)
         if st is not None and st[0] not in "ZX":
             out[pid] = cmdline(pid)[:120] or comm(pid)
     return out
@@ -92,7 +87,7 @@ class ServeTree:
 
     def collect(self) -> None:
         for pid in descendants(self.proc.pid):
-            st = _stat_fields(pid)
+            st = stat_fields(pid)
             if st is not None:
                 self.started.add(pid)
                 self.sessions.add(int(st[3]))
@@ -125,7 +120,7 @@ class ServeTree:
         self._watching = False
         in_sessions = set()
         for entry in Path("/proc").iterdir():
-            st = _stat_fields(int(entry.name)) if entry.name.isdigit() else None
+            st = stat_fields(int(entry.name)) if entry.name.isdigit() else None
             if st is not None and int(st[3]) in self.sessions - {os.getsid(0)}:
                 in_sessions.add(int(entry.name))
         return alive(self.started | in_sessions)

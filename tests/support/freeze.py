@@ -21,20 +21,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipeline.owned_processes import stat_fields
+
 
 def descendants(pid: int) -> list[int]:
     """`pid`'s descendants now, parents before their children (from /proc's parent links)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+        if entry.name.isdigit() and (fields := stat_fields(entry.name)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     out: list[int] = []
     todo = list(children.get(pid, []))
     while todo:
@@ -46,10 +41,8 @@ def descendants(pid: int) -> list[int]:
 
 def process_state(pid: int) -> str:
     """The kernel's one-letter state of `pid` ("T" = stopped), "" if it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""
+    fields = stat_fields(pid)
+    return fields[0] if fields else ""
 
 
 def _signal(pid: int, sig: int) -> None:
