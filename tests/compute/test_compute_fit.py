@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.planner.compute_fit import (
@@ -73,18 +73,23 @@ def test_features_of_padded_and_packed_batches():
 
 @SETTINGS
 @given(coefficients, st.integers(0, 2**31))
+@example((1e-4, 1e-5, 0.0, 8.206188432360136e-09, 0.0, 0.0, 0.0), 221)
 def test_recovers_planted_costs_under_noise_and_outliers(coef, seed):
     """3% noise and 3% gross outliers: held-out predictions within the gate, and every batch's
-    predicted time within a few percent of its planted (noise-free) time."""
+    predicted time within a few percent of its planted (noise-free) time. The slack of 1% of a
+    mean batch is for the smallest batches: the per-batch overhead is weakly determined when it
+    is a small share of every time (hypothesis found 8.1% on a one-sample batch), and it is the
+    absolute error that unbalances ranks."""
     reports = planted_reports(coef, 400, noise=0.03, seed=seed, outliers=0.03)
     model = fit(reports)
     assert model.error <= 0.10
     assert all(c >= 0 for c in model.coefficients)
     rng = random.Random(seed + 1)
-    for _ in range(50):
-        f = batch_features(*random_batch(rng))
-        truth = sum(c * x for c, x in zip(coef, f, strict=True))
-        assert model.predict(f) == pytest.approx(truth, rel=0.08)
+    held_out = [batch_features(*random_batch(rng)) for _ in range(50)]
+    truths = [sum(c * x for c, x in zip(coef, f, strict=True)) for f in held_out]
+    mean = sum(truths) / len(truths)
+    for f, truth in zip(held_out, truths, strict=True):
+        assert model.predict(f) == pytest.approx(truth, rel=0.08, abs=0.01 * mean)
 
 
 def test_noise_free_fit_recovers_the_coefficients_themselves():
