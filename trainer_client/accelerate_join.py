@@ -16,6 +16,17 @@ full world size as `causal_lm_loss` assumes), and leaves the context when every 
 finished the epoch. Leaving the loop early (`break`) is fine; raising inside skips the join.
 Only the DDP all-reduce is shadowed: do no other collective inside the context.
 
+Compute balancing (docs/compute-balancing.md): the yielded batches are timed by themselves, no
+user code: the clock (trainer_client.compute_clock) is armed when a batch is yielded, starts at
+the forward of a model among `joinables` (for a DDP model, its inner module's forward, after
+DDP's buffer broadcast) and ends when this rank's backward computed its last gradient, before
+the wait in DDP's all-reduce; so the optimizer step, logging and anything else done between
+backward and the next batch are not counted. The time is reported when the loop asks for the
+next batch (or leaves the epoch), so it rides on that batch's ack. With gradient accumulation
+each batch's own forward and backward are timed (`no_sync` steps too). `report_compute=False`
+turns this off (for a loop that times by hand with `stream.timed`). Timed on DDP or a single
+device; a strategy that replaces the parameters (FSDP, DeepSpeed) is not timed.
+
 `join_uneven_inputs` enables the join only with `even_batches=False` (its default assumes
 dataloaders that accelerate evened out, which a stream is not), so that is passed. Accelerate
 joins on accelerator devices only; on CPU ranks (gloo) it would silently skip the join, so torch's
@@ -24,7 +35,8 @@ joins on accelerator devices only; on CPU ranks (gloo) it would silently skip th
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,14 +46,54 @@ from trainer_client.decode import ModelInputs
 
 @contextmanager
 def joined_epoch(accelerator: Any, stream: BatchStream, joinables: Sequence[Any], *,
-                 dtype: Any = None) -> Iterator[Iterator[ModelInputs]]:
+                 dtype: Any = None, report_compute: bool = True
+                 ) -> Iterator[Iterator[ModelInputs]]:
     """One epoch of this rank's batches as model inputs on the accelerator's device, under
-    `accelerator.join_uneven_inputs(joinables)`; pixel values in `dtype` (default float32)."""
+    `accelerator.join_uneven_inputs(joinables)`; pixel values in `dtype` (default float32).
+    Each batch's compute is reported on the stream unless `report_compute=False`."""
     if accelerator.num_processes > 1 and not getattr(accelerator, "multi_device", True):
         from torch.distributed.algorithms.join import Join
 
         join = Join(list(joinables), throw_on_early_termination=False)
     else:
         join = accelerator.join_uneven_inputs(list(joinables), even_batches=False)
-    with join:
-        yield (batch.to_model_inputs(accelerator.device, dtype) for batch in stream)
+    clock = _clock_for(stream, joinables) if report_compute else None
+    batches = _inputs(stream, clock, accelerator.device, dtype)
+    try:
+        with join:
+            yield batches
+    finally:
+        batches.close()  # a loop left early: its last batch is reported now
+        if clock is not None:
+            clock.close()
+
+
+def _inputs(stream: BatchStream, clock: Any, device: Any, dtype: Any
+            ) -> Generator[ModelInputs, None, None]:
+    if clock is None:
+        for batch in stream:
+            yield batch.to_model_inputs(device, dtype)
+        return
+    from trainer_client.compute_clock import stopping_before_each
+
+    for batch in stopping_before_each(stream, clock):
+        clock.start(batch)
+        yield batch.to_model_inputs(device, dtype)
+
+
+def _clock_for(stream: BatchStream, joinables: Sequence[Any]) -> Any:
+    """A clock attached to the models among `joinables`, or None (with a warning) if none is."""
+    import torch
+
+    from trainer_client.compute_clock import ComputeClock
+
+    models = [j for j in joinables if isinstance(j, torch.nn.Module)]
+    if not models:
+        warnings.warn("joined_epoch: no torch module among joinables, so the batches' compute "
+                      "is not timed (report it with stream.timed, or pass the model)",
+                      stacklevel=4)
+        return None
+    clock = ComputeClock(stream.report_compute)
+    for model in models:
+        clock.attach(model)
+    return clock

@@ -52,7 +52,9 @@ Compute balancing (docs/compute-balancing.md): `stream.report_compute(batch, sec
 `with stream.timed(batch): ...` around forward + backward, tells the service how long the batch
 took to compute; the reports ride on the next Ack (no round trip of their own), and a job with
 `batching.compute_balancing` fits a cost model of them to balance ranks by time. Time compute
-only: the wait inside collectives (the all-reduce of a faster rank) is what balancing removes.
+only: the wait inside collectives (the all-reduce of a faster rank) is what balancing removes;
+`trainer_client.compute_clock.ComputeClock` times a DDP model's step without it (the framework
+adapters report with it by themselves).
 
 Elastic worlds (docs/elastic.md): when the job's world is reconfigured, this rank gets its
 batches up to the boundary and then an END whose `reason` is "reconfigure" and whose

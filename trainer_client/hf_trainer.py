@@ -20,6 +20,12 @@ the gradient is that of the mean over all loss tokens of the step, with no extra
 That needs one batch per optimizer step (`gradient_accumulation_steps=1`; raise the service's
 token budget instead). The model must return `.logits` of a causal LM.
 
+Compute balancing (docs/compute-balancing.md): each real step's compute (from the model's forward
+to the end of this rank's backward, without the wait in DDP's gradient all-reduce; see
+trainer_client.compute_clock) is reported on the stream by itself; filler steps are not.
+`report_compute=False` turns that off (for a trainer that reports by hand). Timed on DDP or a
+single device; a strategy that replaces the parameters (FSDP, DeepSpeed ZeRO-3) is not timed.
+
 Checkpoints: each rank writes its loader state next to the Trainer's checkpoint
 (`odb_stream_rank<r>.json`); `train(resume_from_checkpoint=...)` restores it and turns off the
 Trainer's data skipping (which would consume and lose batches). Needs transformers + accelerate,
@@ -43,8 +49,11 @@ def _make_trainer_class() -> type:
     from transformers import Trainer  # heavy: imported only when StreamingTrainer is used
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+    from trainer_client.compute_clock import ComputeClock
+
     class StreamingTrainer(Trainer):
-        def __init__(self, *args: Any, stream: BatchStream, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, stream: BatchStream, report_compute: bool = True,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             if self.args.max_steps is None or self.args.max_steps <= 0:
                 raise ValueError("StreamingTrainer needs TrainingArguments.max_steps > 0: "
@@ -54,6 +63,7 @@ def _make_trainer_class() -> type:
                                  "loss scaling is per step); raise the job's token budget")
             self.stream = stream
             self.loader = StreamLoader(stream, align=True)
+            self.compute_clock = ComputeClock(stream.report_compute) if report_compute else None
             self._trained_state: dict[str, Any] | None = None
             self.samples_seen = 0
             self.tokens_seen = 0
@@ -64,6 +74,16 @@ def _make_trainer_class() -> type:
 
         def get_train_dataloader(self) -> StreamLoader:  # type: ignore[override]
             return self.loader
+
+        def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            clock = self.compute_clock
+            if clock is None or inputs.info.filler:
+                return super().training_step(model, inputs, *args, **kwargs)
+            clock.attach(model)  # the model as wrapped (DDP), known from the first step on
+            clock.start(inputs)
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            clock.stop()  # reported now: it rides on the ack of the next batch taken
+            return loss
 
         def _prepare_inputs(self, inputs: Any) -> Any:
             self._trained_state = inputs.loader_state  # the position to checkpoint
@@ -112,7 +132,10 @@ def _make_trainer_class() -> type:
                 with open(path) as f:
                     self.loader.load_state_dict(json.load(f))
                 self.args.ignore_data_skip = True  # skipping would consume the stream
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            out = super().train(resume_from_checkpoint, *args, **kwargs)
+            if self.compute_clock is not None:
+                self.compute_clock.flush()
+            return out
 
     return StreamingTrainer
 

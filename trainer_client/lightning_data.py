@@ -17,6 +17,16 @@ zero gradient until the epoch's last step (see trainer_client.loader). One Light
 one epoch of the stream. Batches reach the device as `ModelInputs` (ids widened, pixels
 normalized there) through the data module's `transfer_batch_to_device`.
 
+Compute balancing (docs/compute-balancing.md): the data module reports each real step's compute
+on the stream by itself, no callback to add: from the forward of the model Lightning wrapped
+(`trainer.strategy.model`, DDP's inner module) to the end of this rank's backward, without the
+wait in DDP's gradient all-reduce (trainer_client.compute_clock). The clock starts when the batch
+moves to the device and stops when Lightning fetches its next batch; filler steps are not timed.
+Lightning fetches one batch ahead, so the job's final END reaches the stream before each rank's
+last step is trained: that one step's compute is not sent (the stream's side is closed by then).
+`report_compute=False` turns reporting off. Timed on DDP or a single device; a strategy that
+replaces the parameters (FSDP, DeepSpeed) is not timed.
+
 Checkpoints: `state_dict()` is the loader's (torchdata conventions) as of the batch last moved
 to the device (Lightning fetches one batch ahead), so every Lightning checkpoint carries the
 stream's position under the data module's key; the aligned position is the same on every rank,
@@ -45,32 +55,50 @@ def _lightning() -> Any:
 
 class _Epochs:
     """What Lightning iterates: deliberately not stateful, so the only position checkpointed is
-    the data module's — that of the batch trained, not of the one Lightning fetched ahead."""
+    the data module's — that of the batch trained, not of the one Lightning fetched ahead.
+    Lightning asks for a batch once the step before is over: the clock stops first, so that
+    step's compute rides on the ack of this take (`stopping_before_each`)."""
 
-    def __init__(self, loader: StreamLoader) -> None:
+    def __init__(self, loader: StreamLoader, clock: Any) -> None:
         self.loader = loader
+        self.clock = clock  # a ComputeClock, or None: not timed
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
+        if self.clock is None:
+            return iter(self.loader)
+        from trainer_client.compute_clock import stopping_before_each
+
+        return stopping_before_each(self.loader, self.clock)
 
 
 def _make_datamodule_class() -> type:
     pl = _lightning()
+    from trainer_client.compute_clock import ComputeClock
 
     class StreamDataModule(pl.LightningDataModule):
-        def __init__(self, stream: BatchStream, *, dtype: Any = None) -> None:
+        def __init__(self, stream: BatchStream, *, dtype: Any = None,
+                     report_compute: bool = True) -> None:
             super().__init__()
             self.stream = stream
             self.dtype = dtype
             self.loader = StreamLoader(stream, align=True)
+            self.compute_clock = ComputeClock(stream.report_compute) if report_compute else None
             self._trained_state: dict[str, Any] | None = None
 
         def train_dataloader(self) -> _Epochs:
-            return _Epochs(self.loader)
+            return _Epochs(self.loader, self.compute_clock)
 
         def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
             self._trained_state = batch.loader_state  # this batch is the one being trained
+            clock = self.compute_clock
+            if clock is not None and not batch.info.filler and self.trainer is not None:
+                clock.attach(self.trainer.strategy.model)  # wrapped (DDP) by now
+                clock.start(batch)
             return batch.to_model_inputs(device, self.dtype)
+
+        def teardown(self, stage: str) -> None:
+            if self.compute_clock is not None:
+                self.compute_clock.flush()
 
         def state_dict(self) -> dict[str, Any]:
             if self._trained_state is not None:

@@ -3,10 +3,14 @@
     python ddp_rank.py ADAPTER ENDPOINT JOB LOG [--stop-after STEP] [--state-out F] [--state-in F]
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment)
 
-ADAPTER: loader (plain DDP loop over an aligned StreamLoader), accelerate (joined_epoch),
-hf (StreamingTrainer), lightning (StreamDataModule). The learning rate is 0, so the weights never
-change and the test can recompute every step's exact gradient; each step writes one JSON line:
-step, epoch, filler, sample ids, the loss-token counts and the rank's all-reduced gradient.
+ADAPTER: loader (plain DDP loop over an aligned StreamLoader, timed with a ComputeClock by
+hand), accelerate (joined_epoch), hf (StreamingTrainer), lightning (StreamDataModule); the last
+three report compute by themselves. The learning rate is 0, so the weights never change and the
+test can recompute every step's exact gradient; each step writes one JSON line: step, epoch,
+filler, sample ids, the loss-token counts and the rank's all-reduced gradient (loader: also the
+clock's compute seconds and the step's naive wall time, forward start to backward return).
+`--slow-rank-sleep S` (loader): rank 1 sleeps S seconds inside each forward. `--no-compute`:
+the adapter is built with `report_compute=False`.
 `--stop-after STEP` ends the run after that global step (a checkpoint goes to --state-out, or
 for lightning/hf to the given folder); `--state-in` resumes from it.
 """
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,11 +40,12 @@ class StepLog:
     def __init__(self, path: str) -> None:
         self.f = open(path, "a")  # noqa: SIM115 (open for the life of the process)
 
-    def write(self, info, model: torch.nn.Module) -> None:
+    def write(self, info, model: torch.nn.Module, **timing: float | None) -> None:
         self.f.write(json.dumps({
             "step": info.step, "epoch": info.epoch, "filler": info.filler,
             "sample_ids": list(info.sample_ids), "rank_loss_tokens": info.rank_loss_tokens,
-            "step_loss_tokens": info.step_loss_tokens, "grad": flat_grad(model)}) + "\n")
+            "step_loss_tokens": info.step_loss_tokens, "grad": flat_grad(model),
+            **timing}) + "\n")
         self.f.flush()
 
 
@@ -51,18 +57,36 @@ def forward_loss(model: torch.nn.Module, inputs) -> torch.Tensor:
 def run_loader(args, stream: BatchStream, log: StepLog) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
+    from trainer_client.compute_clock import ComputeClock
+
     dist.init_process_group("gloo")
     model = build_model()
+    if args.slow_rank_sleep and dist.get_rank() == 1:  # inside the forward: its compute
+        model.model.embed_tokens.register_forward_pre_hook(
+            lambda *_: time.sleep(args.slow_rank_sleep))
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
     loader = StreamLoader(stream, align=True)
     if args.state_in:
         loader.load_state_dict(json.loads(Path(args.state_in).read_text()))
+    measured: dict[int, float] = {}
+
+    def report(batch, seconds: float) -> None:
+        measured[batch.info.step] = seconds
+        stream.report_compute(batch, seconds)
+
+    clock = ComputeClock(report)
+    clock.attach(ddp)
     while not stream.done:
         for batch in loader:
+            if not batch.info.filler:
+                clock.start(batch)
+            began = time.perf_counter()
             loss = forward_loss(ddp, batch.to_model_inputs())
             loss.backward()
-            log.write(batch.info, model)
+            wall = time.perf_counter() - began  # what timing the step naively gives
+            clock.stop()
+            log.write(batch.info, model, compute=measured.get(batch.info.step), wall=wall)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if batch.info.step == args.stop_after:
@@ -83,7 +107,7 @@ def run_accelerate(args, stream: BatchStream, log: StepLog) -> None:
     model = build_model()
     wrapped, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
     while not stream.done:
-        with joined_epoch(acc, stream, [wrapped]) as batches:
+        with joined_epoch(acc, stream, [wrapped], report_compute=args.compute) as batches:
             for inputs in batches:
                 acc.backward(forward_loss(wrapped, inputs))
                 log.write(inputs.info, model)
@@ -110,7 +134,8 @@ def run_hf(args, stream: BatchStream, log: StepLog) -> None:
         learning_rate=0.0, lr_scheduler_type="constant", use_cpu=True, ddp_backend="gloo",
         report_to=[], logging_steps=1, disable_tqdm=True, max_grad_norm=0.0,
         save_strategy="steps" if stop else "no", save_steps=args.stop_after + 1 if stop else 500)
-    trainer = LoggingTrainer(model=build_model(), args=targs, stream=stream)
+    trainer = LoggingTrainer(model=build_model(), args=targs, stream=stream,
+                             report_compute=args.compute)
     trainer.train(resume_from_checkpoint=args.state_in)
 
 
@@ -148,7 +173,8 @@ def run_lightning(args, stream: BatchStream, log: StepLog) -> None:
                          logger=False, enable_checkpointing=stop, callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)
-    trainer.fit(Module(), datamodule=StreamDataModule(stream), ckpt_path=args.state_in)
+    trainer.fit(Module(), datamodule=StreamDataModule(stream, report_compute=args.compute),
+                ckpt_path=args.state_in)
 
 
 def main() -> int:
@@ -161,6 +187,8 @@ def main() -> int:
     p.add_argument("--state-out")
     p.add_argument("--state-in")
     p.add_argument("--out-dir", default=".")
+    p.add_argument("--slow-rank-sleep", type=float, default=0.0)
+    p.add_argument("--no-compute", dest="compute", action="store_false")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -7,6 +7,10 @@ adapters (loader, hf, lightning) give rank 1 a filler there; accelerate joins it
 The learning rate is 0, so the test recomputes every step's gradient from the same weights.
 Restarts: a run stopped mid-epoch resumes from its checkpoint (lightning: the rank-0 checkpoint
 restores both ranks) and the two runs together still deliver every sample exactly once.
+Compute: every rank's compute of each real step reaches the service (the hf, accelerate and
+lightning adapters report by themselves, the loader loop with a ComputeClock); in the loader run
+rank 1 sleeps inside its forward, and rank 0's measured compute leaves out the wait for it that
+rank 0's naive step time (forward start to backward return) includes.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from statistics import median
 
 import pytest
 from service_helpers import job_dict, service_config, serving
+from support.waiting import wait_until
 from tiny_lm import BUDGET, build_model, reference_grad, samples
 
 from pipeline.redis_server import free_port
@@ -30,6 +36,7 @@ RANK_SCRIPT = Path(__file__).resolve().parent / "ddp_rank.py"
 SAMPLES = samples(9)
 EPOCHS = 2
 STEPS_PER_EPOCH = 5
+SLOW_S = 0.1  # rank 1's sleep inside each forward in the loader run
 
 
 def launch(adapter: str, address: str, tmp: Path, tag: str, *extra: str) -> dict[int, list]:
@@ -96,18 +103,58 @@ def check(records: dict[int, list], *, aligned: bool) -> None:
                 f"step {step} rank {rank}: gradient is not the step's mean-loss gradient"
 
 
+def check_compute_reports(svc, records: dict[int, list], adapter: str) -> None:
+    """The service kept one report of positive seconds per (step, rank) of every real step
+    trained. Lightning fetches a batch ahead: the job's final END closes the stream's side
+    before each rank's last step is trained, so that one step's compute is not sent."""
+    expected = {(rec["step"], rank) for rank, recs in records.items() for rec in recs
+                if not rec["filler"]}
+    if adapter == "lightning":
+        expected -= {max(e for e in expected if e[1] == rank) for rank in records}
+
+    def kept() -> list:
+        return svc.runtimes["j"].state.compute_reports()[1]
+
+    wait_until(lambda: len(kept()) >= len(expected), 10.0)  # the last acks are recorded
+    reports = kept()
+    assert sorted((r.step, r.rank) for r in reports) == sorted(expected)
+    assert all(r.seconds > 0 for r in reports)
+
+
+def check_clock(records: dict[int, list]) -> None:
+    """Rank 1 sleeps SLOW_S in each forward; rank 0 then waits for it in the gradient
+    all-reduce inside backward. Its clock leaves that wait out, the naive step time does not.
+    (Medians over the steps both ranks train: robust to a rank descheduled now and then.)"""
+    r0 = {rec["step"]: rec for rec in records[0] if not rec["filler"]}
+    r1 = {rec["step"]: rec for rec in records[1] if not rec["filler"]}
+    both = sorted(r0.keys() & r1.keys())
+    assert len(both) == 8
+    assert all(r1[s]["compute"] >= SLOW_S for s in both), "rank 1's sleep is its compute"
+    assert median(r1[s]["compute"] - r0[s]["compute"] for s in both) > SLOW_S / 2, \
+        "rank 0's measured compute includes the wait for rank 1"
+    assert median(r0[s]["wall"] - r0[s]["compute"] for s in both) > SLOW_S / 2, \
+        "the naive step time on rank 0 should include the wait for rank 1"
+
+
 def service(job: str = "j"):
+    # Reports kept, never enough to open the gate: the plan stays balanced by tokens.
+    compute = {"enabled": True, "min_reports": 4096, "window": 4096}
     cfg = service_config(job_dict(job, world_size=2, epochs=EPOCHS,
-                                  batching={"token_budget": BUDGET}))
+                                  batching={"token_budget": BUDGET,
+                                            "compute_balancing": compute}))
     return serving(cfg, {job: SAMPLES})
 
 
 @pytest.mark.parametrize(("adapter", "aligned"), [("loader", True), ("accelerate", False),
                                                   ("hf", True), ("lightning", True)])
 def test_adapter_in_join_mode(tmp_path, adapter, aligned):
+    slow = ("--slow-rank-sleep", str(SLOW_S)) if adapter == "loader" else ()
     with service() as svc:
-        records = launch(adapter, svc.address, tmp_path, "run")
+        records = launch(adapter, svc.address, tmp_path, "run", *slow)
+        check_compute_reports(svc, records, adapter)
     check(records, aligned=aligned)
+    if adapter == "loader":
+        check_clock(records)
 
 
 @pytest.mark.parametrize(("adapter", "stop"), [("loader", 4), ("hf", 4), ("lightning", 4),
@@ -115,21 +162,29 @@ def test_adapter_in_join_mode(tmp_path, adapter, aligned):
 def test_adapter_resumes_from_its_checkpoint_exactly_once(tmp_path, adapter, stop):
     """Stop after a step and resume in new processes: nothing redelivered, nothing lost. Step 4
     is the epoch's last (rank 1 on its filler, its END already taken: the resumed pass has
-    nothing left of epoch 0); after step 2 Lightning has already fetched step 3's batch."""
+    nothing left of epoch 0); after step 2 Lightning has already fetched step 3's batch.
+    The adapters' first runs have compute reporting turned off: the service gets no report from
+    them, and the resumed runs (reporting by default) report each of their real steps."""
     with service() as svc:
         if adapter == "loader":  # each rank saves its own state; both resume from rank 0's
             first = launch(adapter, svc.address, tmp_path, "first", "--stop-after", str(stop),
                            "--state-out", str(tmp_path / "state{rank}.json"))
             resume = ["--state-in", str(tmp_path / "state0.json")]
         elif adapter == "hf":  # each rank's position goes into the Trainer's checkpoint
-            first = launch(adapter, svc.address, tmp_path, "first", "--stop-after", str(stop))
+            first = launch(adapter, svc.address, tmp_path, "first", "--stop-after", str(stop),
+                           "--no-compute")
             resume = ["--state-in", str(tmp_path / "out" / f"checkpoint-{stop + 1}")]
         else:  # Lightning writes the rank-0 checkpoint (ModelCheckpoint); it restores both ranks
             ckpt = tmp_path / "stream.ckpt"
             first = launch(adapter, svc.address, tmp_path, "first", "--stop-after", str(stop),
-                           "--state-out", str(ckpt))
+                           "--state-out", str(ckpt), "--no-compute")
             resume = ["--state-in", str(ckpt)]
         assert max(r["step"] for recs in first.values() for r in recs) == stop
+        if adapter != "loader":
+            assert svc.runtimes["j"].state.compute_reports() == (0, []), \
+                "report_compute=False: the adapter reported"
         second = launch(adapter, svc.address, tmp_path, "second", *resume)
+        check_compute_reports(svc, second if adapter != "loader" else
+                              {r: first[r] + second[r] for r in (0, 1)}, adapter)
     assert min(r["step"] for recs in second.values() for r in recs) == stop + 1
     check({r: first[r] + second[r] for r in (0, 1)}, aligned=True)
