@@ -11,13 +11,16 @@ import numpy as np
 import pytest
 
 from pipeline.errors import UserError
+from pipeline.preprocess import chat_template
 from pipeline.preprocess.chat_template import (
     IMAGE_PLACEHOLDER,
     ContentSpan,
     RenderedChat,
+    render,
     template_text,
 )
 from pipeline.preprocess.labels import IGNORE, assistant_spans
+from pipeline.preprocess.records import parse_record
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.preprocess.tokenizer import load_tokenizer
 
@@ -96,6 +99,28 @@ def test_custom_jinja_file_non_chatml(tmp_path):
     tok = load_tokenizer(make_job().preprocess)
     assert tok.decode(s.input_ids.tolist()) == "User: Hi\nBot: Hello there<|im_end|>\n"
     assert tok.decode(s.labels[s.labels != IGNORE].tolist()) == " Hello there<|im_end|>"
+
+
+def test_a_conversation_shape_is_rendered_once_and_its_content_spliced_in():
+    proc = processor_for(make_job())
+    tok, tmpl = proc.tokenizer, proc.template
+    chat_template._skeleton.cache_clear()
+    first = render(parse_record(chat("Hi", "Hello!")), tok, tmpl)
+    other = render(parse_record(chat("What now?", "Nothing.")), tok, tmpl)
+    info = chat_template._skeleton.cache_info()
+    assert (info.misses, info.hits) == (1, 1)  # one Jinja render for the shape
+    assert first.text == tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+        chat_template=tmpl, tokenize=False)
+    assert other.text == tok.apply_chat_template(
+        [{"role": "user", "content": "What now?"}, {"role": "assistant", "content": "Nothing."}],
+        chat_template=tmpl, tokenize=False)
+    assert [other.text[c.start:c.end] for c in other.content] == ["What now?", "Nothing."]
+    # A template whose output may change between renders (a date) is rendered every time.
+    dated = "{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    year = render(parse_record(chat()), tok, dated)
+    assert year.text.endswith("Hi\nHello!\n") and year.text[:4].isdigit()
+    assert chat_template._skeleton.cache_info().currsize == 1
 
 
 def test_assistant_spans_chatml_text():

@@ -10,7 +10,7 @@ import pytest
 from pipeline.preprocess.labels import IGNORE
 from pipeline.preprocess.records import ImageRef
 from pipeline.preprocess.sample import ProcessedSample
-from pipeline.preprocess.vision import VisionProcessor, decode_image
+from pipeline.preprocess.vision import VisionProcessor, _rgb_view, decode_image
 
 from .conftest import make_job, processor_for, src
 
@@ -90,3 +90,14 @@ def test_truncation_never_splits_an_image(image_dir):
     job = make_job(max_seq_len=first_start + 3, image_max_pixels=128 * 128)
     q = processor_for(job).process_one(f, 0, raw)
     assert q.reason == "no_loss_tokens" and "image 1 (" in q.detail
+
+
+def test_rgb_pixels_are_a_view_of_the_image_or_a_copy_when_pillow_will_not_export_them():
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for (w, h), view in (((1003, 997), True), ((3000, 2000), False)):  # > Pillow's 16 MB block
+        im = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        rgb = _rgb_view(im)
+        assert np.array_equal(rgb, np.asarray(im)) and rgb.shape == (h, w, 3)
+        assert (rgb.base is not None and rgb.strides[1] == 4) is view  # 4 bytes a pixel: Pillow's
