@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.process_tree import cmdline, comm, descendants, process_state
 from support.waiting import wait_for
 
 from pipeline.demo.report import figure
-from pipeline.owned_processes import stat_fields
 from pipeline.sample_data import sample_chats_path
 
 ROWS = 90
@@ -98,40 +98,8 @@ def test_demo_plot_compares_with_standard_on_integer_steps(tmp_path):
 
 # --- Ctrl-C ------------------------------------------------------------------------------------
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, parent pid), None once gone."""
-    fields = stat_fields(pid)
-    return (fields[0], int(fields[1])) if fields else None
-
-
-def _descendants(pid: int) -> set[int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (st := _proc_stat(int(entry.name))) is not None:
-            parents[int(entry.name)] = st[1]
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def _running(pids: set[int]) -> set[int]:
-    return {p for p in pids if (st := _proc_stat(p)) is not None and st[0] != "Z"}
+    return {p for p in pids if process_state(p) not in ("", "Z")}
 
 
 def _interrupt_and_check(proc: subprocess.Popen, kids: set[int],
@@ -149,7 +117,7 @@ def _interrupt_and_check(proc: subprocess.Popen, kids: set[int],
     try:
         wait_for(lambda: not _running(kids), 30, "the demo's processes to end")
     except AssertionError:
-        alive = {p: _cmdline(p)[:120] for p in _running(kids)}
+        alive = {p: cmdline(p)[:120] for p in _running(kids)}
         raise AssertionError(f"left running after Ctrl-C: {alive}\n{err[-2000:]}") from None
     return err
 
@@ -164,8 +132,8 @@ def _start_with_frozen_ranks(run_dir: Path) -> tuple[subprocess.Popen, set[int]]
         ranks: list[int] = []
 
         def ranks_started() -> bool:
-            kids.update(_descendants(proc.pid))
-            ranks[:] = [k for k in kids if RANK_MODULE in _cmdline(k)]
+            kids.update(set(descendants(proc.pid)))
+            ranks[:] = [k for k in kids if RANK_MODULE in cmdline(k)]
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             return len(ranks) == 2
 
@@ -173,7 +141,7 @@ def _start_with_frozen_ranks(run_dir: Path) -> tuple[subprocess.Popen, set[int]]
         for r in ranks:
             os.kill(r, signal.SIGSTOP)
         # The stop takes effect when the kernel next runs the rank: wait for it to show.
-        states = lambda: [(_proc_stat(r) or ("Z",))[0] for r in ranks]  # noqa: E731
+        states = lambda: [process_state(r) or "Z" for r in ranks]  # noqa: E731
         wait_for(lambda: all(st in "TZX" for st in states()), 30, "the ranks to stop")
         if all(st == "T" for st in states()):
             return proc, kids
@@ -199,7 +167,7 @@ def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
         pytest.fail("the trainer ranks always ended before they could be frozen")
     proc, kids = started
     try:
-        comms = {_comm(k) for k in kids}
+        comms = {comm(k) for k in kids}
         assert comms & {"redis-server", "valkey-server"}, comms
         assert {"gcs_server", "raylet"} <= comms, comms
 
@@ -213,7 +181,7 @@ def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
         # Its token lives only in the demo's process: GetJob is skipped, saying why.
         assert "ODB_DEMO_TOKEN" in out["sources"]["grpc_skipped"]["demo"]
 
-        _interrupt_and_check(proc, kids | _descendants(proc.pid))
+        _interrupt_and_check(proc, kids | set(descendants(proc.pid)))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -231,12 +199,12 @@ def test_ctrl_c_during_start_up_stops_everything(tmp_path, group_sigterm):
         kids: set[int] = set()
 
         def gcs_started() -> bool:
-            kids.update(_descendants(proc.pid))
+            kids.update(set(descendants(proc.pid)))
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            return any(_comm(k) == "gcs_server" for k in kids)
+            return any(comm(k) == "gcs_server" for k in kids)
 
         wait_for(gcs_started, 300, "Ray's GCS")
-        _interrupt_and_check(proc, kids | _descendants(proc.pid), group_sigterm)
+        _interrupt_and_check(proc, kids | set(descendants(proc.pid)), group_sigterm)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.process_tree import comm, process_state
 from support.serve_process import REPO, ServeProcess
 
 from pipeline.owned_processes import stat_fields
@@ -121,13 +122,13 @@ def test_what_survives_a_kill_9_of_serve(readme_run):
     start it again on the same state dir: the job is where it was and does not start over."""
     results, env, serve_cmd, serve = readme_run
     before = _status_json(env)
-    redis_pids = [p for p in _children(serve.proc.pid) if "redis" in _comm(p)
-                  or "valkey" in _comm(p)]
+    redis_pids = [p for p in _children(serve.proc.pid) if "redis" in comm(p)
+                  or "valkey" in comm(p)]
     assert redis_pids, "no embedded Redis under serve"
     serve.proc.send_signal(signal.SIGKILL)
     serve.proc.wait(30)
     deadline = time.monotonic() + 30
-    while any(_state(p) not in (None, "Z") for p in redis_pids):
+    while any(process_state(p) not in ("", "Z") for p in redis_pids):
         assert time.monotonic() < deadline, "the embedded Redis outlived its serve"
         time.sleep(0.05)
     again = ServeProcess(["bash", "-c", f"exec {serve_cmd}"], env).start()
@@ -155,15 +156,3 @@ def _children(pid: int) -> list[int]:
         if entry.name.isdigit() and (st := stat_fields(int(entry.name))) and int(st[1]) == pid:
             out.append(int(entry.name))
     return out
-
-
-def _state(pid: int) -> str | None:
-    st = stat_fields(pid)
-    return st[0] if st else None
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""

@@ -111,9 +111,9 @@ def render(conv: Conversation, tokenizer, template: str) -> RenderedChat:
         for seg in turn.segments or (Segment(),):
             pieces.append((t, None if seg.image is not None else seg.text))
         shape.append((turn.role, max(1, len(turn.segments))))
-    key = tuple(shape)
-    volatile = any(word in template for word in _VOLATILE)
-    literals, markers = (_render_skeleton if volatile else _skeleton)(key, tokenizer, template)
+    cached = not _volatile(template)
+    literals, markers = (_skeleton if cached else _render_skeleton)(tuple(shape), tokenizer,
+                                                                    template)
     out: list[str] = []
     spans: list[ContentSpan] = []
     length = 0
@@ -152,6 +152,13 @@ def _render_skeleton(shape: tuple[tuple[str, int], ...], tokenizer, template: st
         pos = m.end()
     literals.append(skeleton[pos:])
     return tuple(literals), tuple(markers)
+
+
+@functools.lru_cache(maxsize=16)
+def _volatile(template: str) -> bool:
+    """Whether the template calls something whose output may change between renders (once per
+    template, not once per record)."""
+    return any(word in template for word in _VOLATILE)
 
 
 # Keyed by the tokenizer object (one per process and directory, tokenizer.py) and the template

@@ -13,7 +13,8 @@ import sys
 import threading
 
 import pytest
-from support.freeze import descendants, frozen, process_state
+from support.freeze import frozen
+from support.process_tree import descendants, process_state
 from support.tcp_proxy import TcpProxy
 from support.waiting import wait_for
 

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from support.freeze import descendants
+from support.process_tree import cmdline, comm, descendants
 
 from pipeline.owned_processes import stat_fields
 
@@ -33,21 +33,6 @@ def serve_config(tmp_path: Path) -> Path:
     path = tmp_path / "odb.json"
     path.write_text(json.dumps(cfg))
     return path
-
-
-def comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace")
-    except OSError:
-        return ""
 
 
 def alive(pids: set[int]) -> dict[int, str]:

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_tree import ServeTree, cmdline, is_loopback, listening
+from serve_tree import ServeTree, is_loopback, listening
+from support.process_tree import cmdline
 
 from pipeline import cli
 

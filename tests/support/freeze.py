@@ -19,30 +19,8 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-from pipeline.owned_processes import stat_fields
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid`'s descendants now, parents before their children (from /proc's parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := stat_fields(entry.name)) is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out: list[int] = []
-    todo = list(children.get(pid, []))
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def process_state(pid: int) -> str:
-    """The kernel's one-letter state of `pid` ("T" = stopped), "" if it is gone."""
-    fields = stat_fields(pid)
-    return fields[0] if fields else ""
+from support.process_tree import descendants, process_state
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from support.freeze import descendants
+from support.process_tree import descendants
 
 TESTS = Path(__file__).resolve().parents[1]
 _ENV = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.redis_server import LocalRedis, free_port
-from support.freeze import descendants, process_state
+from support.process_tree import descendants, process_state
 from support.ray_head import RayHead
 from support.serve_process import REPO, ServeProcess
 from support.tcp_proxy import TcpProxy
