@@ -7,10 +7,13 @@ one instance from `ray_session`; Redis is cheap but shared too, each test gets a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+from collections import defaultdict
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from support import ast_lock
@@ -78,11 +81,21 @@ def ray_session() -> Iterator[None]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"record each test's seconds in this run in {DURATIONS.name}, which "
+                          "orders later parallel runs longest first")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's loadgroup reads the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests of a module that share a module-scoped fixture (a cluster, a served README)
     run on one xdist worker (`--dist loadgroup`), so that fixture is set up once, not once per
-    worker. A test already in a group keeps it."""
+    worker. A test already in a group keeps it. In a parallel run the groups and tests are
+    then handed out longest first (`_longest_first`)."""
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue
@@ -90,6 +103,48 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if defs is not None and any(d[-1].scope == "module"
                                     for d in defs.name2fixturedefs.values()):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = _longest_first(items)
+
+
+def _scope(item: pytest.Item) -> str:
+    """What xdist's loadgroup hands out as one unit: a group, or a test alone."""
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark is not None else item.nodeid
+
+
+def _longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """Units in the order of their seconds in a recorded run, longest first (xdist hands them
+    out in collection order with `--no-loadscope-reorder`): the long process-starting units no
+    longer come last and leave one worker running alone at the end. A test not recorded counts
+    0 s. Only the order depends on the recording: a stale one costs time, never a result."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    cost: dict[str, float] = defaultdict(float)
+    for item in items:
+        cost[_scope(item)] += seconds.get(item.nodeid, 0.0)
+    return sorted(items, key=lambda item: -cost[_scope(item)])  # stable: a group stays whole
+
+
+class _DurationRecorder:
+    """`--store-durations`: setup + call + teardown of every test, as the controller sees it."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid.partition("@")[0]] += report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        """Merged into the recording: a run of some tests updates theirs, keeps the rest."""
+        kept = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        kept.update({k: round(v, 1) for k, v in self.seconds.items()})
+        kept = {k: v for k, v in sorted(kept.items()) if v >= 0.2}
+        DURATIONS.write_text(json.dumps(kept, indent=0) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("store_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(_DurationRecorder(), "odb-durations")
 
 
 @pytest.fixture(autouse=True)

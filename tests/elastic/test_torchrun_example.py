@@ -49,7 +49,7 @@ def kill_node(p: subprocess.Popen) -> None:
 
 
 def test_the_elastic_example_survives_losing_a_node(redis_client, redis_url, tmp_path):
-    items = samples(3000, seed=5)
+    items = samples(1000, seed=5)
     log = tmp_path / "trained.jsonl"
     with served(redis_url, "tx", 2, items, lease_seconds=1.0, job={"elastic": True}) as svc:
         port = free_port()
