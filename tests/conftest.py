@@ -122,7 +122,7 @@ def _longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
     cost: dict[str, float] = defaultdict(float)
     for item in items:
         cost[_scope(item)] += seconds.get(item.nodeid, 0.0)
-    return sorted(items, key=lambda item: -cost[_scope(item)])  # stable: a group stays whole
+    return sorted(items, key=lambda item: -cost[_scope(item)])  # stable: a unit keeps its order
 
 
 class _DurationRecorder:
