@@ -5,7 +5,9 @@ A plain consumer of `trainer_client.BatchStream` (numpy tensors: no torch to imp
 appends one JSON line per event to `--out`, with the wall-clock time `t` of each, so a test can
 freeze it, time what it saw, and count every sample id it received:
   {"start": pid, "dropped": [...]}            once (contract options this client does not know)
-  {"epoch", "step", "ids", "digest", "t"}     every batch, as the trainer takes it
+  {"epoch", "step", "ids", "digest", "reconnects", "t"}
+                                              every batch, as the trainer takes it (with the
+                                              stream's reconnects so far)
   {"paused": n, "t"}                          it took `--pause-after` batches and waits for --go
   {"end": epoch, "final_step", "reason", "world_size", "t"}   every END
   {"error": CODE, "details", "t"}             the stream ended with an error (exit 3)
@@ -129,7 +131,8 @@ def main() -> int:
                 for batch in stream:
                     info = batch.info
                     emit(rank=rank, epoch=info.epoch, step=info.step,
-                         ids=list(info.sample_ids), digest=batch.digest())
+                         ids=list(info.sample_ids), digest=batch.digest(),
+                         reconnects=stream.reconnects)
                     taken += 1
                     if taken == args.pause_after:
                         emit(paused=taken)

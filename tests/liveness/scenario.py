@@ -63,12 +63,19 @@ def assert_done(ranks: list[RankProcess]) -> None:
             f"rank {r.rank} did not finish the job:\n{_explain([r])}")
 
 
-def wait_new_batches(ranks: list[RankProcess], since: float, bound: float, what: str) -> None:
-    """Every rank takes a batch it cannot have held at `since` (beyond its paused batch and a
-    full prefetch queue) by `since + bound`: it was received after `since`."""
+def wait_failed_over(ranks: list[RankProcess], since: float, bound: float, what: str) -> None:
+    """By `since + bound`, every rank's stream broke (it reconnected) and it took a batch it
+    cannot have held at `since` (beyond its paused batch and a full prefetch queue). Both: a
+    replica cut from Redis still delivers the steps it had recorded grants for, so fresh
+    batches alone do not show that it ended its streams (a fault lifted then never made
+    them fail over)."""
     fresh = PAUSE_AFTER + PREFETCH + 1
-    _wait(ranks, lambda: all(len(r.batches()) >= fresh for r in ranks),
-          since + bound - time.time(), what)
+
+    def failed_over(r: RankProcess) -> bool:
+        taken = r.batches()
+        return len(taken) >= fresh and taken[-1]["reconnects"] >= 1
+
+    _wait(ranks, lambda: all(failed_over(r) for r in ranks), since + bound - time.time(), what)
 
 
 def delivered_ids(ranks: Iterable[RankProcess]) -> Counter:

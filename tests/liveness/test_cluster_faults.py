@@ -41,7 +41,7 @@ from liveness.scenario import (
     release,
     start_ranks,
     wait_ended,
-    wait_new_batches,
+    wait_failed_over,
     wait_paused,
 )
 from pipeline.coordinator import RedisJobState
@@ -176,15 +176,16 @@ def killed(topo: Topology, i: int) -> Iterator[None]:
 def fail_over(cluster: Cluster, tmp_path: Path, job: str, fault: AbstractContextManager,
               bound: float, *, sleep: float = 0.05, lift_mid_epoch: bool = False) -> None:
     """Replica 1 fails under `fault` (a context manager: in at its start, lifted at its end)
-    while every rank is mid-epoch: ranks 2 and 3, which dial it first, each take a batch they
-    cannot have held before within `bound`, and the epoch ends with every sample once.
+    while every rank is mid-epoch: ranks 2 and 3, which dial it first, each fail over within
+    `bound` (their stream breaks and they take a batch they cannot have held before), and the
+    epoch ends with every sample once.
     `lift_mid_epoch`: the fault is lifted as soon as they failed over, not after the epoch."""
     ranks = cluster.ranks(tmp_path, job, sleep=sleep)
     try:
         with fault:
             began = time.time()
             release(ranks)
-            wait_new_batches(ranks[2:], began, bound, f"ranks 2, 3 of {job} to fail over")
+            wait_failed_over(ranks[2:], began, bound, f"ranks 2, 3 of {job} to fail over")
             if not lift_mid_epoch:
                 _finish(cluster, job, ranks, ranks[2:])
         if lift_mid_epoch:
