@@ -107,6 +107,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items[:] = _longest_first(items)
 
 
+def _recorded() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+
 def _scope(item: pytest.Item) -> str:
     """What xdist's loadgroup hands out as one unit: a group, or a test alone."""
     mark = item.get_closest_marker("xdist_group")
@@ -118,7 +122,7 @@ def _longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
     out in collection order with `--no-loadscope-reorder`): the long process-starting units no
     longer come last and leave one worker running alone at the end. A test not recorded counts
     0 s. Only the order depends on the recording: a stale one costs time, never a result."""
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    seconds = _recorded()
     cost: dict[str, float] = defaultdict(float)
     for item in items:
         cost[_scope(item)] += seconds.get(item.nodeid, 0.0)
@@ -136,7 +140,7 @@ class _DurationRecorder:
 
     def pytest_sessionfinish(self) -> None:
         """Merged into the recording: a run of some tests updates theirs, keeps the rest."""
-        kept = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        kept = _recorded()
         kept.update({k: round(v, 1) for k, v in self.seconds.items()})
         kept = {k: v for k, v in sorted(kept.items()) if v >= 0.2}
         DURATIONS.write_text(json.dumps(kept, indent=0) + "\n")

@@ -17,13 +17,11 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from support.process_tree import comm, process_state
+from support.process_tree import comm, descendants, process_state
 from support.serve_process import REPO, ServeProcess
 
-from pipeline.owned_processes import stat_fields
 from pipeline.redis_server import free_port
 
 README = REPO / "README.md"
@@ -122,7 +120,7 @@ def test_what_survives_a_kill_9_of_serve(readme_run):
     start it again on the same state dir: the job is where it was and does not start over."""
     results, env, serve_cmd, serve = readme_run
     before = _status_json(env)
-    redis_pids = [p for p in _children(serve.proc.pid) if "redis" in comm(p)
+    redis_pids = [p for p in descendants(serve.proc.pid) if "redis" in comm(p)
                   or "valkey" in comm(p)]
     assert redis_pids, "no embedded Redis under serve"
     serve.proc.send_signal(signal.SIGKILL)
@@ -149,10 +147,3 @@ def test_what_survives_a_kill_9_of_serve(readme_run):
     finally:
         assert again.stop() == 0, again.output()
 
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (st := stat_fields(int(entry.name))) and int(st[1]) == pid:
-            out.append(int(entry.name))
-    return out

@@ -30,19 +30,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from support.process_tree import descendants
+from support.process_tree import cmdline, descendants
 
 TESTS = Path(__file__).resolve().parents[1]
 _ENV = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0",
         "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace")
-    except OSError:
-        return ""
 
 
 class RayHead:
@@ -104,14 +96,14 @@ class RayHead:
 
     def pids(self, name: str) -> list[int]:
         """Processes of the head's tree whose command line names `name` (e.g. gcs_server)."""
-        return [p for p in descendants(self.pid) if name in _cmdline(p)]
+        return [p for p in descendants(self.pid) if name in cmdline(p)]
 
     def actor_pids(self, class_name: str) -> list[int]:
         """Worker processes of the head running an actor of `class_name` (Ray titles them
         `ray::<class>` or `ray::<class>.<method>`)."""
         return [p for p in descendants(self.pid)
-                if _cmdline(p).startswith((f"ray::{class_name} ", f"ray::{class_name}."))
-                or _cmdline(p).strip() == f"ray::{class_name}"]
+                if cmdline(p).startswith((f"ray::{class_name} ", f"ray::{class_name}."))
+                or cmdline(p).strip() == f"ray::{class_name}"]
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
