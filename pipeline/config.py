@@ -521,7 +521,8 @@ class ServiceConfig(_Model):
         "to another replica if they have one")
     payload_timeout_seconds: float = Field(
         10.0, gt=0, description="the longest a replica waits for a batch's payloads from Ray "
-        "before it rebuilds them itself, or ends the stream with UNAVAILABLE")
+        "before it rebuilds them itself; a rebuild gets as long again before the stream ends "
+        "with UNAVAILABLE")
     rank_timeout_seconds: float = Field(
         60.0, gt=0, description="how long a rank may be gone (its lease lapsed, or never "
         "claimed since the world's first rank connected) before the failure policy applies; "

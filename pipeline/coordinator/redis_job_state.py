@@ -448,6 +448,9 @@ class RedisJobState(JobState):
         with contextlib.suppress(Fenced):  # another producer holds it: nothing of ours to release
             self._run(scripts.producer_renew, [self.keys.meta], [generation, 0])
 
+    def claim_producer_restart(self, actor_id: str, process: int) -> bool:
+        return self._run(scripts.producer_restart, [self.keys.meta], [actor_id, process]) == 1
+
     def producer_lease(self) -> ProducerLease | None:
         gen, holder, exp = self._meta("producer_gen", "producer_holder", "producer_exp")
         if not gen or int(gen) == 0:

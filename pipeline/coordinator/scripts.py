@@ -60,6 +60,7 @@ class Script:
 register = Script.named("register")
 producer_claim = Script.named("producer_claim")
 producer_renew = Script.named("producer_renew")
+producer_restart = Script.named("producer_restart")
 set_error = Script.named("set_error")
 publish = Script.named("publish")
 reveal = Script.named("reveal")

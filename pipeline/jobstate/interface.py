@@ -298,6 +298,13 @@ class JobState(ABC):
     def producer_lease(self) -> ProducerLease | None: ...
 
     @abstractmethod
+    def claim_producer_restart(self, actor_id: str, process: int) -> bool:
+        """Take the restart of the producer actor's process `process` (how many times Ray had
+        restarted the actor): True for the first claim only, False once that process or a later
+        one of the same actor was claimed. Every replica supervises the producer; each stuck
+        process is restarted once."""
+
+    @abstractmethod
     def set_error(self, message: str, *, fence: int, cause: str = "internal",
                   transient: bool = False) -> None:
         """Record a producer failure (`ProducerFailure`), fenced like a publish. Permanent (the

@@ -72,6 +72,7 @@ class MemoryJobState(JobState):
         self._done = False
         self._checkpoint: PlannerCheckpoint | None = None
         self._producer: ProducerLease | None = None
+        self._producer_restart: tuple[str, int] | None = None  # (actor id, process) restarted
         self._generation = 0
         self._error: ProducerFailure | None = None  # permanent
         self._trouble: ProducerFailure | None = None  # transient (cleared by a publication)
@@ -246,6 +247,14 @@ class MemoryJobState(JobState):
     def producer_lease(self) -> ProducerLease | None:
         with self._lock:
             return self._producer
+
+    def claim_producer_restart(self, actor_id: str, process: int) -> bool:
+        with self._lock:
+            last = self._producer_restart
+            if last is not None and last[0] == actor_id and process <= last[1]:
+                return False
+            self._producer_restart = (actor_id, process)
+            return True
 
     def set_error(self, message: str, *, fence: int, cause: str = "internal",
                   transient: bool = False) -> None:

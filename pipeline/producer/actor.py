@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
@@ -109,14 +109,28 @@ def ensure_producer(job: TrainingJobConfig, redis_url: str, settings: ProducerSe
     ).remote(job.model_dump_json(), redis_url, dataclasses.asdict(settings), fsync_publish)
 
 
+class ActorProcess(NamedTuple):
+    """One process of the actor, as Ray's actor table (the GCS) has it."""
+
+    actor_id: str
+    process: int  # how many times Ray had restarted the actor
+    state: str  # ALIVE once constructed
+
+
+def actor_process(handle: Any) -> ActorProcess:
+    from ray._private import state as ray_state  # the GCS actor table
+
+    actor_id = handle._actor_id.hex()
+    row = ray_state.actors(actor_id=actor_id)
+    return ActorProcess(actor_id, int(row.get("NumRestarts", 0)), row.get("State", ""))
+
+
 def stuck_producer(handle: Any, ping_seconds: float) -> str | None:
     """Why the job's producer actor is stuck (it does not answer, or answers while its
     producer cannot take the lease: frozen, hung, cut off from Redis), or None while it is not
     up yet (its constructor runs, or Ray restarts it) or answers. Asked only when the job's
     lease has been free for a while: a working producer actor takes it within a second."""
-    from ray._private import state as ray_state  # the GCS actor table: ALIVE once constructed
-
-    if ray_state.actors(actor_id=handle._actor_id.hex()).get("State") != "ALIVE":
+    if actor_process(handle).state != "ALIVE":
         return None
     try:
         ray.get(handle.info.remote(), timeout=ping_seconds)

@@ -142,6 +142,7 @@ class ActorHost:
         self.settings, self.fsync_publish = settings, fsync_publish
         self.check_seconds = check_seconds
         self._free_since: float | None = None  # the job needed a producer and had none since
+        self._judged = -1  # the actor's process judged since then (its restart count)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise,
                                         name=f"producer-host-{job.job_id}", daemon=True)
@@ -160,11 +161,17 @@ class ActorHost:
         creation (or a restart) was requested. An actor that exists while the lease stays free
         for `lease_seconds` is stuck if it does not answer (frozen, hung) or answers without
         taking the lease (cut off from Redis): Ray restarts it, so a successor takes over
-        (the old process, fenced by the new generation, can never publish)."""
+        (the old process, fenced by the new generation, can never publish).
+        Every replica supervises the job, so each judges one process of the actor: a restart
+        (by any replica) gives the new process a lease period of its own, and a process is
+        restarted only if the lease is still free after the verdict and the state grants its
+        restart (`claim_producer_restart`: one replica restarts each stuck process, and never
+        a successor that is starting or has just taken the lease)."""
         if not needs_producer(self.state):
             self._free_since = None
             return False
         from pipeline.producer.actor import (
+            actor_process,
             ensure_producer,
             find_producer,
             restart_producer,
@@ -176,17 +183,18 @@ class ActorHost:
             ensure_producer(self.job, self.redis_url, self.settings, self.fsync_publish)
             return True
         now = time.monotonic()
-        if self._free_since is None:
-            self._free_since = now
+        judged = actor_process(handle)
+        if self._free_since is None or judged.process != self._judged:
+            self._free_since, self._judged = now, judged.process
         if now - self._free_since < self.settings.lease_seconds:
             return False  # a working actor takes the lease within a second
         why = stuck_producer(handle, ping_seconds=self.check_seconds)
-        if why is None:
+        if (why is None or not needs_producer(self.state)
+                or not self.state.claim_producer_restart(judged.actor_id, judged.process)):
             return False
         log.warning("job %s: its producer actor is stuck: %s; Ray restarts it",
                     self.job.job_id, why, extra={"job": self.job.job_id})
         restart_producer(handle)
-        self._free_since = time.monotonic()  # give the new process a lease period
         return True
 
     def _supervise(self) -> None:

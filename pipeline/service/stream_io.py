@@ -10,7 +10,8 @@ read it would have to make raises `PlanMiss`, and `JobIO.next_action` makes it o
 asks the cursor again.
 
 Bounds (Guarantee 8): a stream waits at most `state_timeout` seconds for any call to the job's
-state and `payload_timeout` for a batch's payloads; past that the call raises
+state and twice `payload_timeout` for a batch's payloads (Ray's share, then a rebuild by id as
+long: `payloads.RayPayloads`); past that the call raises
 `ReplicaUnavailable` (the stream ends UNAVAILABLE and its client reconnects, to another replica
 if it has one), so a partition from Redis or a frozen Ray never holds a stream forever. The
 blocked I/O thread finishes on its own (the state's socket timeouts bound it).
@@ -112,7 +113,7 @@ class JobIO:
 
     async def _bounded(self, call: Awaitable[T], payloads: bool = False,
                        extra_s: float = 0.0) -> T:
-        limit = (self.payload_timeout if payloads else self.state_timeout) + extra_s
+        limit = (2 * self.payload_timeout if payloads else self.state_timeout) + extra_s
         try:
             async with asyncio.timeout(limit):
                 return await call

@@ -432,6 +432,21 @@ def test_error_is_set_only_by_the_current_producer(env):
     assert st.error() == "tokenizer missing"
 
 
+def test_each_process_of_the_producer_actor_is_restarted_once(env):
+    """Replicas that all find process 2 of the actor stuck: one restarts it; a replica that
+    judged an older process, or read the count late, restarts nothing; the next process and a
+    new actor (its count starts at 0 again) can each be restarted once."""
+    st = env.state
+    before = snapshot(env)
+    assert st.claim_producer_restart("actor-a", 2)
+    assert not st.claim_producer_restart("actor-a", 2)
+    assert not st.claim_producer_restart("actor-a", 1)
+    assert st.claim_producer_restart("actor-a", 3)
+    assert st.claim_producer_restart("actor-b", 0)
+    assert not st.claim_producer_restart("actor-b", 0)
+    assert snapshot(env) == before  # the lease, the plan: nothing else moved
+
+
 def test_empty_producer_holder_is_refused(env):
     with pytest.raises(ValueError, match="holder"):
         env.state.claim_producer("", LONG)

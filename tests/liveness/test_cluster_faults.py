@@ -58,7 +58,9 @@ ROWS, BUDGET, W = 120, 512, 4
 CLUSTER_RANK_TIMEOUT_S = 10.0
 SLACK_S = 4.0  # reconnecting, re-claiming the lease and a first batch, on 2 loaded cores
 EPOCH_S = 90.0  # the rest of an epoch, however slow the machine: only a hang exceeds it
-SUCCESSOR_S = 15.0  # a stuck producer found, restarted and holding the lease (kill -9: 3.3 s)
+# A stuck producer found, restarted and holding the lease (kill -9: 3.3 s; frozen, beside two
+# busy cores: found 9-13 s after the freeze, the successor holds the lease 5-7 s later)
+SUCCESSOR_S = 20.0
 REDIS_FREEZE_S = 5.0  # > lease, state timeout and keepalive bound; < lease + rank timeout
 # Longer than every timeout of the service, lease + rank timeout included: a Ray head hang
 # stalls the ranks (no new step is planned, a payload read may wait), it kills none of them.
@@ -148,10 +150,17 @@ def _finish(cluster: Cluster, job: str, ranks: list, failed_over: list) -> None:
     assert cluster.state(job).error() is None
 
 
-def _assert_no_lapse(state: RedisJobState, when: str) -> None:
-    """No rank's lease lapsed (ever, in this job): ranks alive, heard from, keep their leases."""
-    lapsed = state.lapsed_ranks()
-    assert not lapsed, f"ranks {lapsed} lost their leases {when}, alive and connected"
+def _assert_no_rank_lost(state: RedisJobState, when: str) -> None:
+    """Ranks alive and heard from keep their leases: none was taken over after a lapse (ever, in
+    this job), none is lapsed by more than a lease now. A lease may lapse for a moment: on 2
+    loaded cores a successor producer's start starved both replicas of CPU for up to 3.5 s
+    (the 3 s lease; Redis answered in under 10 ms throughout), while a renewal path the fault
+    blocks leaves every lease lapsed for the fault's whole length (>= 15 s)."""
+    health = state.rank_health()
+    lost = [h for h in health if h.lapsed_for > LEASE_S]
+    lapses = state.counters().lease_lapses
+    assert not lost and lapses == 0, (f"ranks lost their leases {when}, alive and connected "
+                                      f"({lapses} taken over after a lapse): {health}")
 
 
 @contextlib.contextmanager
@@ -245,7 +254,7 @@ def test_frozen_producer_is_fenced_and_a_successor_publishes_no_step_twice(clust
                 LEASE_S + SUCCESSOR_S)
             assert took_over, (f"no successor took the lease within {LEASE_S + SUCCESSOR_S:g}s "
                                f"of the freeze (generation {info['generation']})")
-            _assert_no_lapse(state, "while the producer was frozen")
+            _assert_no_rank_lost(state, "while the producer was frozen")
             _finish(cluster, job, ranks, [])
         assert {n: state.get_step(n) for n in published} == published  # never republished
         plan = [str(s.sample_id) for n in range(state.published_through() + 1)
@@ -269,7 +278,7 @@ def test_frozen_ray_head_the_job_goes_on_and_nothing_hangs(cluster, tmp_path):
         with frozen(cluster.topo.head.pids("gcs_server")[0], tree=False):
             release(ranks)
             wait_until(lambda: all(r.finished() for r in ranks), GCS_FREEZE_S)
-            _assert_no_lapse(cluster.state(job), "while the Ray head was frozen")
+            _assert_no_rank_lost(cluster.state(job), "while the Ray head was frozen")
         _finish(cluster, job, ranks, [])
         # Ray itself recovered: a named actor answers through it again.
         assert cluster.topo.head.call("odb", "producer:frozen-redis", "info")["job_id"]

@@ -3,7 +3,8 @@ actor over Ray Data). A frozen actor (SIGSTOP: a hung host; its Redis link goes 
 keeps its name in Ray, so re-creating it by name finds the frozen one: the host sees the lease
 stay free while the actor is ALIVE and does not answer, and has Ray restart it. The new
 process takes the lease over (a new generation) and plans on from the checkpoint; nothing
-published changes."""
+published changes. Two hosts supervise it (two replicas serve every job): the successor,
+starting or planning, is never restarted again."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from support.waiting import wait_for
 
 from pipeline.config import TrainingJobConfig
 from pipeline.coordinator import RedisJobState
-from pipeline.producer.actor import find_producer, stop_producer
+from pipeline.producer.actor import actor_process, find_producer, stop_producer
 from pipeline.producer.hosting import ActorHost
 from pipeline.producer.producer import ProducerSettings
 
@@ -36,8 +37,10 @@ def test_a_frozen_producer_actor_is_restarted_and_a_successor_plans_on(ray_sessi
         "batching": {"token_budget": 1024, "max_window_samples": 16, "pool_steps": 1}})
     st = RedisJobState.connect(redis_url, job)
     settings = ProducerSettings(lease_seconds=2.0, max_ahead=2, poll_seconds=0.05)
-    host = ActorHost(job, st, redis_url, settings=settings, check_seconds=0.5)
-    host.start()
+    hosts = [ActorHost(job, st, redis_url, settings=settings, check_seconds=0.5)
+             for _ in range(2)]
+    for host in hosts:
+        host.start()
     pid = None
     try:
         # Back-pressure (nobody acks) holds the producer mid-plan, renewing its lease.
@@ -49,14 +52,19 @@ def test_a_frozen_producer_actor_is_restarted_and_a_successor_plans_on(ray_sessi
         wait_for(lambda: st.producer_lease().generation > gen, 60,
                  "a restarted producer to take the lease over")
         assert st.producer_lease().holder == info["holder"]  # the same actor, a new process
+        successor = ray.get(find_producer("frozen").info.remote(), timeout=30)
+        restarts = actor_process(find_producer("frozen")).process
+        assert restarts == 1, f"two hosts restarted one frozen process {restarts} times"
         st.ack(0, max(published))  # room: the successor plans on
         wait_for(lambda: st.published_through() > max(published), 60, "the successor's steps")
         assert {n: st.get_step(n) for n in published} == published  # never republished
         new = ray.get(find_producer("frozen").info.remote(), timeout=30)
-        assert new["pid"] != pid and new["generation"] > gen
+        assert new["pid"] == successor["pid"] != pid and new["generation"] > gen
+        assert actor_process(find_producer("frozen")).process == 1, "the successor was restarted"
     finally:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        host.stop()
+        for host in hosts:
+            host.stop()
         stop_producer("frozen")
