@@ -12,10 +12,10 @@ whenever and wherever it is called (restarts redeliver identical batches).
   producer is gone — the samples are rebuilt by id with `SampleStore` (the same `Processor`,
   same seed: byte-identical), from the epoch of the step or the one before (a sample carried
   over by quota mode, or returned by a reconfiguration after its epoch's END, is planned in the
-  next epoch: the producer rebuilds the same way). The Ray calls of a fetch are bounded by
-  `timeout_s` together (half each: the producer's reference, then the object): a frozen
-  producer, Ray head or object store makes the replica rebuild by id instead (and skip Ray for
-  a while), never wait forever, and the rebuild still fits the stream's bound. An SDO job
+  next epoch: the producer rebuilds the same way). The Ray calls of a fetch (the producer's
+  reference, then the object) share one bound, `timeout_s`: a frozen producer, Ray head or
+  object store makes the replica rebuild by id instead (and skip Ray for a while), never wait
+  forever, and the rebuild still fits the stream's bound (`stream_io`). An SDO job
   plans visits (`<sample_id>#<k>`): each carries the payload of its sample (`payload_id_of`).
 Both count what they fetched per rank (`fetched_by_rank`), so tests and operators can check that
 a replica never reads payloads of ranks it does not serve.
@@ -135,7 +135,7 @@ class RayPayloads(_Counting):
             actor = self._producer()
             if actor is None:
                 return [None] * len(keys)
-            got = ray.get(actor.batch_refs.remote(list(keys)), timeout=self.timeout_s / 2)
+            got = ray.get(actor.batch_refs.remote(list(keys)), timeout=self.timeout_s)
         except Exception as exc:  # the producer died or restarts: rebuild, find it again later
             log.debug("job %s: producer unreachable for payload refs", self.job.job_id,
                       exc_info=True)
@@ -153,7 +153,7 @@ class RayPayloads(_Counting):
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             self._ray_down_until = time.monotonic() + self.timeout_s
             log.warning("job %s: Ray did not answer within %gs; payloads are rebuilt by id for "
-                        "the next %gs", self.job.job_id, self.timeout_s / 2, self.timeout_s)
+                        "the next %gs", self.job.job_id, self.timeout_s, self.timeout_s)
 
     def fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
         import ray
@@ -165,10 +165,12 @@ class RayPayloads(_Counting):
         if here is not None:
             self._count(rank, len(here))
             return here
+        deadline = time.monotonic() + self.timeout_s
         ref = self._refs((step.step, rank))
         if ref is not None:
             try:
-                items = from_table(ray.get(ref, timeout=self.timeout_s / 2))
+                left = max(0.0, deadline - time.monotonic())
+                items = from_table(ray.get(ref, timeout=left))
                 if len(items) == len(batch.samples) and all(
                         isinstance(p, ProcessedSample)
                         and _matches(p, s, self.collate, self.payload_id(s.sample_id))

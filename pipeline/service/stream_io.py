@@ -10,7 +10,7 @@ read it would have to make raises `PlanMiss`, and `JobIO.next_action` makes it o
 asks the cursor again.
 
 Bounds (Guarantee 8): a stream waits at most `state_timeout` seconds for any call to the job's
-state and twice `payload_timeout` for a batch's payloads (Ray's share, then a rebuild by id as
+state and twice `payload_timeout` for a batch's payloads (Ray's bound, then a rebuild by id as
 long: `payloads.RayPayloads`); past that the call raises
 `ReplicaUnavailable` (the stream ends UNAVAILABLE and its client reconnects, to another replica
 if it has one), so a partition from Redis or a frozen Ray never holds a stream forever. The
