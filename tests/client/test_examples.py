@@ -30,15 +30,19 @@ def test_example_trains_a_few_steps(tmp_path, script, extra):
     cfg = service_config(job_dict("example-job", world_size=1,
                                   batching={"token_budget": 512}))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1"}
+           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
     outputs = {"hf_trainer_example.py": ["--output-dir", str(tmp_path / "out")],
                "lightning_example.py": ["--checkpoint-dir", str(tmp_path / "out")]}
     with serving(cfg, {"example-job": synthetic_samples(40, max_len=200)}) as svc:
-        proc = subprocess.run(
-            [sys.executable, str(EXAMPLES / script), "--endpoint", svc.address,
-             *outputs.get(script, []), *extra],
-            env={**env, "PIPELINE_ENDPOINT": svc.address}, cwd=tmp_path,
-            capture_output=True, text=True, timeout=300)
+        # torch's rendezvous binds MASTER_PORT itself: a free port can be taken by another
+        # process (the other worker's) before it does, so one EADDRINUSE gets a second port.
+        for _attempt in range(2):
+            proc = subprocess.run(
+                [sys.executable, str(EXAMPLES / script), "--endpoint", svc.address,
+                 *outputs.get(script, []), *extra],
+                env={**env, "MASTER_PORT": str(free_port()), "PIPELINE_ENDPOINT": svc.address},
+                cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            if "EADDRINUSE" not in proc.stderr:
+                break
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
