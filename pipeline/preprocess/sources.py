@@ -17,7 +17,7 @@ import glob
 import os
 import posixpath
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
@@ -88,9 +88,19 @@ def _kind(path: str, fmt: str) -> Kind:
 
 
 def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
-    """Configured paths -> files in deterministic order (config order, then sorted names)."""
+    """Every file of a job's sources, in deterministic order (a mixture's sources in turn; each
+    one's paths in config order, then sorted names). A file is in one source only."""
+    out = [f for s in cfg.mixture_value().sources for f in expand_paths(s.paths, s.format)]
+    names = [f.source for f in out]
+    if len(set(names)) != len(names):
+        raise UserError("source.paths lists the same file twice")
+    return out
+
+
+def expand_paths(paths: Sequence[str], fmt: str = "auto") -> list[SourceFile]:
+    """Paths of one source -> files in deterministic order (given order, then sorted names)."""
     out: list[SourceFile] = []
-    for entry in cfg.paths:
+    for entry in paths:
         if is_remote(entry):
             import pyarrow.fs as pafs
 
@@ -121,7 +131,7 @@ def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
                 raise SourceNotFound(f"source not found: {entry}")
         if not files:
             raise SourceNotFound(f"source holds no .jsonl/.parquet files: {entry}")
-        out += [SourceFile(f, f, _kind(f, cfg.format)) for f in files]
+        out += [SourceFile(f, f, _kind(f, fmt)) for f in files]
     names = [f.source for f in out]
     if len(set(names)) != len(names):
         raise UserError("source.paths lists the same file twice")
@@ -257,11 +267,13 @@ def line_index(path: str) -> LineIndex:
 
 
 @functools.lru_cache(maxsize=64)
-def _parquet_groups(key: tuple) -> np.ndarray:
+def _parquet_groups(key: tuple) -> tuple[np.ndarray, np.ndarray]:
     import pyarrow.parquet as pq
 
     md = pq.read_metadata(_open_parquet_target(key[0]))
-    return np.array([md.row_group(i).num_rows for i in range(md.num_row_groups)], dtype=np.int64)
+    groups = [md.row_group(i) for i in range(md.num_row_groups)]
+    return (np.array([g.num_rows for g in groups], dtype=np.int64),
+            np.array([g.total_byte_size for g in groups], dtype=np.int64))
 
 
 def _open_parquet_target(path: str):
@@ -272,7 +284,13 @@ def _open_parquet_target(path: str):
 
 
 def parquet_row_groups(path: str) -> np.ndarray:
-    return _parquet_groups(stat_key(path))
+    """Rows of each row group."""
+    return _parquet_groups(stat_key(path))[0]
+
+
+def parquet_group_bytes(path: str) -> np.ndarray:
+    """Uncompressed bytes of each row group (what reading it holds in memory)."""
+    return _parquet_groups(stat_key(path))[1]
 
 
 def num_rows(f: SourceFile) -> int:

@@ -1,0 +1,137 @@
+"""Each mixture source's share of what the planner emits: targets, running deficits, picking.
+
+The epoch's order already interleaves the sources at their shares (pipeline/order/); the
+planner's window then reorders ~128 budgets of samples by length, and a source with longer (or
+more spread) samples lags: measured on two sources of equal length distributions but different
+spread, the last tenth of an epoch held 0.59 of one source against its 0.50
+(docs/data-order.md). `SourceShares` tells the planner, at the one point where it decides which
+formed unit goes next (a step of a pool, a micro-batch of a global step), which of the candidate
+units keeps every source closest to its target.
+
+- Counted in samples (`mix_by: samples`) or in loss tokens (`mix_by: loss_tokens`).
+- Targets: a share per source. In samples they are the order's counts for the part of the epoch
+  in force; in loss tokens each source's count times its mean loss tokens so far (`observe`:
+  every sample fed), since the tokens an epoch holds are known only once it is measured.
+- Deficits accumulate per unit taken against the targets in force when it is taken, so a
+  target that moves (a better estimate, a `mix`) steers what comes next without a jump.
+- `pick` returns the candidate whose taking leaves the smallest squared deficit; ties go to the
+  first candidate (the planner's own order), so with one source, or equal candidates, nothing
+  changes.
+
+Pure and deterministic; `snapshot`/`restore` carry it in the planner's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.planner.types import MeasuredSample
+
+MIX_BY = ("samples", "loss_tokens")
+
+
+class SourceShares:
+    def __init__(self, sources: int, by: str = "samples") -> None:
+        if sources < 1:
+            raise ValueError(f"sources must be >= 1, got {sources}")
+        if by not in MIX_BY:
+            raise ValueError(f"by must be one of {MIX_BY}, got {by!r}")
+        self.sources = sources
+        self.by = by
+        self._counts = [1.0] * sources  # what the rest of the epoch holds of each (relative)
+        self._fed_tokens = [0] * sources
+        self._fed_samples = [0] * sources
+        self.deficit = [0.0] * sources  # taken - target share of what was taken, per source
+        self.taken = [0] * sources  # samples or loss tokens taken, per source
+
+    # -- targets ----------------------------------------------------------------------------
+
+    def set_counts(self, counts: Sequence[int]) -> None:
+        """The samples of each source the part of the epoch in force holds (the order's
+        segment counts): the targets' weights."""
+        if len(counts) != self.sources or min(counts) < 0 or sum(counts) <= 0:
+            raise ValueError(f"counts must be {self.sources} values >= 0 summing to > 0, got "
+                             f"{list(counts)}")
+        self._counts = [float(c) for c in counts]
+
+    def observe(self, sample: MeasuredSample) -> None:
+        """A sample fed to the planner (its source's mean loss tokens, for token targets)."""
+        self._fed_samples[sample.source] += 1
+        self._fed_tokens[sample.source] += sample.loss_tokens
+
+    def targets(self) -> list[float]:
+        """Each source's target share (summing to 1)."""
+        if self.by == "samples":
+            w = list(self._counts)
+        else:
+            # A source's tokens ahead: its count times its mean loss tokens so far (a source not
+            # yet seen counts at the mean of those seen, so it is not starved before it is).
+            seen = [t / n for t, n in zip(self._fed_tokens, self._fed_samples, strict=True) if n]
+            fallback = sum(seen) / len(seen) if seen else 1.0
+            w = [c * (t / n if n else fallback) for c, t, n in
+                 zip(self._counts, self._fed_tokens, self._fed_samples, strict=True)]
+        total = sum(w)
+        if total <= 0:
+            return [1.0 / self.sources] * self.sources
+        return [x / total for x in w]
+
+    # -- picking ----------------------------------------------------------------------------
+
+    def amounts(self, samples: Sequence[MeasuredSample]) -> list[int]:
+        """What a unit of these samples adds per source (samples or loss tokens)."""
+        out = [0] * self.sources
+        for s in samples:
+            out[s.source] += 1 if self.by == "samples" else s.loss_tokens
+        return out
+
+    def _after(self, add: Sequence[int], shares: Sequence[float]) -> float:
+        total = sum(add)
+        return sum((d + a - t * total) ** 2
+                   for d, a, t in zip(self.deficit, add, shares, strict=True))
+
+    def pick(self, candidates: Sequence[Sequence[MeasuredSample]]) -> int:
+        """The index of the candidate whose taking leaves the smallest squared deficit (the
+        first of equals)."""
+        if not candidates:
+            raise ValueError("no candidates to pick from")
+        if self.sources == 1:
+            return 0
+        shares = self.targets()
+        best, best_i = None, 0
+        for i, c in enumerate(candidates):
+            score = self._after(self.amounts(c), shares)
+            if best is None or score < best - 1e-9:
+                best, best_i = score, i
+        return best_i
+
+    def take(self, samples: Sequence[MeasuredSample]) -> None:
+        """A unit of these samples was emitted: deficits move against the targets in force."""
+        add = self.amounts(samples)
+        total = sum(add)
+        for i, t in enumerate(self.targets()):
+            self.deficit[i] += add[i] - t * total
+            self.taken[i] += add[i]
+
+    def reset_epoch(self) -> None:
+        """A new epoch: deficits and token means start again (its counts come with it)."""
+        self._fed_tokens = [0] * self.sources
+        self._fed_samples = [0] * self.sources
+        self.deficit = [0.0] * self.sources
+        self.taken = [0] * self.sources
+
+    # -- state ------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        return {"by": self.by, "counts": list(self._counts), "fed_tokens": list(self._fed_tokens),
+                "fed_samples": list(self._fed_samples), "deficit": list(self.deficit),
+                "taken": list(self.taken)}
+
+    @classmethod
+    def restore(cls, d: dict) -> SourceShares:
+        s = cls(len(d["counts"]), d["by"])
+        s._counts = [float(x) for x in d["counts"]]
+        s._fed_tokens = [int(x) for x in d["fed_tokens"]]
+        s._fed_samples = [int(x) for x in d["fed_samples"]]
+        s.deficit = [float(x) for x in d["deficit"]]
+        s.taken = [int(x) for x in d["taken"]]
+        return s
