@@ -107,10 +107,10 @@ class SourceConfig(_Model):
     def _one_kind_of_source(self) -> SourceConfig:
         if (self.paths is None) == (self.mixture is None):
             raise ValueError("give exactly one of paths (one source) or mixture (named sources)")
-        if self.mixture is None:
-            given = [n for n in ("schedule", "mix_by") if n in self.model_fields_set]
-            if given:
-                raise ValueError(f"{', '.join(given)} needs a mixture (source.mixture)")
+        if self.mixture is None and (self.schedule or self.mix_by != "samples"):
+            given = "schedule" if self.schedule else f"mix_by {self.mix_by}"
+            raise ValueError(f"{given} needs a mixture (source.mixture): a job of paths is one "
+                             "source")
         self.mixture_value().check("mixture")  # the mixture owns the rules between fields
         return self
 

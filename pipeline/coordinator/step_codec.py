@@ -150,13 +150,16 @@ def encode_checkpoint(c: PlannerCheckpoint) -> bytes:
          "s": c.state.decode("latin-1")}
     if c.world:
         d["w"] = int(c.world)
+    if c.order:  # the order's cursor: absent for a job that never changed its mixture
+        d["o"] = c.order.decode("latin-1")
     return _dumps(d).encode()
 
 
 def decode_checkpoint(data: bytes) -> PlannerCheckpoint:
     d = json.loads(data)
     return PlannerCheckpoint(epoch=d["e"], samples_consumed=d["c"], next_step=d["n"],
-                             state=d["s"].encode("latin-1"), world=d.get("w", 0))
+                             state=d["s"].encode("latin-1"), world=d.get("w", 0),
+                             order=d.get("o", "").encode("latin-1"))
 
 
 def decode_world(data: bytes) -> World:

@@ -154,14 +154,17 @@ class ProducerFailure:
 
 @dataclass(frozen=True)
 class PlannerCheckpoint:
-    """Where planning continues after a restart: the input position (`epoch`, source rows of it
-    already fed) and the planner's own state (window, pool, carry: JSON bytes)."""
+    """Where planning continues after a restart: the input position (`epoch`, positions of its
+    order already fed), the planner's own state (window, pool, carry: JSON bytes) and the
+    order's cursor beyond its position (`order`: the mixture changes in force, JSON bytes;
+    empty when the mixture never changed)."""
 
     epoch: int
-    samples_consumed: int  # source rows of `epoch` already fed to the planner
+    samples_consumed: int  # positions of `epoch`'s order (rows) already fed to the planner
     next_step: int  # the next step number the planner will publish
     state: bytes = b""
     world: int = 0  # the world generation the planner state is for
+    order: bytes = b""  # OrderCursor.extras() (pipeline/order/cursor.py)
 
     @property
     def position(self) -> tuple[int, int]:

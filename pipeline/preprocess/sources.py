@@ -16,6 +16,7 @@ import functools
 import glob
 import os
 import posixpath
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -355,18 +356,21 @@ class _GroupCache:
     def __init__(self, size: int = 4) -> None:
         self.size = size
         self._d: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()  # a block's units are read on several threads
 
     def get(self, path: str, group: int):
         import pyarrow.parquet as pq
 
         key = (path, group)
-        if key in self._d:
-            self._d.move_to_end(key)
-            return self._d[key]
+        with self._lock:
+            if key in self._d:
+                self._d.move_to_end(key)
+                return self._d[key]
         table = pq.ParquetFile(_open_parquet_target(path)).read_row_group(group)
-        self._d[key] = table
-        if len(self._d) > self.size:
-            self._d.popitem(last=False)
+        with self._lock:
+            self._d[key] = table
+            if len(self._d) > self.size:
+                self._d.popitem(last=False)
         return table
 
 
@@ -393,6 +397,27 @@ def _span_lines(path: str, start: int, stop: int, rows: int) -> list[bytes]:
     if len(lines) != rows:  # the file changed since it was indexed
         raise RuntimeError(f"{path} changed while being read")
     return lines
+
+
+def read_rows(f: SourceFile, first: int, end: int) -> list[Any]:
+    """Rows [first, end) of one file, as `read_chunk` yields them, with one read (JSONL: their
+    anchored bytes; Parquet: each row group they touch, read whole, the groups cached)."""
+    if end <= first:
+        return []
+    if f.kind == "jsonl":
+        start, stop, span_first, span_rows = line_index(f.path).span(first, end)
+        lines = _span_lines(f.path, start, stop, span_rows)
+        return [ln.removesuffix(b"\r") for ln in lines[first - span_first: end - span_first]]
+    ends = np.cumsum(parquet_row_groups(f.path))
+    out: list[Any] = []
+    g = int(np.searchsorted(ends, first, side="right"))
+    row = first
+    while row < end:
+        base = int(ends[g - 1]) if g else 0
+        stop = min(end, int(ends[g]))
+        out += _groups.get(f.path, g).slice(row - base, stop - row).to_pylist()
+        row, g = stop, g + 1
+    return out
 
 
 def read_row(f: SourceFile, row: int) -> Any:

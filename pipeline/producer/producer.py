@@ -38,6 +38,7 @@ from pipeline.jobstate.interface import (
     Publication,
     QuarantineEntry,
 )
+from pipeline.order.cursor import OrderCursor
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
 from pipeline.producer.adoption import adopt
@@ -323,34 +324,37 @@ class Producer:
         planner, cp = self._restore()
         if self.state.is_done():
             return Outcome.DONE
-        first_epoch, first_row = cp.position if cp is not None else (0, 0)
+        first_epoch = cp.epoch if cp is not None else 0
+        cursor = (OrderCursor.restore(cp.samples_consumed, cp.order) if cp is not None
+                  else OrderCursor())
         epochs = self.job.epochs
         pending = _Pending()
         if self._adoption is not None:  # publish for the new world at once: it adopts it
             self._take(pending, self._adoption)
-            self._publish(pending, planner, first_epoch, first_row)
+            self._publish(pending, planner, first_epoch, cursor)
         for epoch in range(first_epoch, epochs):
-            rows = first_row if epoch == first_epoch else 0  # source rows consumed
-            for item in self.feed.iter_epoch(epoch, rows):
+            # The epoch's order from the cursor (its position: rows of the order fed).
+            for item in self.feed.iter_epoch(epoch, cursor):
                 if self._stop.is_set():
                     return Outcome.STOPPED
-                rows += 1
+                cursor = cursor.at(cursor.position + 1)
                 if isinstance(item, QuarantineEntry):
                     pending.quarantined.append(item)
                     continue
                 pending.samples_in += 1
                 events = planner.feed(item)
                 if events and self._take(pending, events):
-                    self._publish(pending, planner, epoch, rows)
+                    self._publish(pending, planner, epoch, cursor)
                     self._wait_for_room()
             last = epoch == epochs - 1
             # The last epoch closes the job: quota mode's remainder forms one aligned step.
             self._take(pending, planner.end_epoch(last_epoch=last))
-            self._publish(pending, planner, epoch + 1, 0, done=last)
+            cursor = cursor.next_epoch()
+            self._publish(pending, planner, epoch + 1, cursor, done=last)
         if planner.epoch < epochs:  # a reopened last epoch (its input all read): close it
             self._take(pending, planner.end_epoch(last_epoch=True))
         if not self.state.is_done():  # (an empty job, zero epochs to run, finishes too)
-            self._publish(pending, planner, epochs, 0, done=True)
+            self._publish(pending, planner, epochs, cursor.at(0), done=True)
         return Outcome.DONE
 
     def _take(self, pending: _Pending, events: list[PlanEvent]) -> bool:
@@ -360,12 +364,13 @@ class Producer:
             self.feed.discard(dropped)
         return stepped
 
-    def _publish(self, pending: _Pending, planner: StepPlanner, epoch: int, rows: int, *,
-                 done: bool = False) -> None:
+    def _publish(self, pending: _Pending, planner: StepPlanner, epoch: int,
+                 cursor: OrderCursor, *, done: bool = False) -> None:
         steps = tuple(pending.steps)
-        cp = PlannerCheckpoint(epoch=epoch, samples_consumed=rows, next_step=planner.next_step,
+        cp = PlannerCheckpoint(epoch=epoch, samples_consumed=cursor.position,
+                               next_step=planner.next_step,
                                state=json.dumps(planner.snapshot().to_dict()).encode(),
-                               world=self._world_gen)
+                               world=self._world_gen, order=cursor.extras())
         pub = Publication(checkpoint=cp, steps=steps, ends=tuple(pending.ends),
                           samples_in=pending.samples_in, quarantined=tuple(pending.quarantined),
                           done=done)
