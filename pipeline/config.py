@@ -390,6 +390,13 @@ class TrainingJobConfig(_JobOptions):
         return mode
 
     @model_validator(mode="after")
+    def _sdo_plans_its_own_order(self) -> TrainingJobConfig:
+        if self.organization.kind == "sdo" and self.source.mixture is not None:
+            raise ValueError("source.mixture cannot go with organization.kind sdo: SDO's epochs "
+                             "are visits in traversal order, not a mixture's (docs/sdo.md)")
+        return self
+
+    @model_validator(mode="after")
     def _max_world_holds_the_first(self) -> TrainingJobConfig:
         if self.max_world_size is not None and self.max_world_size < self.world_size:
             raise ValueError(f"max_world_size ({self.max_world_size}) is below world_size "
@@ -464,6 +471,13 @@ class RefillJobConfig(_JobOptions):
         _refuse_options(data, _TRAINING_ONLY, "options of training jobs; a `mode: refill` job "
                         "has consumers, not ranks, and no plan")
         return data
+
+    @model_validator(mode="after")
+    def _no_mixture(self) -> RefillJobConfig:
+        if self.source.mixture is not None or self.source.epoch_samples is not None:
+            raise ValueError("source.mixture and source.epoch_samples are for training jobs: a "
+                             "refill job admits its requests in file order")
+        return self
 
     def max_sample_tokens(self) -> int:
         """The most tokens one preprocessed sample (a request's prompt and reference answer)

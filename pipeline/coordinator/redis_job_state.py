@@ -98,7 +98,8 @@ class RedisJobState(JobState):
                  world_size: int, mode: JobMode | str = JobMode.JOIN, seed: int = 0,
                  retries: int = 5,
                  socket_timeout: float = 5.0, fsync_publish: bool = False,
-                 max_connections: int | None = None, pool_timeout: float = 30.0) -> None:
+                 max_connections: int | None = None, pool_timeout: float = 30.0,
+                 earlier_hash: str | None = None) -> None:
         self.client, self._where = open_client(client_or_url, retries=retries,
                                                socket_timeout=socket_timeout,
                                                max_connections=max_connections,
@@ -112,6 +113,14 @@ class RedisJobState(JobState):
         with unavailable_as_error(self._where):
             if fsync_publish:
                 self._waitaof()  # fail at start, not at the first publish
+            # A job an earlier build registered reading its files in order keeps that order
+            # (its plan was made with it): `earlier_hash` is its config's hash as that build
+            # had it (registry.earlier_hash); `registered_in_file_order` tells the caller.
+            self.registered_in_file_order = False
+            stored = registry.read_job(self.client, job_id)
+            if (earlier_hash is not None and stored is not None
+                    and stored.config_hash == earlier_hash != config_hash):
+                config_hash, self.registered_in_file_order = earlier_hash, True
             self.created = registry.register_job(
                 self.client, job_id, config_hash=config_hash, world_size=world_size,
                 mode=self.mode, seed=seed)
@@ -140,7 +149,8 @@ class RedisJobState(JobState):
         return cls(client_or_url, job.job_id, config_hash=registry.config_hash(job),
                    world_size=job.world_size, mode=job.mode, seed=job.seed, retries=retries,
                    socket_timeout=socket_timeout, fsync_publish=fsync_publish,
-                   max_connections=max_connections, pool_timeout=pool_timeout)
+                   max_connections=max_connections, pool_timeout=pool_timeout,
+                   earlier_hash=registry.earlier_hash(job))
 
     @classmethod
     def attach(cls, client_or_url: redis.Redis | str, job_id: str, *, retries: int = 5,

@@ -160,7 +160,10 @@ def start_service(
             toks[job.job_id] = (tokens[job.job_id] if tokens and job.job_id in tokens
                                 else job.token())
             continue
-        state = job_states.get(job.job_id) or make_job_state(config, job)
+        if job.job_id in job_states:
+            state = job_states[job.job_id]
+        else:
+            state, job = make_job_state(config, job)  # noqa: PLW2901 (the job as served)
         payloads, host = _job_parts(config, job, state, sample_sources.get(job.job_id),
                                     replica_id, settings, ray_ready)
         runtimes[job.job_id] = JobRuntime(job, state, payloads, host,
