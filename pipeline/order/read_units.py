@@ -17,16 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.preprocess.sources import (
-    INDEX_STRIDE,
-    SourceFile,
-    line_index,
-    parquet_group_bytes,
-    parquet_row_groups,
-)
+if TYPE_CHECKING:
+    from pipeline.preprocess.sources import SourceFile
+
+INDEX_STRIDE = 64  # the JSONL line index's stride (sources.INDEX_STRIDE; checked in its tests)
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +88,8 @@ def parquet_units(group_rows: Sequence[int], group_bytes: Sequence[int]
 
 def file_read_units(f: SourceFile, unit_rows: int) -> list[tuple[int, int, int]]:
     """The units of one file (reads its index or footer, cached by sources.py)."""
+    from pipeline.preprocess.sources import line_index, parquet_group_bytes, parquet_row_groups
+
     if f.kind == "jsonl":
         idx = line_index(f.path)
         return jsonl_units(idx.rows, idx.anchors, unit_rows)
@@ -113,3 +113,13 @@ def make_layout(name: str, files: Sequence[SourceFile],
 def layout(name: str, files: Sequence[SourceFile], unit_rows: int) -> SourceLayout:
     """The layout of a source's files, read from their indexes."""
     return make_layout(name, files, [file_read_units(f, unit_rows) for f in files])
+
+
+def rows_layout(name: str, rows: int, unit_rows: int = INDEX_STRIDE) -> SourceLayout:
+    """A source of `rows` rows held in memory (a lengths file, an array): one file named
+    `name`, units of `unit_rows` rows, as a JSONL file of those rows would have."""
+    from pipeline.preprocess.sources import SourceFile
+
+    units = [(r, min(unit_rows, rows - r), min(unit_rows, rows - r))
+             for r in range(0, rows, unit_rows)]
+    return make_layout(name, [SourceFile(name, name, "jsonl")], [units])
