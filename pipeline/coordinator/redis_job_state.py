@@ -11,7 +11,9 @@ out of step; the producer's fencing token is checked inside the same script.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import json
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,7 @@ from pipeline.jobstate.interface import (
     ComputeFitStatus,
     JobCounters,
     JobState,
+    MixRequest,
     PlannerCheckpoint,
     ProducerFailure,
     ProducerLease,
@@ -50,6 +53,7 @@ from pipeline.jobstate.interface import (
     RankCompute,
     RankHealth,
     RankLease,
+    SourceStatus,
 )
 from pipeline.jobstate.worlds import (
     Grant,
@@ -583,6 +587,34 @@ class RedisJobState(JobState):
         with unavailable_as_error(self._where):
             raw = self.client.get(self.keys.compute_fit)
         return None if raw is None else ComputeFitStatus.from_json(raw)
+
+    # ------------------------------------------------------------ mixtures
+    def request_mix(self, weights: Mapping[str, float]) -> MixRequest:
+        key = self.keys.mix
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hincrby(key, "seq", 1)
+            pipe.hset(key, mapping={"weights": json.dumps(dict(weights)),
+                                    "ms": int(time.time() * 1000)})
+            seq, _ = pipe.execute()
+        return MixRequest(int(seq), dict(weights), time.time())
+
+    def mix_request(self) -> MixRequest | None:
+        with unavailable_as_error(self._where):
+            got = self.client.hgetall(self.keys.mix)
+        if not got:
+            return None
+        return MixRequest(int(got[b"seq"]), json.loads(got[b"weights"]),
+                          int(got[b"ms"]) / 1000.0)
+
+    def set_source_status(self, status: SourceStatus) -> None:
+        with unavailable_as_error(self._where):
+            self.client.set(self.keys.sources, status.to_json())
+
+    def source_status(self) -> SourceStatus | None:
+        with unavailable_as_error(self._where):
+            raw = self.client.get(self.keys.sources)
+        return None if raw is None else SourceStatus.from_json(raw)
 
     def release_rank(self, rank: int, client_id: str) -> None:
         self._check_rank(rank, self._lease_ranks())

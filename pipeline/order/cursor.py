@@ -46,19 +46,23 @@ class OrderCursor:
 
     `weights`: the weights every epoch starts with (None: the configured mixture's counts);
     `changes`: the changes taken in the current epoch (its first positions keep the epoch's
-    start counts until the first change)."""
+    start counts until the first change); `published`: per source, what the epoch's published
+    steps hold of it and its records quarantined (samples, loss tokens, quarantined), for a
+    mixture's status."""
 
     position: int = 0
     changes: tuple[MixChange, ...] = ()
     weights: tuple[tuple[str, float], ...] | None = None
     mix_seq: int = 0
     schedule_next: int = 0
+    published: tuple[tuple[int, int, int], ...] = ()
 
     def at(self, position: int) -> OrderCursor:
         return replace(self, position=position)
 
     def next_epoch(self) -> OrderCursor:
-        """The cursor at the next epoch's start: the weights in force stay, changes reset."""
+        """The cursor at the next epoch's start: the weights in force stay, changes and
+        counts reset."""
         weights = self.changes[-1].weights if self.changes else self.weights
         return OrderCursor(0, (), weights, self.mix_seq, self.schedule_next)
 
@@ -77,12 +81,15 @@ class OrderCursor:
 
     def extras(self) -> bytes:
         """Everything but the position, as JSON (empty for a cursor that never changed)."""
-        if not (self.changes or self.weights is not None or self.mix_seq or self.schedule_next):
+        if not (self.changes or self.weights is not None or self.mix_seq or self.schedule_next
+                or self.published):
             return b""
         d: dict = {"c": [c.to_list() for c in self.changes], "m": self.mix_seq,
                    "s": self.schedule_next}
         if self.weights is not None:
             d["w"] = [list(w) for w in self.weights]
+        if self.published:
+            d["p"] = [list(p) for p in self.published]
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -93,4 +100,5 @@ class OrderCursor:
         weights = d.get("w")
         return cls(position, tuple(MixChange.from_list(c) for c in d["c"]),
                    None if weights is None else tuple((str(n), float(w)) for n, w in weights),
-                   int(d["m"]), int(d["s"]))
+                   int(d["m"]), int(d["s"]),
+                   tuple((int(a), int(b), int(c)) for a, b, c in d.get("p", ())))

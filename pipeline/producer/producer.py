@@ -40,8 +40,8 @@ from pipeline.jobstate.interface import (
 )
 from pipeline.order.cursor import OrderCursor
 from pipeline.planner.step_planner import PlannerState, StepPlanner
-from pipeline.planner.types import EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
-from pipeline.producer.adoption import adopt
+from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
+from pipeline.producer.adoption import adopt, returned_batches
 from pipeline.producer.compute_balancing import ComputeBalancer
 from pipeline.producer.failures import (
     Backoff,
@@ -52,6 +52,7 @@ from pipeline.producer.failures import (
     describe,
 )
 from pipeline.producer.feed import MeasuredFeed
+from pipeline.producer.mixing import Mixing
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ class Producer:
             state, cb, job.batching.collate,
             poll_seconds=self.settings.compute_poll_seconds) if cb.enabled else None
         self._planner: StepPlanner | None = None  # the one planning now (compute balancing)
+        # A mixture's changes at step boundaries and its per-source status (None: one source).
+        self._mixing = Mixing.for_job(job, state, feed)
+        self._voided: list[Batch] = []  # batches the adopted reconfigurations returned
 
     # --- lifecycle ---
     def stop(self) -> None:
@@ -294,6 +298,9 @@ class Producer:
         if planned_for != self._world_gen:
             self._adoption = adopt(planner, planned_for, worlds[:self._world_gen + 1],
                                    self.state, pool, self.job.epochs)
+            if self._mixing is not None:  # published before, planned again: counted once
+                self._voided = [b for w in worlds[planned_for:self._world_gen]
+                                for b in returned_batches(self.state, w)]
             log.info("job %s: plan moved onto world %d (%d ranks from step %d)",
                      self.job.job_id, self._world_gen, self._world, self._world_first,
                      extra={"job": self.job.job_id})
@@ -330,32 +337,69 @@ class Producer:
         epochs = self.job.epochs
         pending = _Pending()
         if self._adoption is not None:  # publish for the new world at once: it adopts it
+            if self._mixing is not None:
+                cursor = self._mixing.tally(cursor, self._voided, sign=-1)
             self._take(pending, self._adoption)
-            self._publish(pending, planner, first_epoch, cursor)
+            cursor = self._publish_counted(pending, planner, first_epoch, cursor)
         for epoch in range(first_epoch, epochs):
-            # The epoch's order from the cursor (its position: rows of the order fed).
-            for item in self.feed.iter_epoch(epoch, cursor):
-                if self._stop.is_set():
-                    return Outcome.STOPPED
-                cursor = cursor.at(cursor.position + 1)
-                if isinstance(item, QuarantineEntry):
-                    pending.quarantined.append(item)
-                    continue
-                pending.samples_in += 1
-                events = planner.feed(item)
-                if events and self._take(pending, events):
-                    self._publish(pending, planner, epoch, cursor)
-                    self._wait_for_room()
+            # The epoch's order from the cursor (its position: rows of the order fed), read
+            # again from the cursor after a mixture change.
+            while True:
+                cursor = self._mix(epoch, cursor, planner)
+                items = self.feed.iter_epoch(epoch, cursor)
+                changed = False
+                for item in items:
+                    if self._stop.is_set():
+                        return Outcome.STOPPED
+                    cursor = cursor.at(cursor.position + 1)
+                    if isinstance(item, QuarantineEntry):
+                        pending.quarantined.append(item)
+                        continue
+                    pending.samples_in += 1
+                    events = planner.feed(item)
+                    if events and self._take(pending, events):
+                        cursor = self._publish_counted(pending, planner, epoch, cursor)
+                        self._wait_for_room()
+                        mixed = self._mix(epoch, cursor, planner)
+                        if mixed is not cursor:
+                            cursor, changed = mixed, True
+                            break
+                items.close()  # (after a change: what it read ahead is let go)
+                if not changed:
+                    break
             last = epoch == epochs - 1
             # The last epoch closes the job: quota mode's remainder forms one aligned step.
             self._take(pending, planner.end_epoch(last_epoch=last))
-            cursor = cursor.next_epoch()
-            self._publish(pending, planner, epoch + 1, cursor, done=last)
+            cursor = self._publish_counted(pending, planner, epoch + 1, cursor, done=last,
+                                           ended=epoch)
         if planner.epoch < epochs:  # a reopened last epoch (its input all read): close it
             self._take(pending, planner.end_epoch(last_epoch=True))
         if not self.state.is_done():  # (an empty job, zero epochs to run, finishes too)
             self._publish(pending, planner, epochs, cursor.at(0), done=True)
         return Outcome.DONE
+
+    def _mix(self, epoch: int, cursor: OrderCursor, planner: StepPlanner) -> OrderCursor:
+        """The cursor with the mixture changes due now (the same cursor when none)."""
+        if self._mixing is None:
+            return cursor
+        return self._mixing.apply(epoch, cursor, planner.next_step)
+
+    def _publish_counted(self, pending: _Pending, planner: StepPlanner, epoch: int,
+                         cursor: OrderCursor, *, done: bool = False,
+                         ended: int | None = None) -> OrderCursor:
+        """Publish, a mixture's per-source counts in the checkpoint and its status after it;
+        `ended`: the epoch this publication closes (the checkpoint is the next one's start).
+        Returns the cursor the checkpoint holds."""
+        if self._mixing is not None:
+            cursor = self._mixing.tally(cursor, [b for s in pending.steps for b in s.batches],
+                                        pending.quarantined)
+        closing = cursor
+        if ended is not None:
+            cursor = cursor.next_epoch()
+        self._publish(pending, planner, epoch, cursor, done=done)
+        if self._mixing is not None:
+            self._mixing.report(epoch if ended is None else ended, closing)
+        return cursor
 
     def _take(self, pending: _Pending, events: list[PlanEvent]) -> bool:
         """Collect the planner's events; True when a step is among them (time to publish)."""

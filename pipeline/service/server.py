@@ -163,7 +163,7 @@ def start_service(
         if job.job_id in job_states:
             state = job_states[job.job_id]
         else:
-            state, job = make_job_state(config, job)  # noqa: PLW2901 (the job as served)
+            state, job = make_job_state(config, job)  # the job as served (registry.py)
         payloads, host = _job_parts(config, job, state, sample_sources.get(job.job_id),
                                     replica_id, settings, ray_ready)
         runtimes[job.job_id] = JobRuntime(job, state, payloads, host,
