@@ -137,16 +137,19 @@ class DataServicer(pb_grpc.DataServiceServicer):
 
     def _lookup(self, job_id: str, metadata: Iterable[tuple[str, str | bytes]] | None
                 ) -> JobRuntime:
-        """The job's runtime, once the call carries its token."""
+        """The job's runtime, once the call carries its token. The token is checked before
+        anything about the job is told (a refill job's mode included), as in Refill: an
+        unauthenticated caller learns nothing."""
         rt = self.runtimes.get(job_id)
-        if rt is None and self.refill is not None and job_id in self.refill.jobs:
-            raise WrongJobMode(f"job {job_id!r} has mode 'refill': its consumers use the Refill "
-                               "RPC (trainer_client.RefillStream), not Stream or Scale")
-        if rt is None:
+        refill = rt is None and self.refill is not None and job_id in self.refill.jobs
+        if rt is None and not refill:
             raise UnknownJob(f"unknown job {job_id!r}")
         problem = check_token(self.tokens.get(job_id), metadata, job_id)
         if problem is not None:
             raise Unauthenticated(problem)
+        if rt is None:
+            raise WrongJobMode(f"job {job_id!r} has mode 'refill': its consumers use the Refill "
+                               "RPC (trainer_client.RefillStream), not Stream or Scale")
         return rt
 
     # --- unary (plain functions in the server's thread pool) ---
