@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from stream_harness import StreamClient, StreamJob
+from support.waiting import wait_for
 
 from pipeline.coordinator import RedisJobState
 from pipeline.errors import (
@@ -28,6 +29,7 @@ from pipeline.errors import (
     ReplicaUnavailable,
 )
 from pipeline.redis_server import LocalRedis
+from pipeline.service.data_server import job_status
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 
@@ -208,6 +210,21 @@ def test_a_replica_that_cannot_reach_the_jobs_state_ends_its_streams_within_the_
     assert isinstance(exc, ReplicaUnavailable) and "could not reach the job's state" in str(exc)
     assert waited < 1.0 + 3.0  # the bound, plus slack for a loaded machine
     assert all(n <= granted for n in [first, *got])
+
+
+def test_a_status_read_never_reconfigures_a_job_under_shrink():
+    """GetJob's answer (`data_server.job_status`) while a rank has been gone past the timeout
+    under `shrink`: a read, with no side effect; the rank streams make the switch."""
+    job = StreamJob(world_size=2, samples=40, policy="shrink", rank_timeout_seconds=0.3)
+    try:
+        job.state.claim_rank(0, "c0", 60)
+        job.state.claim_rank(1, "c1", 0.2)  # never renewed: gone
+        wait_for(lambda: 1 in job.rt.dead_ranks(0.3), 10, "rank 1 gone past the timeout")
+        status = job_status(job.rt, "replica", job.streams.policy, open_=True)
+        assert len(job.state.worlds()) == 1 and job.state.head().world_size == 2
+        assert status.world_size == 2
+    finally:
+        job.close()
 
 
 DOMAIN = ["rank_stream.py", "rank_cursor.py", "liveness.py", "world_open.py", "scaling.py",
