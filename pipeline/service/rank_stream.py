@@ -21,14 +21,16 @@ Leases (Guarantees 4, 8). A rank's lease is renewed only on evidence from its cl
 Open, its Acks and its Heartbeats (which a client sends from its gRPC request thread while it
 has nothing else to say, so a trainer busy in a long step keeps its lease and a frozen one does
 not); a stream that is merely connected renews nothing. Each renewal is checked: a stream whose
-rank another client took ends (`RankHeld`). A rank that got its final END releases its lease,
-as does a stream the server ends; a client whose stream goes away before that (killed, network
-gone, or closed early: the server cannot tell them apart, and each leaves its peers waiting)
-does not: its lease lapses `lease_seconds` after its last sign of life, and the job's
-`rank_failure_policy` (`liveness.py`) decides what the other ranks' streams do. A restarted
-client of a rank whose previous stream vanished from *this* replica takes the rank over at once
-instead of waiting out the lease; a client that fails over to another replica keeps its client
-id, so it re-claims at once.
+rank another client took ends (`RankHeld`). A rank that got its final END releases its lease.
+A stream that ends before that keeps it, whether its client went away (killed, network gone,
+or closed early: the server cannot tell them apart, and each leaves its peers waiting) or the
+server ended it with an error (its trainer may exit on it): the lease lapses `lease_seconds`
+after the client's last sign of life, and the job's `rank_failure_policy` (`liveness.py`)
+decides what the other ranks' streams do (a released rank would never be judged gone). A
+restarted client of a rank whose previous stream ended on *this* replica takes the rank over at
+once instead of waiting out the lease, unless the rank was claimed again since (on any replica:
+that holder is alive, and the new client gets `RankHeld`); a client that fails over to another
+replica keeps its client id, so it re-claims at once.
 
 Acks: a client acknowledges only steps it was sent (`AckNotDelivered` otherwise: the state's
 cursor never skips a step the rank did not get), with at most `MAX_CREDITS` credits at a time.
@@ -119,6 +121,7 @@ class StreamSession:
     client_id: str
     credits: CreditWindow
     cursor: RankCursor
+    claim: int = 0  # the number of this stream's claim of the rank (`RankLease.claim`)
     cancelled: bool = False
     client_closed: bool = False  # the client half-closed its side (after its final ack)
     error: OdbError | None = None  # set by the ack reader: the stream ends with it
@@ -171,8 +174,9 @@ class RankStreams:
         self.settings = settings
         self.policy = policy
         self.executor = executor
-        # (job, rank) -> client id of a stream that vanished from this replica (not released).
-        self._vanished: dict[tuple[str, int], str] = {}
+        # (job, rank) -> (client id, claim) of a stream that ended on this replica before its
+        # final END (its lease not released).
+        self._vanished: dict[tuple[str, int], tuple[str, int]] = {}
         self._vanished_lock = threading.Lock()
         self._ios: dict[str, JobIO] = {}
 
@@ -186,26 +190,28 @@ class RankStreams:
                 payload_timeout=st.payload_timeout_seconds)
         return jio
 
-    def claim(self, rt: JobRuntime, rank: int, client_id: str) -> None:
-        """Claim the rank (`RankHeld` while another live client holds it); if its holder is a
-        stream that vanished from this replica, take over at once (release the dead holder's
-        lease first) rather than wait out the lease."""
+    def claim(self, rt: JobRuntime, rank: int, client_id: str) -> int:
+        """Claim the rank (`RankHeld` while another live client holds it); returns the claim's
+        number. If its holder is a stream that ended on this replica and no claim of the rank
+        came since (the holder did not claim it again elsewhere: it is dead), take over at once
+        (release that lease first) rather than wait out the lease."""
         key = (rt.job.job_id, rank)
         with self._vanished_lock:
             old = self._vanished.pop(key, None)
-        if old is not None and old != client_id:
-            try:
-                rt.state.release_rank(rank, old)  # a no-op unless `old` still holds it
+        if old is not None and old[0] != client_id:
+            try:  # a no-op unless that client still holds it by that very claim
+                rt.state.release_rank(rank, *old)
             except Exception:
-                log.debug("release of vanished client %s failed", old, exc_info=True)
+                log.debug("release of vanished client %s failed", old[0], exc_info=True)
         try:
-            rt.state.claim_rank(rank, client_id, self.settings.lease_seconds)
+            return rt.state.claim_rank(rank, client_id, self.settings.lease_seconds).claim
         except RankHeld as exc:
             raise RankHeld(f"{exc}; retry after the lease lapses") from None
 
-    def vanished(self, rt: JobRuntime, rank: int, client_id: str) -> None:
+    def vanished(self, rt: JobRuntime, rank: int, client_id: str, claim: int) -> None:
+        """`client_id`'s stream of `rank` (its claim `claim`) ended here without releasing."""
         with self._vanished_lock:
-            self._vanished[(rt.job.job_id, rank)] = client_id
+            self._vanished[(rt.job.job_id, rank)] = (client_id, claim)
 
     async def serve(self, rt: JobRuntime, op: pb.Open, client_id: str,
                     requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
@@ -218,9 +224,10 @@ class RankStreams:
         grace = self.settings.resume_grace_s  # (a position past the plan waits this long)
         start = await jio.run(functools.partial(resolve, resume_grace_s=grace), op, rt,
                               waits_s=grace)
+        claim = 0
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
-            await jio.run(self.claim, rt, op.rank, client_id)
-        stream = RankStream(self, jio, op, client_id, start, credits)
+            claim = await jio.run(self.claim, rt, op.rank, client_id)
+        stream = RankStream(self, jio, op, client_id, start, credits, claim)
         await stream.run(requests, write)
 
 
@@ -228,7 +235,7 @@ class RankStream:
     """One stream: its session, the send loop and the ack reader."""
 
     def __init__(self, streams: RankStreams, jio: JobIO, op: pb.Open, client_id: str,
-                 start: StreamStart, credits: CreditWindow) -> None:
+                 start: StreamStart, credits: CreditWindow, claim: int) -> None:
         self.streams = streams
         self.settings = streams.settings
         self.jio = jio
@@ -237,8 +244,9 @@ class RankStream:
         cursor = RankCursor(op.rank, self.rt.job.epochs, pos=start.pos, epoch=start.epoch,
                             last_sent=start.pos - 1, world=start.world, limit=start.limit,
                             next_world_size=start.next_world_size)
-        self.s = StreamSession(op.rank, client_id, credits, cursor, leased=start.has_work,
-                               granted=start.pos - 1, window=credits.steps)
+        self.s = StreamSession(op.rank, client_id, credits, cursor, claim,
+                               leased=start.has_work, granted=start.pos - 1,
+                               window=credits.steps)
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, start.pos, start.epoch, start.world,
                  start.world_size, extra={"job": op.job_id, "rank": op.rank,
@@ -287,17 +295,17 @@ class RankStream:
 
     async def _finish(self) -> None:
         s, rt = self.s, self.rt
-        # A client whose stream went away before its final END keeps its lease until it
-        # lapses: that is how the other ranks learn a peer is gone (Guarantee 4).
-        # (A client that half-closed early on purpose leaves them waiting just the same.)
-        vanished = ((s.cancelled or s.client_closed)
-                    and not (s.cursor.job_done or s.left) and s.leased)
-        if vanished:
-            self.streams.vanished(rt, s.rank, s.client_id)
-            log.info("job %s rank %d: client %s vanished; its lease lapses in <= %.1fs",
-                     self.job_id, s.rank, s.client_id, self.settings.lease_seconds,
-                     extra=self._log_extra())
-        elif s.leased and not s.unreachable:  # (else the lease lapses: the client is elsewhere)
+        # A stream that ends before its final END (its client went away, or the server ended
+        # it with an error its trainer may exit on) keeps its lease until it lapses: that is
+        # how the other ranks learn a peer is gone (Guarantee 4). (A client that half-closed
+        # early on purpose leaves them waiting just the same.)
+        if s.leased and not s.cursor.job_done:
+            self.streams.vanished(rt, s.rank, s.client_id, s.claim)
+            log.info("job %s rank %d: client %s %s; its lease lapses in <= %.1fs",
+                     self.job_id, s.rank, s.client_id,
+                     "vanished" if s.cancelled or s.client_closed else "was ended",
+                     self.settings.lease_seconds, extra=self._log_extra())
+        elif s.leased and not s.unreachable:  # (else it lapses: the client is elsewhere)
             try:
                 await self.jio.run(rt.state.release_rank, s.rank, s.client_id)
             except Exception:

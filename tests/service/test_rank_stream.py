@@ -26,6 +26,7 @@ from pipeline.errors import (
     BadRequest,
     PositionUnavailable,
     RankHeld,
+    RankTimedOut,
     ReplicaUnavailable,
 )
 from pipeline.redis_server import LocalRedis
@@ -161,6 +162,54 @@ def test_a_stream_whose_rank_another_client_took_ends_at_its_next_heartbeat(long
     assert job.state.rank_health()[0].client_id == "the-new-client"
 
 
+def test_a_vanished_clients_rank_is_taken_over_at_once_on_its_replica(long_job):
+    """A trainer killed and restarted (a new client id) on the replica its stream vanished from
+    takes its rank over at once, without waiting out the lease."""
+    job = long_job
+
+    async def main():
+        old = StreamClient(job, 0, credits=1, client_id="old")
+        await old.next()
+        await old.vanish()
+        new = StreamClient(job, 0, credits=1, client_id="new")
+        return (await new.next()).WhichOneof("kind")
+
+    assert job.run(main()) == "batch"
+    assert job.state.rank_health()[0].client_id == "new"
+
+
+def test_a_vanished_client_that_reclaimed_its_rank_on_another_replica_keeps_it():
+    """Client A's stream vanishes from replica 1 and A re-claims its rank on replica 2 (failover
+    keeps the client id). A's lease is live: client B opening the rank on replica 1 is refused
+    (`RankHeld`), and A's stream goes on: two clients never hold one rank (#40 item 3)."""
+    job = StreamJob(world_size=2, samples=400, lease_seconds=30)
+    replica2 = job.replica()
+
+    async def main():
+        a1 = StreamClient(job, 0, credits=1, client_id="A")
+        await a1.next()
+        await a1.vanish()  # on replica 1: it may be dead, for all replica 1 knows
+        a2 = StreamClient(job, 0, credits=1, client_id="A", streams=replica2)
+        first = (await a2.next()).batch.step
+        b = StreamClient(job, 0, credits=1, client_id="B")
+        try:
+            got = (await b.next()).WhichOneof("kind")  # a batch: B would hold A's rank too
+        except RankHeld as exc:
+            got = exc
+        a2.ack(first)
+        second = (await a2.next()).batch.step
+        a2.close()
+        return got, first, second
+
+    try:
+        got, first, second = job.run(main())
+    finally:
+        job.close()
+    assert isinstance(got, RankHeld) and "'A'" in str(got), got
+    assert second > first
+    assert job.state.rank_health()[0].client_id == "A"
+
+
 @pytest.mark.parametrize(("open_kw", "ack", "text"), [
     ({"credits": 70_000}, None, "credits must be in [0, 65536]"),
     ({"client_id": "x" * 257}, None, "client_id must be at most 256 characters"),
@@ -210,6 +259,33 @@ def test_a_replica_that_cannot_reach_the_jobs_state_ends_its_streams_within_the_
     assert isinstance(exc, ReplicaUnavailable) and "could not reach the job's state" in str(exc)
     assert waited < 1.0 + 3.0  # the bound, plus slack for a loaded machine
     assert all(n <= granted for n in [first, *got])
+
+
+def test_a_rank_whose_stream_the_server_ended_is_judged_dead_once_its_trainer_is_gone():
+    """A stream the server ends with an error the client does not retry (here a bad Ack:
+    INVALID_ARGUMENT) leaves its trainer to exit. The rank is then gone like any dead rank: its
+    lease lapses and, under `fail`, the other ranks' streams end `RankTimedOut` naming it
+    (Guarantee 4; a released lease was neither lapsed nor never claimed: they waited forever)."""
+    job = StreamJob(world_size=2, samples=400, lease_seconds=0.5, rank_timeout_seconds=0.5)
+
+    async def main():
+        bad, other = StreamClient(job, 0, credits=1), StreamClient(job, 1, credits=1)
+        await bad.next()
+        await other.next()
+        bad.send(pb.ClientMessage(ack=pb.Ack(consumed_step=-1, credits=70_000)))
+        ended = await bad.outcome()  # ... and its trainer exits: nothing more from rank 0
+        t0 = time.monotonic()
+        got = [m async for m in other.messages_until_end()]  # rank 1 takes no more batches
+        return ended, await other.outcome(timeout=30), time.monotonic() - t0, got
+
+    try:
+        ended, exc, waited, got = job.run(main())
+    finally:
+        job.close()
+    assert isinstance(ended, BadRequest)
+    assert isinstance(exc, RankTimedOut) and "rank 0 has been gone" in str(exc), exc
+    assert waited < 0.5 + 0.5 + 5.0  # lease + rank timeout, plus slack for a loaded machine
+    assert got == []  # it held its one credit's batch: the stream only waited
 
 
 def test_a_status_read_never_reconfigures_a_job_under_shrink():
