@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -91,7 +90,7 @@ from pipeline.service.rank_cursor import (
     Send,
 )
 from pipeline.service.stream_io import JobIO
-from pipeline.service.world_open import MAX_CREDITS, StreamStart, resolve
+from pipeline.service.world_open import MAX_CREDITS, StreamStart, beyond_the_plan, resolve
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 MAX_COMPUTE_REPORTS = 64  # per Ack (a client sends one per batch taken since its last Ack)
@@ -108,7 +107,7 @@ class StreamSettings:
 
     lease_seconds: float = 10.0  # a lease lasts this long after the client's sign of life
     prefetch_steps: int = 4  # the most credits a client gets (its Open may ask for fewer)
-    resume_grace_s: float = 2.0  # a resume position past the plan waits this long for it
+    resume_grace_s: float = 60.0  # a position past the plan: how long the plan may not grow
     state_timeout_seconds: float = 5.0  # the longest wait for the job's state: UNAVAILABLE
     payload_timeout_seconds: float = 10.0  # the longest wait for a batch's payloads
 
@@ -131,6 +130,10 @@ class StreamSession:
     left: bool = False  # got END(reconfigure): its world ended, it left
     unreachable: bool = False  # ended because the job's state or payloads could not be reached
     renewed_at: float = field(default_factory=time.monotonic)  # the lease's last renewal
+    # An Open's position past the published plan, until the plan reaches it; the plan's last
+    # step when the stream last saw it grow, and when.
+    awaited: int | None = None
+    awaited_plan: tuple[int, float] = (-1, 0.0)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def poke(self) -> None:
@@ -221,9 +224,7 @@ class RankStreams:
         prefetch = self.settings.prefetch_steps
         credits = CreditWindow.opened(max(1, min(op.credits or prefetch, prefetch)),
                                       op.prefetch_bytes, op.held_bytes)
-        grace = self.settings.resume_grace_s  # (a position past the plan waits this long)
-        start = await jio.run(functools.partial(resolve, resume_grace_s=grace), op, rt,
-                              waits_s=grace)
+        start = await jio.run(resolve, op, rt)
         claim = 0
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
             claim = await jio.run(self.claim, rt, op.rank, client_id)
@@ -246,7 +247,8 @@ class RankStream:
                             next_world_size=start.next_world_size)
         self.s = StreamSession(op.rank, client_id, credits, cursor, claim,
                                leased=start.has_work, granted=start.pos - 1,
-                               window=credits.steps)
+                               window=credits.steps,
+                               awaited=start.pos if start.beyond_plan else None)
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, start.pos, start.epoch, start.world,
                  start.world_size, extra={"job": op.job_id, "rank": op.rank,
@@ -466,6 +468,8 @@ class RankStream:
                 raise ReplicaUnavailable("server is shutting down; reconnect")
             await self._check_abort()
             action = await jio.next_action(s.cursor)
+            if s.awaited is not None:
+                await self._await_position(action)
             if isinstance(action, Finished):
                 return
             if isinstance(action, Boundary):  # the world ended: learn this rank's last step
@@ -502,6 +506,30 @@ class RankStream:
                     yield msg
                 continue
             await jio.tick()  # Wait: nothing published for this rank yet
+
+    async def _await_position(self, action: object) -> None:
+        """The stream opened at a position past the published plan (the job's state lost
+        publications the client had received; the producer publishes them again after its
+        backoff and a replay from its checkpoint): it waits for the plan to get there as long
+        as the plan grows. OUT_OF_RANGE (`PositionUnavailable`) once the epoch's END is
+        published before the position, or `resume_grace_s` went by with nothing new
+        published."""
+        s = self.s
+        through = (await self.jio.head()).published_through
+        if s.awaited <= through + 1:
+            s.awaited = None  # the plan got there: an ordinary stream from now on
+            return
+        if isinstance(action, End) and action.end.last_step + 1 < s.awaited:
+            raise beyond_the_plan(self.job_id, s.awaited, through,
+                                  f" and epoch {action.end.epoch} ended at step "
+                                  f"{action.end.last_step}")
+        now = time.monotonic()
+        if through > s.awaited_plan[0]:
+            s.awaited_plan = (through, now)
+        elif now - s.awaited_plan[1] > self.settings.resume_grace_s:
+            raise beyond_the_plan(self.job_id, s.awaited, through,
+                                  f" and nothing new was published for "
+                                  f"{self.settings.resume_grace_s:g}s")
 
     async def _await_credit(self, nbytes: int) -> bool:
         """Until the client's credits let a batch of `nbytes` go (0: until a step credit is

@@ -38,7 +38,7 @@ class StreamJob:
                  lease_seconds: float = 5.0, policy: str = "fail",
                  rank_timeout_seconds: float = 60.0, prefetch: int = 2,
                  state: JobState | None = None, state_timeout_seconds: float = 5.0,
-                 **job: Any) -> None:
+                 resume_grace_s: float = 0.2, **job: Any) -> None:
         cfg = service_config(job_dict(job_id, world_size, **job))
         self.job = cfg.jobs[0]
         self.samples = synthetic_samples(samples, max_len=200)
@@ -49,7 +49,7 @@ class StreamJob:
         self.rt = JobRuntime(self.job, self.state, ArrayPayloads(array), host).start()
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="test-io")
         self.settings = StreamSettings(lease_seconds=lease_seconds, prefetch_steps=prefetch,
-                                       resume_grace_s=0.2,
+                                       resume_grace_s=resume_grace_s,
                                        state_timeout_seconds=state_timeout_seconds)
         self.streams = RankStreams(self.settings,
                                    policy_named(policy, rank_timeout_seconds), self.executor)

@@ -92,6 +92,72 @@ def test_a_refused_open_raises_a_domain_error(job, open_kw, error, text):
     assert isinstance(exc, error) and text in str(exc)
 
 
+def _held_plan(job: StreamJob) -> int:
+    """The producer planned as far as its back-pressure lets it with no rank acking: the
+    published plan's last step, steady."""
+    last = [-2]
+
+    def steady() -> bool:
+        seen, last[0] = last[0], job.state.published_through()
+        return seen == last[0] >= 0
+
+    wait_for(steady, 30, "the producer held by back-pressure", interval=0.3)
+    return last[0]
+
+
+def test_an_open_past_the_plan_waits_while_the_producer_publishes_towards_it():
+    """A client resumes at a step the plan does not hold (Redis lost publications it had
+    received: the producer publishes them again, after its backoff and a replay). Its stream
+    opens and waits for the step while the plan grows, however long that takes beyond
+    `resume_grace_s` (#40 item 5: the Open waited `resume_grace_s` in all and answered
+    OUT_OF_RANGE, which the client does not retry)."""
+    job = StreamJob(world_size=2, samples=2000, resume_grace_s=1.0,
+                    batching={"pool_steps": 1})  # a step per ack (no pool of steps)
+
+    async def main():
+        through = _held_plan(job)
+        target = through + 6
+        c = StreamClient(job, 0, credits=1, resume_step=target, resume_epoch=0)
+        t0 = time.monotonic()
+        grew = []
+        for n in range(0, through + 7):  # the plan grows a step per 0.4 s: 2.4 s to reach it
+            if c.task.done() or job.state.published_through() >= target:
+                break
+            for r in range(2):
+                job.state.ack(r, n)  # (room for the producer's back-pressure: one more step)
+            await asyncio.sleep(0.4)
+            grew.append(job.state.published_through())
+        msg = await c.next()
+        c.close()
+        return target, msg, time.monotonic() - t0, grew
+
+    try:
+        target, msg, waited, grew = job.run(main())
+    finally:
+        job.close()
+    assert msg.batch.step == target and waited > 1.0 + 0.4, (waited, grew)
+
+
+def test_an_open_past_the_plan_ends_out_of_range_when_the_plan_stops_growing():
+    """... and the wait is bounded: `resume_grace_s` with nothing new published (the position
+    was never delivered, or the producer cannot get there) ends it OUT_OF_RANGE."""
+    job = StreamJob(world_size=2, samples=2000, resume_grace_s=1.0,
+                    batching={"pool_steps": 1})
+
+    async def main():
+        through = _held_plan(job)
+        c = StreamClient(job, 0, credits=1, resume_step=through + 6, resume_epoch=0)
+        t0 = time.monotonic()
+        return await c.outcome(timeout=30), time.monotonic() - t0
+
+    try:
+        exc, waited = job.run(main())
+    finally:
+        job.close()
+    assert isinstance(exc, PositionUnavailable) and "beyond the plan" in str(exc), exc
+    assert 1.0 <= waited < 1.0 + 5.0
+
+
 @pytest.fixture
 def long_job():
     j = StreamJob(world_size=2, samples=400, lease_seconds=0.6)  # many credits' worth of steps
