@@ -78,9 +78,10 @@ def test_random_capacities_never_receive_more_than_offered(served):
                 got = s.refill(free, finished)
                 if sum(r.cost for r in got) > free:
                     problems.append(f"{sum(r.cost for r in got)} > {free}")
-                for r in got:
-                    assert r.cost == r.prompt_tokens + r.generation_tokens == len(r.input_ids) \
-                        + r.generation_tokens
+                problems.extend(f"{r.id}: cost {r.cost}, {r.prompt_tokens} prompt tokens "
+                                f"({len(r.input_ids)} ids) + {r.generation_tokens}" for r in got
+                                if not r.cost == r.prompt_tokens + r.generation_tokens
+                                == len(r.input_ids) + r.generation_tokens)
                 with lock:
                     seen.extend(s.completed)
                 held.update({r.id: r.cost for r in got})
@@ -93,7 +94,7 @@ def test_random_capacities_never_receive_more_than_offered(served):
     for t in threads:
         t.join(90)
     assert not any(t.is_alive() for t in threads)
-    assert not problems
+    assert problems == []  # (checked here: an assert in a consumer's thread would only warn)
     assert len(seen) == len(set(seen)) == len(good_ids(state)) > 0
     assert {rid for rid in seen if rid.endswith("@1")} == {f"{rid}@1" for rid in seen
                                                             if "@" not in rid}  # each epoch
