@@ -75,7 +75,7 @@ def _config_string(value: str) -> str:
     return f'"{escaped}"'
 
 
-def write_private(path: Path, text: str) -> None:
+def _write_private(path: Path, text: str) -> None:
     """`text` in `path`, readable by its owner only (also when the file was there before)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -123,7 +123,7 @@ class LocalRedis:
         args = [find_redis_binary()]
         if self.password:  # a config file first: the password stays off the command line
             conf = self.data_dir / SECRET_CONFIG
-            write_private(conf, f"requirepass {_config_string(self.password)}\n")
+            _write_private(conf, f"requirepass {_config_string(self.password)}\n")
             args.append(str(conf))
         args += [
             "--port", str(self.port),
