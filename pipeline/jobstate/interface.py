@@ -89,6 +89,7 @@ class ComputeFitStatus:
     warmup: int = 0
     stale: int = 0  # reports of an ended world, ignored
     drifts: int = 0
+    fit_failures: int = 0  # fits the arithmetic could not carry (the model in force stayed)
     imbalance: tuple[tuple[int, float], ...] = ()
     # The newest fully reported step: each rank's measured seconds and those predicted by the
     # model the step was balanced by (none for a step balanced by tokens).
