@@ -129,11 +129,14 @@ class RankHealth:
 @dataclass(frozen=True)
 class ProducerLease:
     """Who may publish the job's plan. `generation` is the fencing token: it grows by one at
-    every change of holder, and a publish with an older generation is refused (`Fenced`)."""
+    every change of holder, and a publish with an older generation is refused (`Fenced`).
+    `live`: not expired when read, judged on the state's clock (as every lease is: a reader's
+    own clock may run ahead or behind)."""
 
     generation: int
     holder: str
     expires_at: float  # unix seconds (the state's clock)
+    live: bool
 
 
 @dataclass(frozen=True)

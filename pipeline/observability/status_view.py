@@ -185,7 +185,7 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
         collate=job.batching.collate if job else None,
         token_budget=job.batching.token_budget if job else None,
         producer=None if lease is None else ProducerStatus(lease.generation, lease.holder,
-                                                           lease.expires_at > now),
+                                                           lease.live),
         producer_trouble=None if failure is None or failure.permanent else ProducerTrouble(
             failure.message, failure.cause, failure.attempts, failure.since),
         uptime_s=uptime, ranks=tuple(ranks), lapsed_ranks=tuple(sorted(lapsed)),
