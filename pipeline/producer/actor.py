@@ -90,8 +90,7 @@ class ProducerActor:
     def info(self) -> dict[str, Any]:
         p = self.producer
         return {"job_id": self.job_id, "pid": os.getpid(), "node": self.process.node,
-                "generation": p.generation,
-                "holder": p.holder,
+                "generation": p.generation, "holder": p.holder,
                 "outcome": p.outcome.value if p.outcome else None, "held": self.feed.held()}
 
     def stop(self) -> None:
