@@ -199,6 +199,7 @@ def test_no_report_breaks_the_fit(junk, seed):
 @given(st.lists(st.tuples(st.one_of(st.floats(1e-7, 10.0), any_float),
                           st.lists(st.one_of(st.floats(0, 1e6), any_float), min_size=7,
                                    max_size=7)), min_size=1, max_size=80))
+@example([(0.1, [1.0, 100.0, 100.0, 1e4, 0.0, 0.0, 1.0])] * 9 + [(5e-324, [1.0] * 7)])
 def test_any_float_reports_never_raise(rows):
     """Reports of arbitrary seconds and features (finite or not): nothing raises, every model
     is usable; a fit the arithmetic cannot carry is counted and leaves the model as it was."""
