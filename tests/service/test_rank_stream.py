@@ -93,16 +93,12 @@ def test_a_refused_open_raises_a_domain_error(job, open_kw, error, text):
 
 
 def _held_plan(job: StreamJob) -> int:
-    """The producer planned as far as its back-pressure lets it with no rank acking: the
-    published plan's last step, steady."""
-    last = [-2]
-
-    def steady() -> bool:
-        seen, last[0] = last[0], job.state.published_through()
-        return seen == last[0] >= 0
-
-    wait_for(steady, 30, "the producer held by back-pressure", interval=0.3)
-    return last[0]
+    """The producer planned as far as its back-pressure lets it with no rank acking (each rank
+    has a batch in every step: `max_ahead` + 1 steps); the published plan's last step."""
+    held = job.rt.host.settings.max_ahead
+    wait_for(lambda: job.state.published_through() >= held, 30, "the producer held")
+    assert job.state.published_through() == held
+    return held
 
 
 def test_an_open_past_the_plan_waits_while_the_producer_publishes_towards_it():
