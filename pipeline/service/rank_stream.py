@@ -245,7 +245,7 @@ class RankStream:
         cursor = RankCursor(op.rank, self.rt.job.epochs, pos=start.pos, epoch=start.epoch,
                             last_sent=start.pos - 1, world=start.world, limit=start.limit,
                             next_world_size=start.next_world_size)
-        self.s = StreamSession(op.rank, client_id, credits, cursor, claim,
+        self.s = StreamSession(op.rank, client_id, credits, cursor, claim=claim,
                                leased=start.has_work, granted=start.pos - 1,
                                window=credits.steps,
                                awaited=start.pos if start.beyond_plan else None)
