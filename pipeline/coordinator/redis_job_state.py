@@ -507,14 +507,14 @@ class RedisJobState(JobState):
 
     def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int) -> list:
         # The script checks the rank (current world for cursors, + draining ranks for leases).
-        return self._run(scripts.ack, self._ack_keys(),
+        return self._run(scripts.ack, [*self._ack_keys(), self.keys.lease_claim],
                          [self.keys.base, rank, client_id, _ms(lease_seconds), step], rank=rank)
 
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
         if not client_id:
             raise ValueError("client_id must be non-empty")
-        exp, _ = self._ack(rank, client_id, lease_seconds, -1)
-        return RankLease(rank, client_id, exp / 1000.0)
+        exp, _, claim = self._ack(rank, client_id, lease_seconds, -1)
+        return RankLease(rank, client_id, exp / 1000.0, int(claim))
 
     def ack(self, rank: int, step: int) -> None:
         if step < 0:
@@ -580,9 +580,10 @@ class RedisJobState(JobState):
             raw = self.client.get(self.keys.compute_fit)
         return None if raw is None else ComputeFitStatus.from_json(raw)
 
-    def release_rank(self, rank: int, client_id: str) -> None:
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
         self._check_rank(rank, self._lease_ranks())
-        self._run(scripts.release, [self.keys.lease, self.keys.lease_exp], [rank, client_id])
+        self._run(scripts.release, [self.keys.lease, self.keys.lease_exp, self.keys.lease_claim],
+                  [rank, client_id, "" if claim is None else claim])
 
     def acked(self, rank: int) -> int:
         with unavailable_as_error(self._where):
@@ -617,10 +618,12 @@ class RedisJobState(JobState):
             pipe = self.client.pipeline(transaction=True)
             pipe.hget(self.keys.lease, rank)
             pipe.zscore(self.keys.lease_exp, rank)
-            raw, exp = pipe.execute()
+            pipe.hget(self.keys.lease_claim, rank)
+            raw, exp, claim = pipe.execute()
         if raw is None or exp is None:
             return None
-        return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0)
+        return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0,
+                         int(claim or 0))
 
     # ------------------------------------------------------------- failures
     def _lapsed(self, older_than_seconds: float, absent: bool = False

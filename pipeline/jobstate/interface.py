@@ -37,6 +37,7 @@ class RankLease:
     rank: int
     client_id: str
     expires_at: float  # unix seconds (the state's clock)
+    claim: int = 0  # which claim of the rank (an Open) this is: they are counted per rank
 
 
 @dataclass(frozen=True)
@@ -335,11 +336,14 @@ class JobState(ABC):
     # for a lease below the larger of the two world sizes.
     @abstractmethod
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
-        """Take or renew the rank's lease; `RankHeld` if another client's lease is live."""
+        """Take or renew the rank's lease (a stream's Open); `RankHeld` if another client's
+        lease is live. Each claim of the rank gets the next number (`RankLease.claim`)."""
 
     @abstractmethod
-    def release_rank(self, rank: int, client_id: str) -> None:
-        """Only the holder can release; releasing is not a lapse."""
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
+        """Only the holder can release; releasing is not a lapse. With `claim`, only while
+        that is still the rank's latest claim: a holder whose stream vanished from one replica
+        and that claimed the rank again (on any replica) is alive, and keeps its lease."""
 
     def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
         """Renew (or retake after a lapse); True if `client_id` holds the lease now, False if

@@ -77,6 +77,7 @@ class MemoryJobState(JobState):
         self._error: ProducerFailure | None = None  # permanent
         self._trouble: ProducerFailure | None = None  # transient (cleared by a publication)
         self._leases: dict[int, RankLease] = {}
+        self._claims: dict[int, int] = {}  # rank -> its claims so far (the latest's number)
         self._heartbeats: dict[int, float] = {}
         self._lapsed: set[int] = set()
         self._claimed: set[int] = set()  # ranks that ever held a lease
@@ -316,7 +317,9 @@ class MemoryJobState(JobState):
         now = self._clock()
         with self._lock:
             self._check_holder(rank, client_id, now)
-            return self._take(rank, client_id, lease_seconds, now)
+            lease = self._take(rank, client_id, lease_seconds, now)
+            self._claims[rank] = claim = self._claims.get(rank, 0) + 1
+            return replace(lease, claim=claim)
 
     def _check_holder(self, rank: int, client_id: str, now: float) -> None:
         cur = self._leases.get(rank)
@@ -324,11 +327,12 @@ class MemoryJobState(JobState):
             raise RankHeld(f"job {self.job_id!r}: rank {rank} is held by client "
                            f"{cur.client_id!r} for {cur.expires_at - now:.1f}s more")
 
-    def release_rank(self, rank: int, client_id: str) -> None:
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
         self._check_lease_rank(rank)
         with self._lock:
             cur = self._leases.get(rank)
-            if cur is not None and cur.client_id == client_id:
+            if (cur is not None and cur.client_id == client_id
+                    and claim in (None, self._claims.get(rank))):
                 del self._leases[rank]
                 self._heartbeats.pop(rank, None)
 
