@@ -17,7 +17,7 @@ import pytest
 from pipeline.config import TrainingJobConfig
 from pipeline.jobstate import MemoryJobState
 from pipeline.order.cursor import OrderCursor
-from pipeline.planner.types import MeasuredSample, Step
+from pipeline.planner.types import Step
 from pipeline.preprocess.process import split_sample_id
 from pipeline.producer.local_feed import LocalFeed
 from pipeline.producer.producer import Outcome, Producer, ProducerSettings
