@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeline.order.interleave import merge_order, prefix_counts
-from pipeline.order.permute import permutation
+from pipeline.order.permute import permutation, random_keys, stream_key
 
 if TYPE_CHECKING:
     from pipeline.order.read_units import SourceLayout
@@ -143,12 +143,43 @@ class OrderBlock:
                              for part in self.parts])
 
 
+def stratified_units(units: int, per_block: int, key: int) -> np.ndarray:
+    """A seeded order of `units` units in which every run of `per_block` (a block's share of
+    the source) holds one unit of each stratum, a stretch of consecutive units in file order: so
+    each block samples the whole source evenly, not a random handful of its regions.
+
+    The units form `per_block` strata of K or K - 1 consecutive units (K = ceil(units /
+    per_block); the short strata spread evenly), dealt to K blocks: each stratum's units in a
+    random order, so block j < K - 1 takes exactly one unit of every stratum, the last block the
+    rest; each block's units then come in a random order (a block cut short, at a pass's end,
+    takes a random subset of the strata). Read block by block: a permutation of range(units)."""
+    m = min(per_block, units)
+    k = -(-units // m)
+    short = m * k - units  # strata of k - 1 units
+    s = np.arange(m, dtype=np.int64)
+    is_short = (((s + 1) * short) // m) > ((s * short) // m)
+    sizes = np.where(is_short, k - 1, k)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    grid = starts[:, None] + np.arange(k, dtype=np.int64)[None, :]
+    pad = np.arange(k)[None, :] >= sizes[:, None]
+    keys = random_keys(key, m * k).reshape(m, k)
+    keys[pad] = np.iinfo(np.uint64).max  # a short stratum's missing unit: the last block's
+    grid[pad] = units
+    cols = np.take_along_axis(grid, np.argsort(keys, axis=1, kind="stable"), axis=1).T
+    order = np.argsort(random_keys(key ^ 0x5A5A5A5A5A5A5A5A, m * k).reshape(k, m),
+                       axis=1, kind="stable")
+    seq = np.take_along_axis(cols, order, axis=1).reshape(-1)
+    return seq[seq < units]
+
+
 class SourceStream:
-    """A source's samples of one epoch in stream order (before the blocks shuffle them)."""
+    """A source's samples of one epoch in stream order (before the blocks shuffle them).
+    `per_block`: about how many of its units one block takes (the strata of the unit order)."""
 
     def __init__(self, seed: int, epoch: int, layout: SourceLayout, count: int,
-                 shuffle: bool) -> None:
+                 shuffle: bool, per_block: int = 1) -> None:
         self.seed, self.epoch, self.layout, self.shuffle = seed, epoch, layout, shuffle
+        self.per_block = max(1, per_block)
         self.rows = layout.num_rows
         if self.rows <= 0:
             raise ValueError(f"source {layout.name!r} holds no rows")
@@ -164,15 +195,9 @@ class SourceStream:
         if not self.shuffle:
             order = np.arange(lay.num_units, dtype=np.int64)
         else:
-            key = ((self.seed, "rotation", lay.name) if kind == "rotation" else
-                   (self.seed, self.epoch, "pass", lay.name, k))
-            per_file = [lay.file_units(f)[permutation(int(lay.file_start[f + 1] -
-                                                            lay.file_start[f]), *key, f)]
-                        for f in range(len(lay.files))]
-            sources = merge_order([len(u) for u in per_file])
-            order = np.empty(lay.num_units, dtype=np.int64)
-            for f, units in enumerate(per_file):
-                order[sources == f] = units
+            key = (stream_key(self.seed, "rotation", lay.name) if kind == "rotation" else
+                   stream_key(self.seed, self.epoch, "pass", lay.name, k))
+            order = stratified_units(lay.num_units, self.per_block, key)
         cum = np.concatenate(([0], np.cumsum(lay.rows[order]))).astype(np.int64)
         return order, cum
 
@@ -244,8 +269,12 @@ class EpochOrder:
         self.seed, self.epoch, self.settings = int(seed), int(epoch), settings
         self.layouts = tuple(layouts)
         self.segments = tuple(segments)
-        self.streams = [SourceStream(seed, epoch, lay, n, settings.shuffle)
-                        for lay, n in zip(layouts, segments[0].counts, strict=True)]
+        first = segments[0]
+        size, total = self.block_size(first), max(1, sum(first.counts))
+        self.streams = [SourceStream(seed, epoch, lay, n, settings.shuffle,
+                                     round(size * n / total / (lay.num_rows / lay.num_units))
+                                     if lay.num_units else 1)
+                        for lay, n in zip(layouts, first.counts, strict=True)]
         self._starts = [_SegmentStart(tuple([0] * len(layouts)), tuple([None] * len(layouts)))]
         for k in range(1, len(segments)):
             self._starts.append(self._continue(k - 1, segments[k].start))

@@ -11,13 +11,13 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.order.epoch_order import EpochOrder, OrderSettings, Segment
+from pipeline.order.epoch_order import EpochOrder, OrderSettings, Segment, stratified_units
 from pipeline.order.interleave import merge_order, prefix_counts
 from pipeline.order.permute import permutation
 from pipeline.order.read_units import jsonl_units, make_layout, parquet_units
 from pipeline.preprocess.sources import SourceFile
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def layout(name: str, file_rows: list[int], unit: int = 64, parquet_groups: int = 0):
@@ -188,3 +188,22 @@ def test_units_and_permutations_are_fixed():
     anchors = np.array([0, 640, 1280, 1300])  # 130 lines, stride 64, then the size
     assert jsonl_units(130, anchors, 128) == [(0, 128, 1280), (128, 2, 20)]
     assert parquet_units([5, 0, 7], [50, 0, 70]) == [(0, 5, 50), (5, 7, 70)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 500), st.integers(1, 80), st.integers(0, 2**63))
+def test_each_block_of_a_stratified_order_takes_one_unit_of_every_stratum(units, per_block, key):
+    seq = stratified_units(units, per_block, key).tolist()
+    assert sorted(seq) == list(range(units))
+    m = min(per_block, units)
+    k = -(-units // m)
+    # The strata: m runs of consecutive units, k or k - 1 long.
+    stratum = np.searchsorted(np.cumsum([k - ((s + 1) * (m * k - units) // m
+                                              - s * (m * k - units) // m) for s in range(m)]),
+                              np.arange(units), side="right")
+    for j in range(k - 1):  # every block but the last: exactly one unit of each stratum
+        assert sorted(stratum[seq[j * m:(j + 1) * m]].tolist()) == list(range(m))
+
+
+def test_the_stratified_unit_order_is_fixed():
+    assert stratified_units(10, 3, 7).tolist() == [9, 5, 1, 4, 0, 7, 6, 3, 8, 2]
