@@ -87,14 +87,20 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Rows [first_row, first_row + num_rows) of one file, read for copy `copy`: part of one
-    read unit."""
+    """Rows [first_row, first_row + num_rows) of one file, read for copy `copy`: part of read
+    unit `unit`, which holds `unit_rows` rows from `unit_first` on and is read whole:
+    `unit_bytes` bytes from `unit_offset` (JSONL; Parquet: `unit_offset` is its row group;
+    -1: not known, read through the file's index)."""
 
     file: int
     first_row: int
     num_rows: int
     copy: int
     unit: int
+    unit_first: int = 0
+    unit_rows: int = 0
+    unit_offset: int = -1
+    unit_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,7 +217,9 @@ class SourceStream:
             u = int(order[i])
             lo = a - int(cum[i])
             n = min(b, int(cum[i + 1])) - a
-            out.append(Piece(int(lay.file[u]), int(lay.first[u]) + lo, n, copy, u))
+            out.append(Piece(int(lay.file[u]), int(lay.first[u]) + lo, n, copy, u,
+                             int(lay.first[u]), int(lay.rows[u]), int(lay.offset[u]),
+                             int(lay.nbytes[u])))
             a += n
             i += 1
         return out

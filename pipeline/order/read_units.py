@@ -32,7 +32,9 @@ class SourceLayout:
     """A named source: its files (sample ids name them) and their read units, in file order.
 
     Unit u is rows [first[u], first[u] + rows[u]) of file `file[u]` and reads `nbytes[u]`
-    raw bytes; the units of file f are [file_start[f], file_start[f + 1])."""
+    raw bytes from `offset[u]` (JSONL: the byte offset of its first row; Parquet: its row
+    group's index; -1: not known, read through the file's index); the units of file f are
+    [file_start[f], file_start[f + 1])."""
 
     name: str
     files: tuple[SourceFile, ...]
@@ -40,6 +42,7 @@ class SourceLayout:
     first: np.ndarray  # int64 [units]
     rows: np.ndarray  # int64 [units]
     nbytes: np.ndarray  # int64 [units]
+    offset: np.ndarray  # int64 [units]
     file_start: np.ndarray  # int64 [files + 1]
 
     @property
@@ -60,9 +63,10 @@ class SourceLayout:
         return np.arange(self.file_start[f], self.file_start[f + 1], dtype=np.int64)
 
 
-def jsonl_units(rows: int, anchors: np.ndarray, unit_rows: int) -> list[tuple[int, int, int]]:
-    """(first row, rows, bytes) of each unit of a JSONL file of `rows` lines whose line index
-    has `anchors` (the offset of every INDEX_STRIDE-th line, then the file size)."""
+def jsonl_units(rows: int, anchors: np.ndarray, unit_rows: int
+                ) -> list[tuple[int, int, int, int]]:
+    """(first row, rows, bytes, byte offset) of each unit of a JSONL file of `rows` lines whose
+    line index has `anchors` (the offset of every INDEX_STRIDE-th line, then the file size)."""
     if unit_rows <= 0 or unit_rows % INDEX_STRIDE:
         raise ValueError(f"unit_rows must be a positive multiple of {INDEX_STRIDE}, got "
                          f"{unit_rows}")
@@ -71,22 +75,22 @@ def jsonl_units(rows: int, anchors: np.ndarray, unit_rows: int) -> list[tuple[in
         e = min(rows, r + unit_rows)
         start = int(anchors[r // INDEX_STRIDE])
         stop = int(anchors[-1]) if e == rows else int(anchors[e // INDEX_STRIDE])
-        out.append((r, e - r, stop - start))
+        out.append((r, e - r, stop - start, start))
     return out
 
 
 def parquet_units(group_rows: Sequence[int], group_bytes: Sequence[int]
-                  ) -> list[tuple[int, int, int]]:
-    """(first row, rows, bytes) of each row group holding rows."""
+                  ) -> list[tuple[int, int, int, int]]:
+    """(first row, rows, bytes, row group) of each row group holding rows."""
     out, first = [], 0
-    for n, b in zip(group_rows, group_bytes, strict=True):
+    for g, (n, b) in enumerate(zip(group_rows, group_bytes, strict=True)):
         if n:
-            out.append((first, int(n), int(b)))
+            out.append((first, int(n), int(b), g))
         first += int(n)
     return out
 
 
-def file_read_units(f: SourceFile, unit_rows: int) -> list[tuple[int, int, int]]:
+def file_read_units(f: SourceFile, unit_rows: int) -> list[tuple[int, int, int, int]]:
     """The units of one file (reads its index or footer, cached by sources.py)."""
     from pipeline.preprocess.sources import line_index, parquet_group_bytes, parquet_row_groups
 
@@ -98,15 +102,16 @@ def file_read_units(f: SourceFile, unit_rows: int) -> list[tuple[int, int, int]]
 
 
 def make_layout(name: str, files: Sequence[SourceFile],
-                units: Sequence[Sequence[tuple[int, int, int]]]) -> SourceLayout:
-    """A layout from each file's units (first row, rows, bytes)."""
+                units: Sequence[Sequence[tuple[int, ...]]]) -> SourceLayout:
+    """A layout from each file's units: (first row, rows, bytes[, offset])."""
     counts = [len(u) for u in units]
-    flat = [u for per_file in units for u in per_file]
-    arr = np.array(flat, dtype=np.int64).reshape(-1, 3)
+    flat = [(*u, -1)[:4] for per_file in units for u in per_file]
+    arr = np.array(flat, dtype=np.int64).reshape(-1, 4)
     return SourceLayout(
         name=name, files=tuple(files),
         file=np.repeat(np.arange(len(files), dtype=np.int64), counts),
         first=arr[:, 0].copy(), rows=arr[:, 1].copy(), nbytes=arr[:, 2].copy(),
+        offset=arr[:, 3].copy(),
         file_start=np.concatenate(([0], np.cumsum(counts))).astype(np.int64))
 
 

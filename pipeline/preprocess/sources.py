@@ -67,8 +67,11 @@ def is_remote(path: str) -> bool:
     return _is_uri(path) and not path.startswith("file://")
 
 
+@functools.lru_cache(maxsize=256)
 def _remote_fs(path: str) -> tuple[Any, str]:
-    """The pyarrow filesystem of a remote URI and the path inside it."""
+    """The pyarrow filesystem of a remote URI and the path inside it (one filesystem per URI
+    and process: creating one starts a cloud SDK client, seconds on a busy machine, and a
+    shuffled epoch opens its files again for every block)."""
     import pyarrow.fs as pafs
 
     return pafs.FileSystem.from_uri(path)
@@ -85,7 +88,8 @@ def open_input(path: str) -> BinaryIO:
 def _kind(path: str, fmt: str) -> Kind:
     if fmt != "auto":
         return fmt  # type: ignore[return-value]
-    return "parquet" if path.lower().endswith((".parquet", ".pq")) else "jsonl"
+    name = path.split("?", 1)[0] if is_remote(path) else path  # a URI's query is no part of it
+    return "parquet" if name.lower().endswith((".parquet", ".pq")) else "jsonl"
 
 
 def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
@@ -418,6 +422,17 @@ def read_rows(f: SourceFile, first: int, end: int) -> list[Any]:
         out += _groups.get(f.path, g).slice(row - base, stop - row).to_pylist()
         row, g = stop, g + 1
     return out
+
+
+def read_lines(path: str, start: int, stop: int, rows: int) -> list[bytes]:
+    """The `rows` lines in bytes [start, stop) of a JSONL file (one read), as `read_chunk`
+    yields them; RuntimeError if the file no longer holds them there (it changed)."""
+    return [ln.removesuffix(b"\r") for ln in _span_lines(path, start, stop, rows)]
+
+
+def read_row_group(path: str, group: int) -> list[Any]:
+    """A Parquet row group's rows as dicts (the group read whole; the last few are cached)."""
+    return _groups.get(path, group).to_pylist()
 
 
 def read_row(f: SourceFile, row: int) -> Any:

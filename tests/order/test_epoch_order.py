@@ -186,8 +186,8 @@ def test_units_and_permutations_are_fixed():
     """Golden values: an order must not change between builds (a job resumes mid-epoch)."""
     assert permutation(10, 0, 1, "block", 0, 0, "a").tolist() == [3, 4, 1, 8, 0, 5, 9, 2, 6, 7]
     anchors = np.array([0, 640, 1280, 1300])  # 130 lines, stride 64, then the size
-    assert jsonl_units(130, anchors, 128) == [(0, 128, 1280), (128, 2, 20)]
-    assert parquet_units([5, 0, 7], [50, 0, 70]) == [(0, 5, 50), (5, 7, 70)]
+    assert jsonl_units(130, anchors, 128) == [(0, 128, 1280, 0), (128, 2, 20, 1280)]
+    assert parquet_units([5, 0, 7], [50, 0, 70]) == [(0, 5, 50, 0), (5, 7, 70, 2)]
 
 
 @settings(max_examples=200, deadline=None)
