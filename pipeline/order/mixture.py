@@ -28,13 +28,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from pipeline.errors import UserError
+
 MIX_BY = ("samples", "loss_tokens")
 DEFAULT_SOURCE = "default"  # the one source of a job without a mixture (source.paths)
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
-class MixtureError(ValueError):
-    """A mixture (or new weights for one) that cannot work; the message names the field."""
+class MixtureError(UserError, ValueError):
+    """A mixture (or new weights for one) that cannot work; the message names the field. (A
+    ValueError too: the config's validators raise it.)"""
 
 
 @dataclass(frozen=True)

@@ -119,8 +119,9 @@ class Producer:
         self._compute = ComputeBalancer(
             state, cb, job.batching.collate,
             poll_seconds=self.settings.compute_poll_seconds) if cb.enabled else None
-        # A mixture's changes at step boundaries and its per-source status (None: one source).
-        self._mixing = Mixing.for_job(job, state, feed)
+        # A mixture's changes at step boundaries and its per-source status (None: one source;
+        # built when production starts: it reads the sources' indexes, which may fail).
+        self._mixing: Mixing | None = None
         self._voided: list[Batch] = []  # batches the adopted reconfigurations returned
         # The model each recent publication's checkpoint holds, by its position: a replay of
         # publications the state lost (a Redis rollback) plans with the same models.
@@ -333,6 +334,8 @@ class Producer:
                     self._unacked[b.rank].append(n)
 
     def _produce_once(self) -> Outcome:
+        if self._mixing is None and self.job.source.mixture is not None:
+            self._mixing = Mixing.for_job(self.job, self.state, self.feed)
         planner, cp = self._restore()
         if self.state.is_done():
             return Outcome.DONE
