@@ -16,6 +16,7 @@ import functools
 import glob
 import os
 import posixpath
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -226,12 +227,12 @@ def _index_ranges(path: str, size: int) -> tuple[list[int], list[Any], Any]:
     """Per byte range: its newline count and its newline offsets (Ray refs when Ray is up and
     the file is large, else arrays), plus how to turn offsets into anchors."""
     ranges = [(s, min(size, s + INDEX_SPLIT_BYTES)) for s in range(0, size, INDEX_SPLIT_BYTES)]
-    try:
-        import ray
-
-        distributed = len(ranges) > 1 and ray.is_initialized()
-    except ImportError:  # the light client never indexes, but keep the module importable
-        distributed = False
+    # Ray is up only in a process that imported it: never import it here (the bootstrap
+    # producer indexes while `serve` imports Ray on another thread, and a second importer can
+    # be handed the half-imported module).
+    ray = sys.modules.get("ray") if len(ranges) > 1 else None
+    is_up = getattr(ray, "is_initialized", None)
+    distributed = callable(is_up) and is_up()
     if not distributed:
         done = [_range_counts(path, s, e) for s, e in ranges]
         return [c for c, _ in done], [nl for _, nl in done], _anchors_in
