@@ -11,6 +11,21 @@ rank's stream, aligned for join mode, checkpointed with the stream's position.
         logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         return causal_lm_loss(logits, labels, batch)     # exact cross-rank scaling
 
+Global steps (a job with `batching.global_token_budget`, docs/global-steps.md): each item the
+data module yields is one optimizer step, this rank's micro-batches of a global step
+(`accumulate.MicroBatches` of `ModelInputs`; a rank may have more than another). Lightning's
+own `accumulate_grad_batches` counts batches and cannot follow that, so leave it at 1 and let
+`accumulate_loss` run them in training_step (all but the last micro-batch backward under
+`no_sync`, the last one's loss returned for Lightning's backward, where DDP's all-reduce runs):
+
+    def training_step(self, batch, batch_idx):
+        def loss(inputs):
+            logits = self.model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+            return causal_lm_loss(logits, inputs["labels"], inputs)
+        return accumulate_loss(self, batch, loss)          # a plain batch: loss(batch)
+
+The same training_step serves a job without global steps (a batch is then passed to `loss`).
+
 Lightning has no Join, and every rank must run the same number of steps (its own collectives,
 DDP's all-reduce): the loader is aligned, so a rank that reached its END runs filler steps of
 zero gradient until the epoch's last step (see trainer_client.loader). One Lightning epoch is
@@ -36,10 +51,12 @@ so the rank-0 checkpoint restores all ranks exactly once. Imports `lightning.pyt
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from trainer_client.accumulate import MicroBatches, group_steps
 from trainer_client.batch_stream import BatchStream
 from trainer_client.loader import StreamLoader
 
@@ -65,10 +82,30 @@ class _Epochs:
 
     def __iter__(self) -> Iterator[Any]:
         if self.clock is None:
-            return iter(self.loader)
+            return group_steps(self.loader)
         from trainer_client.compute_clock import stopping_before_each
 
-        return stopping_before_each(self.loader, self.clock)
+        return group_steps(stopping_before_each(self.loader, self.clock))
+
+
+def accumulate_loss(module: Any, batch: Any, loss: Callable[[Any], Any]) -> Any:
+    """The loss `training_step` returns for `batch` (a LightningModule's, under automatic
+    optimization): `loss(batch)`, or for a global step's micro-batches (`MicroBatches`) the
+    backward of all but the last run here, under the strategy's `block_backward_sync` (no
+    all-reduce), and the last one's loss returned for Lightning's backward (the all-reduce of
+    the accumulated gradient); the value logged is the sum of all their losses."""
+    if not isinstance(batch, MicroBatches):
+        return loss(batch)
+    strategy = module.trainer.strategy
+    block = getattr(strategy, "block_backward_sync", contextlib.nullcontext)
+    earlier = None
+    for micro in batch[:-1]:
+        with block():
+            value = loss(micro)
+            strategy.backward(value, None)
+        earlier = value.detach() if earlier is None else earlier + value.detach()
+    last = loss(batch[-1])
+    return last if earlier is None else last + earlier  # (earlier is detached: no graph)
 
 
 def _make_datamodule_class() -> type:
@@ -94,6 +131,10 @@ def _make_datamodule_class() -> type:
             if clock is not None and not batch.info.filler and self.trainer is not None:
                 clock.attach(self.trainer.strategy.model)  # wrapped (DDP) by now
                 clock.start(batch)
+            if isinstance(batch, MicroBatches):  # a global step: its micro-batches, in order
+                out = MicroBatches(b.to_model_inputs(device, self.dtype) for b in batch)
+                out.info, out.loader_state = batch.info, batch.loader_state
+                return out
             return batch.to_model_inputs(device, self.dtype)
 
         def teardown(self, stage: str) -> None:
@@ -112,7 +153,8 @@ def _make_datamodule_class() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    """`StreamDataModule` is built on first access (Lightning is imported then)."""
+    """`StreamDataModule` is built on first access (Lightning is imported then);
+    `accumulate_loss` imports nothing."""
     if name == "StreamDataModule":
         cls = _make_datamodule_class()
         globals()[name] = cls
