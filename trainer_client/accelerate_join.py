@@ -49,8 +49,9 @@ joins on accelerator devices only; on CPU ranks (gloo) it would silently skip th
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -77,7 +78,11 @@ def joined_steps(accelerator: Any, stream: BatchStream, joinables: Sequence[Any]
                  ) -> Iterator[Iterator[AccumulationStep]]:
     """As `joined_epoch`, one optimizer step per item (`accumulate.AccumulationStep`: iterate
     it for its micro-batches as model inputs, all but the last under
-    `accelerator.no_sync(model)`, the model being the first torch module of `joinables`)."""
+    `accelerator.no_sync(model)`, the model being the first torch module of `joinables`).
+
+    The join is entered only for a job without global steps (at its first batch, or at its
+    END when the rank got none): with global steps every rank runs every step, and a join's
+    per-forward collective cannot follow ranks running different numbers of micro-batches."""
     with _joined(accelerator, stream, joinables, dtype, report_compute, steps=True) as steps:
         yield steps
 
@@ -85,16 +90,19 @@ def joined_steps(accelerator: Any, stream: BatchStream, joinables: Sequence[Any]
 @contextmanager
 def _joined(accelerator: Any, stream: BatchStream, joinables: Sequence[Any], dtype: Any,
             report_compute: bool, *, steps: bool) -> Iterator[Iterator[Any]]:
-    if accelerator.num_processes > 1 and not getattr(accelerator, "multi_device", True):
-        from torch.distributed.algorithms.join import Join
+    def join() -> Any:  # (made when entered: a torch Join turns DDP's join hook on at once)
+        if accelerator.num_processes > 1 and not getattr(accelerator, "multi_device", True):
+            from torch.distributed.algorithms.join import Join
 
-        join = Join(list(joinables), throw_on_early_termination=False)
-    else:
-        join = accelerator.join_uneven_inputs(list(joinables), even_batches=False)
+            return Join(list(joinables), throw_on_early_termination=False)
+        return accelerator.join_uneven_inputs(list(joinables), even_batches=False)
+
     clock = _clock_for(stream, joinables) if report_compute else None
-    batches = _inputs(stream, clock, accelerator.device, dtype, steps=steps)
+    lazy = contextlib.ExitStack()  # steps: the join, once the job is known to need it
+    batches = _inputs(stream, clock, accelerator.device, dtype, steps=steps,
+                      join=(lambda: lazy.enter_context(join())) if steps else None)
     try:
-        with join:
+        with contextlib.nullcontext() if steps else join(), lazy:
             if steps:
                 model = _model_of(joinables)
                 yield optimizer_steps(batches, no_sync=(
@@ -107,14 +115,20 @@ def _joined(accelerator: Any, stream: BatchStream, joinables: Sequence[Any], dty
             clock.close()
 
 
-def _inputs(stream: BatchStream, clock: Any, device: Any, dtype: Any, *, steps: bool
-            ) -> Generator[ModelInputs, None, None]:
+def _inputs(stream: BatchStream, clock: Any, device: Any, dtype: Any, *, steps: bool,
+            join: Callable[[], Any] | None) -> Generator[ModelInputs, None, None]:
+    """`join`: enter the join now (a job without global steps, found at its first batch or
+    at the END of a rank that got none)."""
     batches: Any = stream
     if clock is not None:
         from trainer_client.compute_clock import stopping_before_each
 
         batches = stopping_before_each(stream, clock)
+    first = True
     for batch in batches:
+        if first and join is not None and batch.info.optimizer_step is None:
+            join()
+        first = False
         if not steps and batch.info.optimizer_step is not None:
             raise ValueError(
                 f"job {stream.job!r} has global steps (batching.global_token_budget): its "
@@ -123,6 +137,8 @@ def _inputs(stream: BatchStream, clock: Any, device: Any, dtype: Any, *, steps: 
         if clock is not None:
             clock.start(batch)
         yield batch.to_model_inputs(device, dtype)
+    if first and join is not None:
+        join()
 
 
 def _model_of(joinables: Sequence[Any]) -> Any:

@@ -15,8 +15,10 @@ Global steps (a job with `batching.global_token_budget`, docs/global-steps.md): 
 data module yields is one optimizer step, this rank's micro-batches of a global step
 (`accumulate.MicroBatches` of `ModelInputs`; a rank may have more than another). Lightning's
 own `accumulate_grad_batches` counts batches and cannot follow that, so leave it at 1 and let
-`accumulate_loss` run them in training_step (all but the last micro-batch backward under
-`no_sync`, the last one's loss returned for Lightning's backward, where DDP's all-reduce runs):
+`accumulate_loss` run them in training_step: the gradient of each but the last micro-batch is
+taken there (no all-reduce, nothing left in `.grad` for Lightning's zero_grad to clear) and
+carried into the last one's loss, whose one backward by Lightning adds them all up and runs
+DDP's one all-reduce of the step (automatic optimization, clipping and schedulers as usual):
 
     def training_step(self, batch, batch_idx):
         def loss(inputs):
@@ -51,7 +53,6 @@ so the rank-0 checkpoint restores all ranks exactly once. Imports `lightning.pyt
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -90,22 +91,30 @@ class _Epochs:
 
 def accumulate_loss(module: Any, batch: Any, loss: Callable[[Any], Any]) -> Any:
     """The loss `training_step` returns for `batch` (a LightningModule's, under automatic
-    optimization): `loss(batch)`, or for a global step's micro-batches (`MicroBatches`) the
-    backward of all but the last run here, under the strategy's `block_backward_sync` (no
-    all-reduce), and the last one's loss returned for Lightning's backward (the all-reduce of
-    the accumulated gradient); the value logged is the sum of all their losses."""
+    optimization): `loss(batch)`, or for a global step's micro-batches (`MicroBatches`) the last
+    one's loss plus a term worth 0 whose gradient is the sum of the earlier ones' gradients
+    (each taken here with `torch.autograd.grad` as it comes, its graph freed at once), so
+    Lightning's one backward leaves the step's accumulated gradient, all-reduced once. Its
+    value is the sum of all their losses. (Under 16-bit mixed precision the earlier gradients
+    are taken unscaled: prefer bf16 or full precision.)"""
     if not isinstance(batch, MicroBatches):
         return loss(batch)
-    strategy = module.trainer.strategy
-    block = getattr(strategy, "block_backward_sync", contextlib.nullcontext)
+    import torch
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    carried: list[Any] = [None] * len(params)
     earlier = None
     for micro in batch[:-1]:
-        with block():
-            value = loss(micro)
-            strategy.backward(value, None)
+        value = loss(micro)
+        grads = torch.autograd.grad(value, params, allow_unused=True)
+        carried = [g if c is None else c if g is None else c + g
+                   for c, g in zip(carried, grads, strict=True)]
         earlier = value.detach() if earlier is None else earlier + value.detach()
     last = loss(batch[-1])
-    return last if earlier is None else last + earlier  # (earlier is detached: no graph)
+    if earlier is None:
+        return last
+    carry = sum((p * g).sum() for p, g in zip(params, carried, strict=True) if g is not None)
+    return last + (carry - carry.detach()) + earlier
 
 
 def _make_datamodule_class() -> type:
