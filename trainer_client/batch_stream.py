@@ -240,9 +240,9 @@ class BatchStream:
         self._epoch_first_step: int | None = 0
         self._done = False
         self._last_yielded = -1  # the last step whose batches were all yielded
-        # (step, micro_index, micro_count) of the last yielded micro-batch while its step has
-        # more: a new receiver does not yield those again (None: at a step boundary).
-        self._partial: tuple[int, int, int] | None = None
+        # (step, micro_index) of the last yielded micro-batch while its step has more: a new
+        # receiver does not yield those again (None: at a step boundary).
+        self._partial: tuple[int, int] | None = None
         self._step_compute: tuple[int, float] = (-1, 0.0)  # a step's micro-batches, summed
         # Until a state is loaded or a batch arrives, the service picks the position: the rank's
         # first unacknowledged step (a restarted trainer without a checkpoint goes on instead of
@@ -353,7 +353,7 @@ class BatchStream:
                 self._partial = None
             else:
                 self._next_step = info.step
-                self._partial = (info.step, info.micro_index, info.micro_count)
+                self._partial = (info.step, info.micro_index)
             self._positioned = True
             yield item
 
@@ -504,7 +504,7 @@ class BatchStream:
                             pos, received = info.step + 1, None
                         else:
                             pos = info.step
-                            received = (info.step, info.micro_index, info.micro_count)
+                            received = (info.step, info.micro_index)
                         with link.lock:
                             self._queued_batches += 1
                             self._queued_bytes += item.nbytes

@@ -86,11 +86,6 @@ def encode_rank(micros: Sequence[Batch]) -> bytes:
     return _dumps(d).encode()
 
 
-def encode_batch(b: Batch) -> bytes:
-    """A rank's only batch of a step as its blob."""
-    return encode_rank([b])
-
-
 def decode_rank(data: bytes, rank: int) -> tuple[Batch, ...]:
     """A rank's blob as its batches of the step, in micro-batch order."""
     d = json.loads(data)
@@ -110,14 +105,6 @@ def decode_rank(data: bytes, rank: int) -> tuple[Batch, ...]:
                          filler=filler, micro=m,
                          truncated_to={k: v for k, v in cut.items() if k in ids}))
     return tuple(out)
-
-
-def decode_batch(data: bytes, rank: int) -> Batch:
-    """A blob holding one batch (see `decode_rank` for any)."""
-    micros = decode_rank(data, rank)
-    if len(micros) != 1:
-        raise ValueError(f"rank {rank}'s blob holds {len(micros)} micro-batches, not one")
-    return micros[0]
 
 
 def _stamp(d: dict[str, Any], world: WorldStamp) -> dict[str, Any]:

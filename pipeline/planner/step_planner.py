@@ -562,6 +562,8 @@ class StepPlanner:
         formed batch each); the last run stays pooled while it might take more, unless
         `final`."""
         g = self._global
+        # The formed batch a step takes next is the next in formation order: the one point
+        # where a global step's content is chosen (a mixture's source shares choose here).
         pool = self._pool
         start = 0
         while start < len(pool):

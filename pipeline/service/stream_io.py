@@ -228,10 +228,10 @@ class JobIO:
     async def build(self, step: Step, rank: int, micro: int = 0,
                     samples: Sequence[ProcessedSample] | None = None) -> WireBatch:
         """The rank's batch (micro-batch `micro`) as its messages, from `samples` (its payloads
-        of the step) or fetched now; built on the loop unless fetching needs I/O."""
-        if samples is None and self.rt.payloads.blocking:
+        of the step) or fetched now; built on the loop unless its payloads need I/O."""
+        if self.rt.payloads.blocking:
             return await self._bounded(self.loop.run_in_executor(
-                self.executor, self.rt.build_message, step, rank, micro), payloads=True)
+                self.executor, self.rt.build_message, step, rank, micro, samples), payloads=True)
         return self.rt.build_message(step, rank, micro, samples)
 
     async def fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
