@@ -177,6 +177,11 @@ class BatchingConfig(_Model):
         "(TrainingJobConfig.max_sample_tokens); "
         "`alone` = a batch of its own, flagged; `quarantine` = set aside as over_budget")
     compute_balancing: ComputeBalancingConfig = ComputeBalancingConfig()
+    global_token_budget: int | None = Field(
+        None, gt=0, description="the tokens of one optimizer step, all ranks together "
+        "(>= token_budget): a step's samples then do not depend on the world size, and each "
+        "rank accumulates its micro-batches of up to token_budget (docs/global-steps.md); "
+        "None = a step is one batch of up to token_budget per rank")
 
     @model_validator(mode="after")
     def _valid_policy(self) -> BatchingConfig:
@@ -190,6 +195,7 @@ class BatchingConfig(_Model):
             attn_b=self.attn_b, max_visual_tokens=self.max_visual_tokens,
             lookahead_tokens=self.lookahead_tokens, max_window_samples=self.max_window_samples,
             over_budget=self.over_budget, ramp_up=self.ramp_up,
+            global_token_budget=self.global_token_budget,
         )
 
 
