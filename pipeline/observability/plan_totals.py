@@ -48,19 +48,22 @@ class RankTotals:
     progress_at: float = field(default_factory=time.time)  # when last_acked last moved
 
 
-def batch_figures(batch: Batch, collate: str) -> BatchFigures:
+def batch_figures(batch: Batch, collate: str, pad_to_multiple: int = 1) -> BatchFigures:
     lengths = [batch.truncated_to.get(s.sample_id, s.num_tokens) for s in batch.samples]
     tokens = sum(lengths)
-    padded = len(lengths) * max(lengths, default=0) - tokens if collate == "padded" else 0
-    return BatchFigures(len(lengths), tokens, padded, batch.cost)
+    # Lengths as sent: rounded up to the job's pad_to_multiple (padding under both collates).
+    sent = [-(-n // pad_to_multiple) * pad_to_multiple for n in lengths]
+    width = len(sent) * max(sent, default=0) if collate == "padded" else sum(sent)
+    return BatchFigures(len(lengths), tokens, width - tokens, batch.cost)
 
 
 class PlanTotals:
     """Per-job totals; `update()` is cheap when nothing new was published or delivered."""
 
-    def __init__(self, state: JobState, collate: str) -> None:
+    def __init__(self, state: JobState, collate: str, pad_to_multiple: int = 1) -> None:
         self.state = state
         self.collate = collate
+        self.pad_to_multiple = pad_to_multiple
         self.started_at = time.time()
         self._lock = threading.Lock()
         acked = state.acked_all()
@@ -123,7 +126,8 @@ class PlanTotals:
                 self.steps_missing += 1
                 continue
             self.published_samples += step.info.step_samples
-            self._pending[n] = {b.rank: batch_figures(b, self.collate) for b in step.batches}
+            self._pending[n] = {b.rank: batch_figures(b, self.collate, self.pad_to_multiple)
+                                for b in step.batches}
             for b in step.batches:
                 self._unacked.setdefault(b.rank, []).append(n)
 

@@ -282,7 +282,8 @@ class ServiceView:
         with self._lock:
             pt = self._totals.get(rt.job.job_id)
             if pt is None or pt.state is not rt.state:
-                pt = self._totals[rt.job.job_id] = PlanTotals(rt.state, rt.collate)
+                pt = self._totals[rt.job.job_id] = PlanTotals(rt.state, rt.collate,
+                                                               rt.job.batching.pad_to_multiple or 1)
             return pt
 
     def job_ids(self) -> list[str]:

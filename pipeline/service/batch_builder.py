@@ -21,14 +21,16 @@ log = logging.getLogger(__name__)
 
 
 def build_batch(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
-                collate: str, pad_id: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> WireBatch:
+                collate: str, pad_id: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                pad_to_multiple: int | None = None) -> WireBatch:
     batch = step.batch_for(rank)
     if batch is None:
         raise LookupError(f"step {step.step} has no batch for rank {rank}")
     pieces = [col.Piece(p, batch.truncated_to.get(s.sample_id))
               for p, s in zip(samples, batch.samples, strict=True)]
     # The pixel patches stay in the samples' arrays: the chunks are framed from there.
-    arrays = col.collate(pieces, collate, pad_id, pixel_rows=True)
+    arrays = col.collate(pieces, collate, pad_id, pixel_rows=True,
+                         pad_to_multiple=pad_to_multiple)
     loss = col.loss_tokens(arrays)
     if loss != batch.loss_tokens and not (batch.truncated_to or batch.filler):
         log.error("step %d rank %d: %d loss tokens in the payload, %d in the plan (metadata and "

@@ -179,7 +179,8 @@ class JobRuntime:
     def build_message(self, step: Step, rank: int) -> WireBatch:
         """Rank's batch of `step` as the messages it is sent as."""
         return build_batch(step, rank, self.payloads.fetch(step, rank), collate=self.collate,
-                           pad_id=self.pad_id, chunk_bytes=self.chunk_bytes)
+                           pad_id=self.pad_id, chunk_bytes=self.chunk_bytes,
+                           pad_to_multiple=self.job.batching.pad_to_multiple)
 
     def facts(self) -> ReplicaFacts:
         return ReplicaFacts(ranks={r: RankConnection(c.client_id, c.connected, c.delivered)
