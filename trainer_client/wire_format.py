@@ -36,6 +36,9 @@ NUMPY_DTYPES: dict[int, np.dtype] = {
 WIRE_DTYPES: dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
 
 MISMATCH_PREFIX = "wire version mismatch"
+# A refused model-parallel group (two members disagree on group_size, or the job cannot serve
+# groups): configuration, not a passing state, so the client does not retry it.
+GROUP_REFUSED_PREFIX = "group refused"
 
 # A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
 # tells what a job's largest batch means against it.
