@@ -514,7 +514,7 @@ class RedisJobState(JobState):
         return self._run(scripts.ack, self._ack_keys(),
                          [self.keys.base, rank, client_id, _ms(lease_seconds), step], rank=rank)
 
-    def claim_rank(self, rank: int, client_id: str, lease_seconds: float,
+    def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
                    member: Member | None = None) -> RankLease:
         if not client_id:
             raise ValueError("client_id must be non-empty")
@@ -602,7 +602,8 @@ class RedisJobState(JobState):
             raw = self.client.get(self.keys.compute_fit)
         return None if raw is None else ComputeFitStatus.from_json(raw)
 
-    def release_rank(self, rank: int, client_id: str, member: Member | None = None) -> None:
+    def release_rank(self, rank: int, client_id: str, *,
+                     member: Member | None = None) -> None:
         self._check_rank(rank, self._lease_ranks())
         if grouped(member):
             self._groups.release(rank, client_id, member)
@@ -761,7 +762,7 @@ class RedisJobState(JobState):
         return ScaleResult(True, step_codec.decode_world(res[2]),
                            step_codec.decode_world(res[1]))
 
-    def rank_left(self, generation: int, rank: int, client_id: str,
+    def rank_left(self, generation: int, rank: int, client_id: str, *,
                   member: Member | None = None) -> None:
         if grouped(member):
             self._groups.release(rank, client_id, member, generation)

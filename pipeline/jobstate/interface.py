@@ -400,7 +400,7 @@ class JobState(ABC):
     # the world a reconfiguration just ended (they drain to their last step): a rank is valid
     # for a lease below the larger of the two world sizes.
     @abstractmethod
-    def claim_rank(self, rank: int, client_id: str, lease_seconds: float,
+    def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
                    member: Member | None = None) -> RankLease:
         """Take or renew the rank's lease; `RankHeld` if another client's lease is live.
         With `member` (a group of two or more, `Member`): take or renew that seat, forming
@@ -410,7 +410,8 @@ class JobState(ABC):
         The returned lease is the client's own (its seat's)."""
 
     @abstractmethod
-    def release_rank(self, rank: int, client_id: str, member: Member | None = None) -> None:
+    def release_rank(self, rank: int, client_id: str, *,
+                     member: Member | None = None) -> None:
         """Only the holder can release; releasing is not a lapse. A member releases its seat:
         the seat stops counting for the group's lease, and the last release ends the group
         (the rank's lease goes)."""
@@ -419,7 +420,7 @@ class JobState(ABC):
     def group_health(self) -> list[GroupHealth]:
         """The current world's ranks served to groups, with every seat, at one instant."""
 
-    def heartbeat(self, rank: int, client_id: str, lease_seconds: float,
+    def heartbeat(self, rank: int, client_id: str, lease_seconds: float, *,
                   member: Member | None = None) -> bool:
         """Renew (or retake after a lapse); True if `client_id` holds the lease now, False if
         another client's lease is live (nothing changes). One heartbeat of `ack_many`."""
@@ -536,7 +537,7 @@ class JobState(ABC):
         ValueError for a size < 1."""
 
     @abstractmethod
-    def rank_left(self, generation: int, rank: int, client_id: str,
+    def rank_left(self, generation: int, rank: int, client_id: str, *,
                   member: Member | None = None) -> None:
         """Rank `rank` of world `generation` (ended) got its END(reconfigure): it no longer
         drains; its lease is released if `client_id` holds it. Recorded for the timings. A

@@ -314,7 +314,7 @@ class MemoryJobState(JobState):
         self._heartbeats[rank] = now
         return lease
 
-    def claim_rank(self, rank: int, client_id: str, lease_seconds: float,
+    def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
                    member: Member | None = None) -> RankLease:
         if not client_id:
             raise ValueError("client_id must be non-empty")
@@ -339,7 +339,8 @@ class MemoryJobState(JobState):
                 raise self._group_refused(rank, group, now, client_id, 1)
             raise self._held(rank, cur, now)
 
-    def release_rank(self, rank: int, client_id: str, member: Member | None = None) -> None:
+    def release_rank(self, rank: int, client_id: str, *,
+                     member: Member | None = None) -> None:
         self._check_lease_rank(rank)
         with self._lock:
             if grouped(member):
@@ -707,7 +708,7 @@ class MemoryJobState(JobState):
         final = self._ends[max(self._ends)]
         return final if len(final.final_step) == w else None
 
-    def rank_left(self, generation: int, rank: int, client_id: str,
+    def rank_left(self, generation: int, rank: int, client_id: str, *,
                   member: Member | None = None) -> None:
         now = self._clock()
         with self._lock:

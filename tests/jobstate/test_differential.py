@@ -126,11 +126,11 @@ class Caller:
                     return type(g).__name__ if isinstance(g, Exception) else g
                 case "claim_rank":
                     return s.claim_rank(c["rank"], c["client"], 600,
-                                        _member(c["seat"])).client_id
+                                        member=_member(c["seat"])).client_id
                 case "heartbeat":
-                    return s.heartbeat(c["rank"], c["client"], 600, _member(c["seat"]))
+                    return s.heartbeat(c["rank"], c["client"], 600, member=_member(c["seat"]))
                 case "release_rank":
-                    return s.release_rank(c["rank"], c["client"], _member(c["seat"]))
+                    return s.release_rank(c["rank"], c["client"], member=_member(c["seat"]))
         except Exception as exc:  # compared by class: both must refuse alike
             return type(exc).__name__
 
