@@ -39,6 +39,7 @@ MISMATCH_PREFIX = "wire version mismatch"
 # A refused model-parallel group (two members disagree on group_size, or the job cannot serve
 # groups): configuration, not a passing state, so the client does not retry it.
 GROUP_REFUSED_PREFIX = "group refused"
+MAX_GROUP_SIZE = 1024  # clients of one rank's group (Open.group_size)
 
 # A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
 # tells what a job's largest batch means against it.

@@ -30,6 +30,7 @@ from pipeline.errors import RankHeld
 from pipeline.jobstate.worlds import Grant, PlanHead, ScaleRequest, ScaleResult, World, WorldTimings
 from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd, Step
+from trainer_client.wire_format import MAX_GROUP_SIZE as WIRE_MAX_GROUP_SIZE
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class RankLease:
 
 
 # The most clients one rank's group may have (tensor x context x pipeline parallel members):
-# every sign of life of a member reads its group's seats (O(group_size)).
-MAX_GROUP_SIZE = 1024
+# every sign of life of a member reads its group's seats (O(group_size)). The wire's bound.
+MAX_GROUP_SIZE = WIRE_MAX_GROUP_SIZE
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.config import TrainingJobConfig
 from pipeline.jobstate.interface import JobState, ProducerFailure
@@ -51,6 +51,7 @@ class ReplicaFacts:
     """A snapshot of this replica's side of a job, for observers (status, metrics)."""
 
     ranks: dict[int, RankConnection]  # ranks that have had a stream on this replica
+    members: dict[tuple[int, int], RankConnection] = field(default_factory=dict)  # (rank, seat)
     fetched_by_rank: dict[int, int]
     uptime_s: float
 
@@ -75,6 +76,9 @@ class JobRuntime:
         self._wakers: list[Callable[[], None]] = []
         # By rank id (a reconfiguration changes the world size, the ids are reused).
         self.ranks: defaultdict[int, RankConnection] = defaultdict(RankConnection)
+        # A model-parallel group's streams, by (rank, member): the members of a grouped rank.
+        self.members: defaultdict[tuple[int, int], RankConnection] = defaultdict(
+            RankConnection)
         self.started_at = time.monotonic()
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -185,5 +189,7 @@ class JobRuntime:
     def facts(self) -> ReplicaFacts:
         return ReplicaFacts(ranks={r: RankConnection(c.client_id, c.connected, c.delivered)
                                    for r, c in list(self.ranks.items())},
+                            members={k: RankConnection(c.client_id, c.connected, c.delivered)
+                                     for k, c in list(self.members.items())},
                             fetched_by_rank=self.payloads.fetched_by_rank(),
                             uptime_s=time.monotonic() - self.started_at)

@@ -5,9 +5,10 @@ and no thread hand-off per message. The job's state (Redis) and payloads (Ray) a
 blocking calls, so `JobIO`, the loop's side of a `JobRuntime`, runs every call that may block in
 the replica's I/O threads, and groups the frequent ones (`AsyncCoalescer`): the streams asking at
 the same time share one round trip for their acks, delivery grants, plan steps, the plan's head
-and the failure checks. `CachedPlan` lets a `RankCursor` decide from what the `PlanView` holds; a
-read it would have to make raises `PlanMiss`, and `JobIO.next_action` makes it off the loop and
-asks the cursor again.
+and the failure checks; the members of a model-parallel group share one build of their rank's
+batch (one payload fetch per batch, not one per member). `CachedPlan` lets a `RankCursor`
+decide from what the `PlanView` holds; a read it would have to make raises `PlanMiss`, and
+`JobIO.next_action` makes it off the loop and asks the cursor again.
 
 Bounds (Guarantee 8): a stream waits at most `state_timeout` seconds for any call to the job's
 state and twice `payload_timeout` for a batch's payloads (Ray's bound, then a rebuild by id as
@@ -25,10 +26,11 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pipeline.errors import ReplicaUnavailable
-from pipeline.jobstate.interface import RankAck, RankCompute
+from pipeline.jobstate.interface import Member, RankAck, RankCompute
 from pipeline.jobstate.worlds import Grant, PlanHead
 from pipeline.planner.types import EpochEnd, Step
 from pipeline.service.chunk_framing import WireBatch
@@ -39,6 +41,9 @@ from pipeline.service.rank_cursor import Action, RankCursor
 
 T = TypeVar("T")
 CHECK_SECONDS = 0.25  # how stale the producer error and the lapsed ranks may be
+# A group's batches kept for its members that have not taken them yet, per rank: about a
+# client's credit window (members of a model-parallel group run in lockstep).
+SHARED_PER_RANK = 4
 
 
 class PlanMiss(Exception):
@@ -102,6 +107,7 @@ class JobIO:
         self._tick: asyncio.Future | None = None
         self._pending_head: asyncio.Task | None = None
         self._pending_steps: dict[int, asyncio.Task] = {}  # by rank
+        self._shared: dict[tuple[int, int], _SharedBuild] = {}  # (step, rank): a group's build
         rt.add_waker(self._wake_from_any_thread)
 
     async def run(self, fn: Callable[..., T], *args: Any, waits_s: float = 0.0) -> T:
@@ -226,12 +232,55 @@ class JobIO:
         return [None] * len(timeouts)
 
     # --- payloads ---
-    async def build(self, step: Step, rank: int) -> WireBatch:
-        """The rank's batch as its messages; built on the loop unless its payloads need I/O."""
+    async def build(self, step: Step, rank: int, member: Member | None = None) -> WireBatch:
+        """The rank's batch as its messages; built on the loop unless its payloads need I/O.
+        The members of a rank's group on this replica share one build (`_shared_build`)."""
+        if member is not None and member.group_size > 1:
+            return await self._shared_build(step, rank, member)
+        return await self._build(step, rank)
+
+    async def _shared_build(self, step: Step, rank: int, member: Member) -> WireBatch:
+        """One payload fetch and one collation of a (step, rank) batch for all the members of
+        its group on this replica: the first to ask builds it, the others wait for that build.
+        It is dropped once every member took it, or when its rank holds `SHARED_PER_RANK`
+        newer ones (a member that far behind builds its own, byte-identical); a failed build is
+        not kept (the next ask builds again)."""
+        key = (step.step, rank)
+        entry = self._shared.get(key)
+        if entry is None:
+            task = self.loop.create_task(self._build(step, rank))
+            task.add_done_callback(_retrieved)
+            entry = self._shared[key] = _SharedBuild(task)
+            held = sorted(k for k in self._shared if k[1] == rank)
+            for old in held[:-SHARED_PER_RANK]:
+                del self._shared[old]
+        try:
+            batch = await asyncio.shield(entry.task)
+        except Exception:
+            if self._shared.get(key) is entry:
+                del self._shared[key]
+            raise
+        entry.taken.add(member.index)
+        if len(entry.taken) >= member.group_size and self._shared.get(key) is entry:
+            del self._shared[key]
+        return batch
+
+    async def _build(self, step: Step, rank: int) -> WireBatch:
         if self.rt.payloads.blocking:
             return await self._bounded(self.loop.run_in_executor(
                 self.executor, self.rt.build_message, step, rank), payloads=True)
         return self.rt.build_message(step, rank)
+
+
+@dataclass
+class _SharedBuild:
+    task: asyncio.Task
+    taken: set[int] = field(default_factory=set)  # the members that took it
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # (a build nobody awaits any more: its failure is not logged)
 
 
 def _resolve(fut: asyncio.Future) -> None:
