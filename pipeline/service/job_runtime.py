@@ -51,9 +51,9 @@ class ReplicaFacts:
     """A snapshot of this replica's side of a job, for observers (status, metrics)."""
 
     ranks: dict[int, RankConnection]  # ranks that have had a stream on this replica
-    members: dict[tuple[int, int], RankConnection] = field(default_factory=dict)  # (rank, seat)
     fetched_by_rank: dict[int, int]
     uptime_s: float
+    members: dict[tuple[int, int], RankConnection] = field(default_factory=dict)  # (rank, seat)
 
 
 class JobRuntime:

@@ -30,6 +30,12 @@ client of a rank whose previous stream vanished from *this* replica takes the ra
 instead of waiting out the lease; a client that fails over to another replica keeps its client
 id, so it re-claims at once.
 
+Groups (docs/trainer-client.md): the members of a rank's model-parallel group (`Open.group_size`,
+`group_rank`) each have a stream of the rank; each stream holds its member's seat in the group's
+lease (`JobState`, `interface.Member`), renewed on that member's evidence, and acks for it (the
+rank's cursor is the group's slowest member's); a lost member is a lost rank to its peers too.
+The members on one replica share one build of each batch (`JobIO.build`).
+
 Acks: a client acknowledges only steps it was sent (`AckNotDelivered` otherwise: the state's
 cursor never skips a step the rank did not get), with at most `MAX_CREDITS` credits at a time.
 
@@ -72,7 +78,7 @@ from pipeline.errors import (
     ReplicaUnavailable,
     StateUnavailable,
 )
-from pipeline.jobstate.interface import ProducerFailure, RankAck, RankCompute
+from pipeline.jobstate.interface import Member, ProducerFailure, RankAck, RankCompute
 from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd
 from pipeline.producer.failures import Cause
@@ -89,7 +95,7 @@ from pipeline.service.rank_cursor import (
     Send,
 )
 from pipeline.service.stream_io import JobIO
-from pipeline.service.world_open import MAX_CREDITS, StreamStart, resolve
+from pipeline.service.world_open import MAX_CREDITS, StreamStart, member_of, resolve
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 MAX_COMPUTE_REPORTS = 64  # per Ack (a client sends one per batch taken since its last Ack)
@@ -119,6 +125,7 @@ class StreamSession:
     client_id: str
     credits: CreditWindow
     cursor: RankCursor
+    member: Member | None = None  # its seat in the rank's model-parallel group (None: alone)
     cancelled: bool = False
     client_closed: bool = False  # the client half-closed its side (after its final ack)
     error: OdbError | None = None  # set by the ack reader: the stream ends with it
@@ -148,6 +155,10 @@ class StreamSession:
                 await self._wake.wait()
 
 
+def _seat(member: Member | None) -> int:
+    return -1 if member is None else member.index
+
+
 def producer_failed(job_id: str, failure: ProducerFailure) -> ProducerFailed:
     """What a permanent producer failure ends the job's streams with, by its cause
     (`pipeline/producer/failures.py`): what an operator must fix, a cause that heals once the
@@ -171,8 +182,9 @@ class RankStreams:
         self.settings = settings
         self.policy = policy
         self.executor = executor
-        # (job, rank) -> client id of a stream that vanished from this replica (not released).
-        self._vanished: dict[tuple[str, int], str] = {}
+        # (job, rank, group seat or -1) -> client id of a stream that vanished from this
+        # replica (not released).
+        self._vanished: dict[tuple[str, int, int], str] = {}
         self._vanished_lock = threading.Lock()
         self._ios: dict[str, JobIO] = {}
 
@@ -186,31 +198,35 @@ class RankStreams:
                 payload_timeout=st.payload_timeout_seconds)
         return jio
 
-    def claim(self, rt: JobRuntime, rank: int, client_id: str) -> None:
-        """Claim the rank (`RankHeld` while another live client holds it); if its holder is a
-        stream that vanished from this replica, take over at once (release the dead holder's
-        lease first) rather than wait out the lease."""
-        key = (rt.job.job_id, rank)
+    def claim(self, rt: JobRuntime, rank: int, client_id: str,
+              member: Member | None = None) -> None:
+        """Claim the rank, or the member's seat in its group (`RankHeld` while another live
+        client holds it); if its holder is a stream that vanished from this replica, take over
+        at once (release the dead holder's lease first) rather than wait out the lease."""
+        key = (rt.job.job_id, rank, _seat(member))
         with self._vanished_lock:
             old = self._vanished.pop(key, None)
         if old is not None and old != client_id:
-            try:
-                rt.state.release_rank(rank, old)  # a no-op unless `old` still holds it
+            try:  # a no-op unless `old` still holds it
+                rt.state.release_rank(rank, old, member=member)
             except Exception:
                 log.debug("release of vanished client %s failed", old, exc_info=True)
         try:
-            rt.state.claim_rank(rank, client_id, self.settings.lease_seconds)
+            rt.state.claim_rank(rank, client_id, self.settings.lease_seconds, member=member)
         except RankHeld as exc:
             raise RankHeld(f"{exc}; retry after the lease lapses") from None
 
-    def vanished(self, rt: JobRuntime, rank: int, client_id: str) -> None:
+    def vanished(self, rt: JobRuntime, rank: int, client_id: str,
+                 member: Member | None = None) -> None:
         with self._vanished_lock:
-            self._vanished[(rt.job.job_id, rank)] = client_id
+            self._vanished[(rt.job.job_id, rank, _seat(member))] = client_id
 
     async def serve(self, rt: JobRuntime, op: pb.Open, client_id: str,
                     requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
-        """Serve the rank of `op` until its END (or its world's END(reconfigure)), the client
-        closes or goes away (cancellation), or the stream must end (a domain error)."""
+        """Serve the rank of `op` (or its seat in the rank's group) until its END (or its
+        world's END(reconfigure)), the client closes or goes away (cancellation), or the stream
+        must end (a domain error)."""
+        member = member_of(op, rt)
         jio = self.job_io(rt)
         prefetch = self.settings.prefetch_steps
         credits = CreditWindow.opened(max(1, min(op.credits or prefetch, prefetch)),
@@ -219,8 +235,8 @@ class RankStreams:
         start = await jio.run(functools.partial(resolve, resume_grace_s=grace), op, rt,
                               waits_s=grace)
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
-            await jio.run(self.claim, rt, op.rank, client_id)
-        stream = RankStream(self, jio, op, client_id, start, credits)
+            await jio.run(self.claim, rt, op.rank, client_id, member)
+        stream = RankStream(self, jio, op, client_id, start, credits, member)
         await stream.run(requests, write)
 
 
@@ -228,7 +244,8 @@ class RankStream:
     """One stream: its session, the send loop and the ack reader."""
 
     def __init__(self, streams: RankStreams, jio: JobIO, op: pb.Open, client_id: str,
-                 start: StreamStart, credits: CreditWindow) -> None:
+                 start: StreamStart, credits: CreditWindow, member: Member | None = None
+                 ) -> None:
         self.streams = streams
         self.settings = streams.settings
         self.jio = jio
@@ -237,8 +254,9 @@ class RankStream:
         cursor = RankCursor(op.rank, self.rt.job.epochs, pos=start.pos, epoch=start.epoch,
                             last_sent=start.pos - 1, world=start.world, limit=start.limit,
                             next_world_size=start.next_world_size)
-        self.s = StreamSession(op.rank, client_id, credits, cursor, leased=start.has_work,
-                               granted=start.pos - 1, window=credits.steps)
+        self.s = StreamSession(op.rank, client_id, credits, cursor, member,
+                               leased=start.has_work, granted=start.pos - 1,
+                               window=credits.steps)
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, start.pos, start.epoch, start.world,
                  start.world_size, extra={"job": op.job_id, "rank": op.rank,
@@ -250,7 +268,7 @@ class RankStream:
     async def run(self, requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
         s, rt = self.s, self.rt
         reader = asyncio.ensure_future(self._read_acks(requests))
-        conn = rt.ranks[s.rank]
+        conn = rt.ranks[s.rank] if s.member is None else rt.members[(s.rank, s.member.index)]
         conn.client_id, conn.connected = s.client_id, True
         writing: asyncio.Future | None = None
         try:
@@ -293,13 +311,14 @@ class RankStream:
         vanished = ((s.cancelled or s.client_closed)
                     and not (s.cursor.job_done or s.left) and s.leased)
         if vanished:
-            self.streams.vanished(rt, s.rank, s.client_id)
+            self.streams.vanished(rt, s.rank, s.client_id, s.member)
             log.info("job %s rank %d: client %s vanished; its lease lapses in <= %.1fs",
                      self.job_id, s.rank, s.client_id, self.settings.lease_seconds,
                      extra=self._log_extra())
         elif s.leased and not s.unreachable:  # (else the lease lapses: the client is elsewhere)
             try:
-                await self.jio.run(rt.state.release_rank, s.rank, s.client_id)
+                await self.jio.run(functools.partial(rt.state.release_rank, s.rank, s.client_id,
+                                                     member=s.member))
             except Exception:
                 log.warning("job %s rank %d: release failed", self.job_id, s.rank,
                             exc_info=True)
@@ -397,7 +416,7 @@ class RankStream:
         # and taken back if lapsed, every time): the same evidence, fewer writes.
         now = time.monotonic()
         renew = step < 0 or now - s.renewed_at >= self.settings.lease_seconds / 3
-        ack = RankAck(s.rank, s.client_id, step if current else -1, renew)
+        ack = RankAck(s.rank, s.client_id, step if current else -1, renew, s.member)
         if ack.step > s.granted:  # an END's ack through steps the rank has no batch in
             await self._grant(ack.step)
         try:
@@ -441,12 +460,14 @@ class RankStream:
 
     async def _rank_failure(self) -> str | None:
         """`liveness.rank_failure` from the fresh cached lapses (the policy's own I/O, a
-        shrink, only when some rank is gone)."""
+        shrink, only when some rank is gone). A member of a group counts its own rank too:
+        a lost member is its peers' lost rank."""
         policy = self.streams.policy
         dead = self.rt.dead_ranks(policy.timeout_seconds, refresh=False)
-        if not any(r != self.s.rank for r in dead):
+        mine = None if self.s.member is not None else self.s.rank
+        if not any(r != mine for r in dead):
             return None
-        return await self.jio.run(rank_failure, self.rt, policy, self.s.rank)
+        return await self.jio.run(rank_failure, self.rt, policy, mine)
 
     async def _send(self) -> AsyncIterator[pb.ServerMessage | bytes]:
         s, rt, jio = self.s, self.rt, self.jio
@@ -484,7 +505,7 @@ class RankStream:
                 n = action.step.step
                 if n > s.granted and not await self._grant(n + s.window - 1, n):
                     continue  # its world ended before this step, or the state is behind
-                batch = await jio.build(action.step, s.rank)
+                batch = await jio.build(action.step, s.rank, s.member)
                 if not await self._await_credit(batch.nbytes):  # room in its byte window
                     return
                 s.credits.sent(batch.nbytes)
@@ -527,7 +548,8 @@ class RankStream:
         the rank's stream in the new world is not held up), then gets END(reconfigure)."""
         s, rt = self.s, self.rt
         try:
-            await self.jio.run(rt.state.rank_left, s.cursor.world, s.rank, s.client_id)
+            await self.jio.run(functools.partial(rt.state.rank_left, s.cursor.world, s.rank,
+                                                 s.client_id, member=s.member))
         except Exception:  # the lease then lapses; the switch completes all the same
             log.warning("job %s rank %d: recording its exit from world %d failed",
                         self.job_id, s.rank, s.cursor.world, exc_info=True)
