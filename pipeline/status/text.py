@@ -75,13 +75,14 @@ def _ranks(job: JobStatus) -> list[str]:
                      f"far): {trouble.message}")
     header = ("rank", "delivered*", "acked", "lag", "connected*", "heartbeat", "stalled",
               "lapsed", "client")
-    rows = [header] + [(
-        str(r.rank), _v(r.replica.delivered_step if r.replica else None),
-        _v(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
-        _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
-    ) for r in job.ranks or ()]
-    for r in job.ranks or ():  # a rank served to a model-parallel group: every member
-        rows += [(
+    rows = [header]
+    for r in job.ranks or ():
+        rows.append((
+            str(r.rank), _v(r.replica.delivered_step if r.replica else None),
+            _v(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
+            _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
+        ))
+        rows += [(  # a rank served to a model-parallel group: every member under it
             f"{r.rank}.{m.member}", _v(m.replica.delivered_step if m.replica else None),
             _v(m.acked_step), _v(m.lag_steps), _v(m.replica.connected if m.replica else None),
             _v(m.heartbeat_age_s, "{:.1f}s"), "", _v(bool(m.lapsed_for_s)),
