@@ -83,7 +83,7 @@ from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd
 from pipeline.producer.failures import Cause
 from pipeline.service.credit_window import CreditError, CreditWindow
-from pipeline.service.job_runtime import JobRuntime
+from pipeline.service.job_runtime import JobRuntime, RankConnection
 from pipeline.service.liveness import LivenessPolicy, rank_failure
 from pipeline.service.rank_cursor import (
     Boundary,
@@ -262,13 +262,19 @@ class RankStream:
                  start.world_size, extra={"job": op.job_id, "rank": op.rank,
                                           "step": start.pos})
 
+    def _connection(self) -> RankConnection:
+        """What this replica shows of the stream (status): its rank's, or its member's."""
+        s = self.s
+        return (self.rt.ranks[s.rank] if s.member is None
+                else self.rt.members[(s.rank, s.member.index)])
+
     def _log_extra(self) -> dict:
         return {"job": self.job_id, "rank": self.s.rank, "step": self.s.cursor.last_sent}
 
     async def run(self, requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
-        s, rt = self.s, self.rt
+        s = self.s
         reader = asyncio.ensure_future(self._read_acks(requests))
-        conn = rt.ranks[s.rank] if s.member is None else rt.members[(s.rank, s.member.index)]
+        conn = self._connection()
         conn.client_id, conn.connected = s.client_id, True
         writing: asyncio.Future | None = None
         try:
@@ -510,7 +516,7 @@ class RankStream:
                     return
                 s.credits.sent(batch.nbytes)
                 s.cursor.sent(action.step)
-                rt.ranks[s.rank].delivered = n
+                self._connection().delivered = n
                 for msg in batch.messages():  # a chunk is copied into its message as it goes
                     yield msg
                 continue
