@@ -462,10 +462,16 @@ class RedisJobState(JobState):
         return self._run(scripts.producer_restart, [self.keys.meta], [actor_id, process]) == 1
 
     def producer_lease(self) -> ProducerLease | None:
-        gen, holder, exp = self._meta("producer_gen", "producer_holder", "producer_exp")
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)  # the lease and Redis's clock at once
+            pipe.hmget(self.keys.meta, ["producer_gen", "producer_holder", "producer_exp"])
+            pipe.time()
+            (gen, holder, exp), (sec, usec) = pipe.execute()
         if not gen or int(gen) == 0:
             return None
-        return ProducerLease(int(gen), (holder or b"").decode(), int(exp or 0) / 1000.0)
+        exp_ms, now_ms = int(exp or 0), int(sec) * 1000 + int(usec) // 1000
+        return ProducerLease(int(gen), (holder or b"").decode(), exp_ms / 1000.0,
+                             exp_ms > now_ms)
 
     def set_error(self, message: str, *, fence: int, cause: str = "internal",
                   transient: bool = False) -> None:

@@ -137,6 +137,7 @@ class ComputeFitStatus:
     warmup: int = 0
     stale: int = 0  # reports of an ended world, ignored
     drifts: int = 0
+    fit_failures: int = 0  # fits the arithmetic could not carry (the model in force stayed)
     imbalance: tuple[tuple[int, float], ...] = ()
     # The newest fully reported step: each rank's measured seconds and those predicted by the
     # model the step was balanced by (none for a step balanced by tokens).
@@ -199,11 +200,14 @@ class GroupHealth:
 @dataclass(frozen=True)
 class ProducerLease:
     """Who may publish the job's plan. `generation` is the fencing token: it grows by one at
-    every change of holder, and a publish with an older generation is refused (`Fenced`)."""
+    every change of holder, and a publish with an older generation is refused (`Fenced`).
+    `live`: not expired when read, judged on the state's clock (as every lease is: a reader's
+    own clock may run ahead or behind)."""
 
     generation: int
     holder: str
     expires_at: float  # unix seconds (the state's clock)
+    live: bool
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,8 @@ class MemoryJobState(JobState):
             if p is not None and p.holder != holder and p.expires_at > now:
                 return None
             self._generation += 1
-            self._producer = ProducerLease(self._generation, holder, now + lease_seconds)
+            self._producer = ProducerLease(self._generation, holder, now + lease_seconds,
+                                           lease_seconds > 0)
             return self._generation
 
     def renew_producer(self, generation: int, lease_seconds: float) -> None:
@@ -245,17 +246,20 @@ class MemoryJobState(JobState):
             if p is None or p.generation != generation:
                 raise Fenced(f"job {self.job_id!r}: producer generation {generation} was "
                              f"replaced by {p.generation if p else None}")
-            self._producer = ProducerLease(generation, p.holder, now + lease_seconds)
+            self._producer = ProducerLease(generation, p.holder, now + lease_seconds,
+                                           lease_seconds > 0)
 
     def release_producer(self, generation: int) -> None:
         with self._lock:
             p = self._producer
             if p is not None and p.generation == generation:
-                self._producer = ProducerLease(generation, p.holder, 0.0)
+                self._producer = ProducerLease(generation, p.holder, 0.0, False)
 
     def producer_lease(self) -> ProducerLease | None:
+        now = self._clock()
         with self._lock:
-            return self._producer
+            p = self._producer
+        return None if p is None else replace(p, live=p.expires_at > now)
 
     def claim_producer_restart(self, actor_id: str, process: int) -> bool:
         with self._lock:

@@ -227,10 +227,11 @@ class ComputeStatus:
     reports: int = 0  # the reports it was fitted on
     last_error: float | None = None  # the latest fit's, passed or not
     accepted: int = 0
-    rejected: int = 0  # nonsense reports (negative, NaN, infinite, absurd)
+    rejected: int = 0  # nonsense reports (not finite, under a microsecond, over an hour)
     warmup: int = 0  # reports of a world's first steps, left out
     stale: int = 0  # reports of an ended world, ignored
     drifts: int = 0  # refits because the model in force stopped predicting (trainer changed)
+    fit_failures: int = 0  # fits that could not be computed (the model in force stayed)
     # Per step, max/mean of the ranks' measured compute (1.0: balanced), over the newest steps
     # whose ranks all reported.
     imbalance_last: float | None = None

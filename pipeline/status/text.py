@@ -162,7 +162,8 @@ def _compute(c: ComputeStatus) -> list[str]:
     else:
         head = f"  compute balancing: by tokens until the fit passes its gate ({fit})"
     lines = [head + f"; reports accepted {c.accepted}, rejected {c.rejected}, warm-up "
-             f"{c.warmup}, stale {c.stale}; refits after drift {c.drifts}"]
+             f"{c.warmup}, stale {c.stale}; refits after drift {c.drifts}"
+             + (f"; fits failed {c.fit_failures}" if c.fit_failures else "")]
     if c.coefficients:
         lines.append("    seconds per unit: " + "  ".join(
             f"{k}={v:.3g}" for k, v in c.coefficients.items() if v))
