@@ -12,6 +12,7 @@ from jobstate.builders import publication, steps
 from pipeline.jobstate import MemoryJobState, RankAck
 from pipeline.jobstate.interface import Member
 from pipeline.observability.job_status import ServiceStatus
+from pipeline.observability.metrics import OdbCollector
 from pipeline.observability.status_json import job_from_dict, job_to_dict
 from pipeline.observability.status_page import render as render_page
 from pipeline.observability.status_proto import from_proto, to_proto
@@ -72,3 +73,16 @@ def test_members_on_every_surface():
     page = render_page(ServiceStatus(0.0, 0.0, "r1", (job,)))
     assert 'data-rank="0" data-member="1" class="member is-lapsed"' in page
     assert ">tp1<" in page and ">0.1<" in page
+
+    class View:  # the collector's source: this job's status
+        started_at = 0.0
+
+        def status(self):
+            return ServiceStatus(0.0, 0.0, "r1", (job,))
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in OdbCollector(View()).collect() for s in fam.samples}
+    key = (("job_id", "g"), ("member", "1"), ("rank", "0"))
+    assert samples[("odb_member_lag_steps", key)] == 3
+    assert samples[("odb_member_lapsed", key)] == 1
+    assert not any("tp1" in str(k) for k in samples), "client ids are never labels"
