@@ -6,8 +6,8 @@ keeps and `coordinator/lua/lib/group.lua` follows; it touches no other state.
   ack), or released (`""`: its member got its END or ended cleanly).
 - The group's lease (the rank's) expires with its first seat: a held seat at its own expiry, a
   seat nobody took yet at `absent_until` (`lease_seconds` after the group formed: a member that
-  never connects is a lost one); released seats do not count. When every seat is released the
-  group ends (`lease_expiry` None) and the rank has no lease.
+  never connects is a lost one); released seats do not count. When no seat is held any more
+  (its members released them) the group ends (`lease_expiry` None) and the rank has no lease.
 - The group's cursor is the lowest of its seats' acks: a seat starts at the rank's cursor when
   the group forms, so a member that never connected, or that was lost, holds the group (and the
   payloads) where it left off, as a lost rank holds its own.
@@ -62,10 +62,11 @@ class Group:
 
     def lease_expiry(self) -> float | None:
         """When the group's lease expires: its first seat's expiry (see the module docstring);
-        None once every seat was released (the group ended)."""
-        times = [s.expires_at if s.held else self.absent_until
-                 for s in self.seats if s.client_id != ""]
-        return min(times) if times else None
+        None once no seat is held (every member released its seat: the group ended)."""
+        if not any(s.held for s in self.seats):
+            return None
+        return min(s.expires_at if s.held else self.absent_until
+                   for s in self.seats if s.client_id != "")
 
     def cursor(self) -> int:
         return min(s.acked for s in self.seats)

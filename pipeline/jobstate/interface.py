@@ -418,7 +418,7 @@ class JobState(ABC):
     def release_rank(self, rank: int, client_id: str, *,
                      member: Member | None = None) -> None:
         """Only the holder can release; releasing is not a lapse. A member releases its seat:
-        the seat stops counting for the group's lease, and the last release ends the group
+        the seat stops counting for the group's lease; once no seat is held the group ends
         (the rank's lease goes)."""
 
     @abstractmethod

@@ -227,3 +227,15 @@ def test_a_member_seat_is_checked(make_env):
     # A group of one is the rank's own lease.
     st.claim_rank(1, "solo", LONG, member=Member(0, 1))
     assert st.rank_health()[1].client_id == "solo" and st.group_health() == []
+
+
+def test_a_group_ends_once_no_seat_is_held(env: Env):
+    """Its only member released (END) before its peer ever came: the group ends, and the seat
+    nobody took never lapses the rank."""
+    st = env.state
+    st.claim_rank(2, "A", SHORT, member=M0)
+    st.release_rank(2, "A", member=M0)
+    env.sleep(LAPSE)
+    h = st.rank_health()[2]
+    assert (h.client_id, h.lapsed) == (None, False) and st.group_health() == []
+    assert 2 not in st.lapsed_ranks() and st.counters().lease_lapses == 0

@@ -3,8 +3,8 @@
 -- rank_left with a member. KEYS: meta, acked, lease_exp, lease, lapsed, counters, claimed,
 -- grants, groups, members, member_exp, member_acked, draining, world_times.
 -- ARGV: rank, member, group_size, client_id, generation (-1: a release).
--- Only the seat's holder releases it (the seat stops counting for the group's lease); the last
--- release ends the group (the rank's lease goes) and, for a LEFT, the rank stops draining.
+-- Only the seat's holder releases it (the seat stops counting for the group's lease); once no
+-- seat is held the group ends (the rank's lease goes) and, for a LEFT, the rank stops draining.
 -- Returns 1 when the group ended, else 0.
 --! include now
 --! include group

@@ -54,15 +54,15 @@ local function drop_seats(r, k)
 end
 -- group_lease(r, k, absent): the rank's lease becomes its group's (expiring with its first
 -- seat: a held one at its expiry, one nobody took at `absent`; released ones do not count);
--- false when every seat was released: the group ends and the rank has no lease.
+-- false when no seat is held any more: the group ends and the rank has no lease.
 local function group_lease(r, k, absent)
-  local exp = nil
+  local exp, held = nil, false
   for _, s in ipairs(seats(r, k)) do
     local t = nil
-    if s[1] == nil then t = absent elseif s[1] ~= '' then t = s[2] end
+    if s[1] == nil then t = absent elseif s[1] ~= '' then t, held = s[2], true end
     if t and (exp == nil or t < exp) then exp = t end
   end
-  if exp == nil then
+  if not held then
     redis.call('HDEL', KEYS[4], r)
     redis.call('ZREM', KEYS[3], r)
     redis.call('HDEL', KEYS[9], r)
