@@ -116,8 +116,8 @@ class RankHeld(StateError):
 class GroupRefused(StateError):
     """A model-parallel group the job cannot serve as asked (`Member`): two clients of one rank
     disagree on its group size, or the job does not say how its sequences are padded
-    (`batching.pad_to_multiple`). Messages start with `GROUP_REFUSED_PREFIX` (the client does
-    not retry them)."""
+    (`batching.pad_to_multiple`: its message starts with `GROUP_REFUSED_PREFIX`, which the
+    client does not retry)."""
 
 
 class Fenced(StateError):

@@ -62,7 +62,9 @@ group_rank=j)` and all receive that rank's batches, byte-identical; the group ho
 one lease and its acks count once (the rank moves with its slowest member, so a member that
 restarts without a state gets the group's position); a lost member is a lost rank to the job's
 `rank_failure_policy`. Any member's `state_dict()` restores any member. A group size another
-live member disagrees with is refused at once (`StreamError`, FAILED_PRECONDITION).
+live member disagrees with is refused (FAILED_PRECONDITION naming both): retried like a held
+rank (a previous launch's member lapses) and raised after `reconnect_timeout`; a job that
+cannot serve groups (no `batching.pad_to_multiple`) is raised at once.
 
 Elastic worlds (docs/elastic.md): when the job's world is reconfigured, this rank gets its
 batches up to the boundary and then an END whose `reason` is "reconfigure" and whose

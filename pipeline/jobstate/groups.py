@@ -18,15 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.jobstate.interface import GroupHealth, MemberHealth
-from trainer_client.wire_format import GROUP_REFUSED_PREFIX
 
 
 def group_refused(job_id: str, rank: int, size: int, who: str, client_id: str,
                   asked: int) -> str:
     """`GroupRefused`'s message for two clients of one rank that disagree on its group size
-    (`size` 1: a client holds the rank alone)."""
+    (`size` 1: a client holds the rank alone). The client retries it as it retries `RankHeld`:
+    the other client may be a previous launch's, whose lease lapses (a live disagreement is
+    raised after its `reconnect_timeout`)."""
     held = "by a client alone (group_size 1)" if size == 1 else f"by a group of {size}"
-    return (f"{GROUP_REFUSED_PREFIX}: job {job_id!r} rank {rank} is held {held}, {who}; "
+    return (f"group_size mismatch: job {job_id!r} rank {rank} is held {held}, {who}; "
             f"client {client_id!r} opened it with group_size {asked}. Every member of a rank's "
             "group must open with the same group_size (BatchStream(group_size=...))")
 

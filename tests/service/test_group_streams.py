@@ -196,5 +196,6 @@ def test_a_group_needs_pad_to_multiple_and_members_agreeing_on_its_size():
         job.close()
     for out, size in ((other, 4), (alone, 1)):
         assert isinstance(out, GroupRefused) and status_of(out).name == "FAILED_PRECONDITION"
+        assert str(out).startswith("group_size mismatch")
         assert "group of 2, member 0 (client 'c0.0')" in str(out)
         assert f"opened it with group_size {size}" in str(out)
