@@ -208,7 +208,7 @@ def test_a_group_on_a_job_without_pad_to_multiple_fails_at_once():
     with served() as svc, BatchStream(svc.address, "j", 0, 1, group_size=2,
                                       reconnect_timeout=60) as s:
         t0 = time.monotonic()
-        with pytest.raises(StreamError, match="group refused.*pad_to_multiple") as err:
+        with pytest.raises(StreamError, match=r"group refused.*pad_to_multiple") as err:
             next(iter(s))
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert time.monotonic() - t0 < 10 and s.reconnects == 0
