@@ -524,8 +524,10 @@ class ServiceConfig(_Model):
         False, description="wait until Redis fsynced each publication (WAITAOF: Redis >= 7.2 "
         "or Valkey with appendonly) so a step a rank saw survives a Redis crash")
     resume_grace_seconds: float = Field(
-        2.0, ge=0, description="how long an Open naming a step beyond the plan waits for a "
-        "restarting producer before OUT_OF_RANGE")
+        60.0, ge=0, description="an Open naming a step beyond the published plan (a Redis that "
+        "lost its last publications: the producer publishes them again) opens its stream and "
+        "waits for the step as long as the plan grows; this long with nothing new published, "
+        "it ends OUT_OF_RANGE (so does an END of its epoch published before it)")
     lease_seconds: float = Field(
         10.0, gt=0, description="a rank's lease lasts this long after the last sign of life "
         "from its client (an Open, an Ack or a Heartbeat; BatchStream sends one every 2 s)")

@@ -34,15 +34,18 @@ class RedisGroups:
         self.state = state
         k = state.keys
         self.keys = [k.meta, k.acked, k.lease_exp, k.lease, k.lapsed, k.counters, k.claimed,
-                     k.grants, k.groups, k.members, k.member_exp, k.member_acked, k.draining]
+                     k.grants, k.groups, k.members, k.member_exp, k.member_acked, k.draining,
+                     k.lease_claim]
 
-    def acks(self, acks: Sequence[RankAck], lease_seconds_ms: int) -> list[Any]:
-        """Per ack (each with a member of a group of two or more): the seat's expiry (ms) or
-        the error refusing it."""
+    def acks(self, acks: Sequence[RankAck], lease_seconds_ms: int, *, claims: bool = False
+             ) -> list[Any]:
+        """Per ack (each with a member of a group of two or more): (the seat's expiry in ms,
+        its claim's number: 0 unless `claims`, the acks being the seats' Opens) or the error
+        refusing it."""
         args: list[Any] = [self.state.keys.base, lease_seconds_ms]
         for a in acks:
             args += [a.rank, a.member.index, a.member.group_size, a.client_id, a.step,
-                     "1" if a.renew else "0"]
+                     "1" if a.renew else "0", "1" if claims else "0"]
         try:
             replies = self.state._run(scripts.member_ack_many, self.keys, args)
         except UnknownJob as exc:  # the job is gone: every ack gets the error
@@ -53,12 +56,14 @@ class RedisGroups:
                 msg = res.decode() if isinstance(res, bytes) else res
                 out.append(self.error(msg, a) or RuntimeError(msg))
             else:
-                out.append(int(res))
+                out.append((int(res[0]), int(res[1])))
         return out
 
-    def release(self, rank: int, client_id: str, member: Member, generation: int = -1) -> None:
+    def release(self, rank: int, client_id: str, member: Member, generation: int = -1, *,
+                claim: int | None = None) -> None:
         self.state._call(scripts.member_release, [*self.keys, self.state.keys.world_times],
-                         [rank, member.index, member.group_size, client_id, generation])
+                         [rank, member.index, member.group_size, client_id, generation,
+                          "" if claim is None else claim])
 
     def error(self, msg: str, ack: RankAck) -> Exception | None:
         """A member's refusal (ODB_GROUP, ODB_MHELD); else the state's own mapping."""

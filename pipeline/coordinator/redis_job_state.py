@@ -517,7 +517,7 @@ class RedisJobState(JobState):
 
     def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int) -> list:
         # The script checks the rank (current world for cursors, + draining ranks for leases).
-        return self._run(scripts.ack, self._ack_keys(),
+        return self._run(scripts.ack, [*self._ack_keys(), self.keys.lease_claim],
                          [self.keys.base, rank, client_id, _ms(lease_seconds), step], rank=rank)
 
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
@@ -526,15 +526,16 @@ class RedisJobState(JobState):
             raise ValueError("client_id must be non-empty")
         if grouped(member):
             (res,) = self._groups.acks([RankAck(rank, client_id, member=member)],
-                                       _ms(lease_seconds))
+                                       _ms(lease_seconds), claims=True)
             if isinstance(res, Exception):
                 raise res
-            return RankLease(rank, client_id, res / 1000.0)
+            exp, claim = res
+            return RankLease(rank, client_id, exp / 1000.0, claim)
         try:
-            exp, _ = self._ack(rank, client_id, lease_seconds, -1)
+            exp, _, claim = self._ack(rank, client_id, lease_seconds, -1)
         except RankHeld as exc:
             raise self._groups.plain_refusal(exc, rank, client_id) from None
-        return RankLease(rank, client_id, exp / 1000.0)
+        return RankLease(rank, client_id, exp / 1000.0, int(claim))
 
     def ack(self, rank: int, step: int) -> None:
         if step < 0:
@@ -608,13 +609,14 @@ class RedisJobState(JobState):
             raw = self.client.get(self.keys.compute_fit)
         return None if raw is None else ComputeFitStatus.from_json(raw)
 
-    def release_rank(self, rank: int, client_id: str, *,
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None, *,
                      member: Member | None = None) -> None:
         self._check_rank(rank, self._lease_ranks())
         if grouped(member):
-            self._groups.release(rank, client_id, member)
+            self._groups.release(rank, client_id, member, claim=claim)
             return
-        self._run(scripts.release, [self.keys.lease, self.keys.lease_exp], [rank, client_id])
+        self._run(scripts.release, [self.keys.lease, self.keys.lease_exp, self.keys.lease_claim],
+                  [rank, client_id, "" if claim is None else claim])
 
     def group_health(self) -> list[GroupHealth]:
         return self._groups.health()
@@ -652,10 +654,12 @@ class RedisJobState(JobState):
             pipe = self.client.pipeline(transaction=True)
             pipe.hget(self.keys.lease, rank)
             pipe.zscore(self.keys.lease_exp, rank)
-            raw, exp = pipe.execute()
+            pipe.hget(self.keys.lease_claim, rank)
+            raw, exp, claim = pipe.execute()
         if raw is None or exp is None:
             return None
-        return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0)
+        return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0,
+                         int(claim or 0))
 
     # ------------------------------------------------------------- failures
     def _lapsed(self, older_than_seconds: float, absent: bool = False

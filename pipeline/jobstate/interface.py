@@ -38,6 +38,7 @@ class RankLease:
     rank: int
     client_id: str
     expires_at: float  # unix seconds (the state's clock)
+    claim: int = 0  # which claim of the rank (an Open) this is: they are counted per rank
 
 
 # The most clients one rank's group may have (tensor x context x pipeline parallel members):
@@ -407,19 +408,22 @@ class JobState(ABC):
     @abstractmethod
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
                    member: Member | None = None) -> RankLease:
-        """Take or renew the rank's lease; `RankHeld` if another client's lease is live.
+        """Take or renew the rank's lease (a stream's Open); `RankHeld` if another client's
+        lease is live. Each claim of the rank gets the next number (`RankLease.claim`).
         With `member` (a group of two or more, `Member`): take or renew that seat, forming
         the rank's group (its seats' acks start at the rank's cursor) when no live seat holds
         it; `RankHeld` if another client holds the seat live; `GroupRefused` if the rank is
         held live by a client alone or by a group of another size (the message names both).
-        The returned lease is the client's own (its seat's)."""
+        The returned lease is the client's own (its seat's, its claims counted per seat)."""
 
     @abstractmethod
-    def release_rank(self, rank: int, client_id: str, *,
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None, *,
                      member: Member | None = None) -> None:
-        """Only the holder can release; releasing is not a lapse. A member releases its seat:
-        the seat stops counting for the group's lease; once no seat is held the group ends
-        (the rank's lease goes)."""
+        """Only the holder can release; releasing is not a lapse. With `claim`, only while
+        that is still the rank's latest claim: a holder whose stream vanished from one replica
+        and that claimed the rank again (on any replica) is alive, and keeps its lease. A
+        member releases its seat (`claim`: the seat's latest): the seat stops counting for
+        the group's lease; once no seat is held the group ends (the rank's lease goes)."""
 
     @abstractmethod
     def group_health(self) -> list[GroupHealth]:

@@ -86,6 +86,8 @@ class MemoryJobState(JobState):
         # A rank's group (groups.py): current while the rank's lease names it (group_holder);
         # a record left behind by a scale or a plain client's takeover is stale and ignored.
         self._groups: dict[int, Group] = {}
+        # rank, or (rank, seat) of a group -> its claims so far (the latest's number)
+        self._claims: dict[int | tuple[int, int], int] = {}
         self._heartbeats: dict[int, float] = {}
         self._lapsed: set[int] = set()
         self._claimed: set[int] = set()  # ranks that ever held a lease
@@ -323,17 +325,21 @@ class MemoryJobState(JobState):
         if not client_id:
             raise ValueError("client_id must be non-empty")
         if grouped(member):
-            (error,) = self.ack_many([RankAck(rank, client_id, member=member)], lease_seconds)
-            if error is not None:
-                raise error
+            now = self._clock()
+            ack = RankAck(rank, client_id, member=member)
             with self._lock:
+                self._member_ack(ack, lease_seconds, now, self._check_ack(ack, now))
                 seat = self._groups[rank].seats[member.index]
-                return RankLease(rank, client_id, seat.expires_at)
+                key = (rank, member.index)
+                self._claims[key] = claim = self._claims.get(key, 0) + 1  # per seat
+                return RankLease(rank, client_id, seat.expires_at, claim)
         self._check_lease_rank(rank)
         now = self._clock()
         with self._lock:
             self._check_holder(rank, client_id, now)
-            return self._take(rank, client_id, lease_seconds, now)
+            lease = self._take(rank, client_id, lease_seconds, now)
+            self._claims[rank] = claim = self._claims.get(rank, 0) + 1
+            return replace(lease, claim=claim)
 
     def _check_holder(self, rank: int, client_id: str, now: float) -> None:
         cur = self._leases.get(rank)
@@ -343,15 +349,17 @@ class MemoryJobState(JobState):
                 raise self._group_refused(rank, group, now, client_id, 1)
             raise self._held(rank, cur, now)
 
-    def release_rank(self, rank: int, client_id: str, *,
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None, *,
                      member: Member | None = None) -> None:
         self._check_lease_rank(rank)
         with self._lock:
             if grouped(member):
-                self._release_seat(rank, client_id, member, self._clock())
+                if claim in (None, self._claims.get((rank, member.index))):
+                    self._release_seat(rank, client_id, member, self._clock())
                 return
             cur = self._leases.get(rank)
-            if cur is not None and cur.client_id == client_id:
+            if (cur is not None and cur.client_id == client_id
+                    and claim in (None, self._claims.get(rank))):
                 del self._leases[rank]
                 self._heartbeats.pop(rank, None)
 

@@ -21,14 +21,16 @@ Leases (Guarantees 4, 8). A rank's lease is renewed only on evidence from its cl
 Open, its Acks and its Heartbeats (which a client sends from its gRPC request thread while it
 has nothing else to say, so a trainer busy in a long step keeps its lease and a frozen one does
 not); a stream that is merely connected renews nothing. Each renewal is checked: a stream whose
-rank another client took ends (`RankHeld`). A rank that got its final END releases its lease,
-as does a stream the server ends; a client whose stream goes away before that (killed, network
-gone, or closed early: the server cannot tell them apart, and each leaves its peers waiting)
-does not: its lease lapses `lease_seconds` after its last sign of life, and the job's
-`rank_failure_policy` (`liveness.py`) decides what the other ranks' streams do. A restarted
-client of a rank whose previous stream vanished from *this* replica takes the rank over at once
-instead of waiting out the lease; a client that fails over to another replica keeps its client
-id, so it re-claims at once.
+rank another client took ends (`RankHeld`). A rank that got its final END releases its lease.
+A stream that ends before that keeps it, whether its client went away (killed, network gone,
+or closed early: the server cannot tell them apart, and each leaves its peers waiting) or the
+server ended it with an error (its trainer may exit on it): the lease lapses `lease_seconds`
+after the client's last sign of life, and the job's `rank_failure_policy` (`liveness.py`)
+decides what the other ranks' streams do (a released rank would never be judged gone). A
+restarted client of a rank whose previous stream ended on *this* replica takes the rank over at
+once instead of waiting out the lease, unless the rank was claimed again since (on any replica:
+that holder is alive, and the new client gets `RankHeld`); a client that fails over to another
+replica keeps its client id, so it re-claims at once.
 
 Groups (docs/trainer-client.md): the members of a rank's model-parallel group (`Open.group_size`,
 `group_rank`) each have a stream of the rank; each stream holds its member's seat in the group's
@@ -95,7 +97,13 @@ from pipeline.service.rank_cursor import (
     Send,
 )
 from pipeline.service.stream_io import JobIO
-from pipeline.service.world_open import MAX_CREDITS, StreamStart, member_of, resolve
+from pipeline.service.world_open import (
+    MAX_CREDITS,
+    StreamStart,
+    beyond_the_plan,
+    member_of,
+    resolve,
+)
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 MAX_COMPUTE_REPORTS = 64  # per Ack (a client sends one per batch taken since its last Ack)
@@ -112,7 +120,7 @@ class StreamSettings:
 
     lease_seconds: float = 10.0  # a lease lasts this long after the client's sign of life
     prefetch_steps: int = 4  # the most credits a client gets (its Open may ask for fewer)
-    resume_grace_s: float = 2.0  # a resume position past the plan waits this long for it
+    resume_grace_s: float = 60.0  # a position past the plan: how long the plan may not grow
     state_timeout_seconds: float = 5.0  # the longest wait for the job's state: UNAVAILABLE
     payload_timeout_seconds: float = 10.0  # the longest wait for a batch's payloads
 
@@ -125,6 +133,7 @@ class StreamSession:
     client_id: str
     credits: CreditWindow
     cursor: RankCursor
+    claim: int = 0  # the number of this stream's claim of the rank (`RankLease.claim`)
     member: Member | None = None  # its seat in the rank's model-parallel group (None: alone)
     cancelled: bool = False
     client_closed: bool = False  # the client half-closed its side (after its final ack)
@@ -135,6 +144,10 @@ class StreamSession:
     left: bool = False  # got END(reconfigure): its world ended, it left
     unreachable: bool = False  # ended because the job's state or payloads could not be reached
     renewed_at: float = field(default_factory=time.monotonic)  # the lease's last renewal
+    # An Open's position past the published plan, until the plan reaches it; the plan's last
+    # step when the stream last saw it grow, and when.
+    awaited: int | None = None
+    awaited_plan: tuple[int, float] = (-1, 0.0)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def poke(self) -> None:
@@ -182,9 +195,9 @@ class RankStreams:
         self.settings = settings
         self.policy = policy
         self.executor = executor
-        # (job, rank, group seat or -1) -> client id of a stream that vanished from this
-        # replica (not released).
-        self._vanished: dict[tuple[str, int, int], str] = {}
+        # (job, rank, group seat or -1) -> (client id, claim) of a stream that ended on this
+        # replica before its final END (its lease not released).
+        self._vanished: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._vanished_lock = threading.Lock()
         self._ios: dict[str, JobIO] = {}
 
@@ -199,27 +212,32 @@ class RankStreams:
         return jio
 
     def claim(self, rt: JobRuntime, rank: int, client_id: str,
-              member: Member | None = None) -> None:
+              member: Member | None = None) -> int:
         """Claim the rank, or the member's seat in its group (`RankHeld` while another live
-        client holds it); if its holder is a stream that vanished from this replica, take over
-        at once (release the dead holder's lease first) rather than wait out the lease."""
+        client holds it); returns the claim's number (claims are counted per rank, and per
+        seat). If its holder is a stream that ended on this replica and no claim of it came
+        since (the holder did not claim it again elsewhere: it is dead), take over at once
+        (release that lease first) rather than wait out the lease."""
         key = (rt.job.job_id, rank, _seat(member))
         with self._vanished_lock:
             old = self._vanished.pop(key, None)
-        if old is not None and old != client_id:
-            try:  # a no-op unless `old` still holds it
-                rt.state.release_rank(rank, old, member=member)
+        if old is not None and old[0] != client_id:
+            try:  # a no-op unless that client still holds it by that very claim
+                rt.state.release_rank(rank, *old, member=member)
             except Exception:
-                log.debug("release of vanished client %s failed", old, exc_info=True)
+                log.debug("release of vanished client %s failed", old[0], exc_info=True)
         try:
-            rt.state.claim_rank(rank, client_id, self.settings.lease_seconds, member=member)
+            return rt.state.claim_rank(rank, client_id, self.settings.lease_seconds,
+                                       member=member).claim
         except RankHeld as exc:
             raise RankHeld(f"{exc}; retry after the lease lapses") from None
 
-    def vanished(self, rt: JobRuntime, rank: int, client_id: str,
+    def vanished(self, rt: JobRuntime, rank: int, client_id: str, claim: int,
                  member: Member | None = None) -> None:
+        """`client_id`'s stream of `rank` (its claim `claim`; of its seat `member`) ended here
+        without releasing."""
         with self._vanished_lock:
-            self._vanished[(rt.job.job_id, rank, _seat(member))] = client_id
+            self._vanished[(rt.job.job_id, rank, _seat(member))] = (client_id, claim)
 
     async def serve(self, rt: JobRuntime, op: pb.Open, client_id: str,
                     requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
@@ -231,12 +249,11 @@ class RankStreams:
         prefetch = self.settings.prefetch_steps
         credits = CreditWindow.opened(max(1, min(op.credits or prefetch, prefetch)),
                                       op.prefetch_bytes, op.held_bytes)
-        grace = self.settings.resume_grace_s  # (a position past the plan waits this long)
-        start = await jio.run(functools.partial(resolve, resume_grace_s=grace), op, rt,
-                              waits_s=grace)
+        start = await jio.run(resolve, op, rt)
+        claim = 0
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
-            await jio.run(self.claim, rt, op.rank, client_id, member)
-        stream = RankStream(self, jio, op, client_id, start, credits, member)
+            claim = await jio.run(self.claim, rt, op.rank, client_id, member)
+        stream = RankStream(self, jio, op, client_id, start, credits, claim, member)
         await stream.run(requests, write)
 
 
@@ -244,8 +261,8 @@ class RankStream:
     """One stream: its session, the send loop and the ack reader."""
 
     def __init__(self, streams: RankStreams, jio: JobIO, op: pb.Open, client_id: str,
-                 start: StreamStart, credits: CreditWindow, member: Member | None = None
-                 ) -> None:
+                 start: StreamStart, credits: CreditWindow, claim: int,
+                 member: Member | None = None) -> None:
         self.streams = streams
         self.settings = streams.settings
         self.jio = jio
@@ -254,9 +271,10 @@ class RankStream:
         cursor = RankCursor(op.rank, self.rt.job.epochs, pos=start.pos, epoch=start.epoch,
                             last_sent=start.pos - 1, world=start.world, limit=start.limit,
                             next_world_size=start.next_world_size)
-        self.s = StreamSession(op.rank, client_id, credits, cursor, member,
+        self.s = StreamSession(op.rank, client_id, credits, cursor, claim=claim, member=member,
                                leased=start.has_work, granted=start.pos - 1,
-                               window=credits.steps)
+                               window=credits.steps,
+                               awaited=start.pos if start.beyond_plan else None)
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, start.pos, start.epoch, start.world,
                  start.world_size, extra={"job": op.job_id, "rank": op.rank,
@@ -311,17 +329,17 @@ class RankStream:
 
     async def _finish(self) -> None:
         s, rt = self.s, self.rt
-        # A client whose stream went away before its final END keeps its lease until it
-        # lapses: that is how the other ranks learn a peer is gone (Guarantee 4).
-        # (A client that half-closed early on purpose leaves them waiting just the same.)
-        vanished = ((s.cancelled or s.client_closed)
-                    and not (s.cursor.job_done or s.left) and s.leased)
-        if vanished:
-            self.streams.vanished(rt, s.rank, s.client_id, s.member)
-            log.info("job %s rank %d: client %s vanished; its lease lapses in <= %.1fs",
-                     self.job_id, s.rank, s.client_id, self.settings.lease_seconds,
-                     extra=self._log_extra())
-        elif s.leased and not s.unreachable:  # (else the lease lapses: the client is elsewhere)
+        # A stream that ends before its final END (its client went away, or the server ended
+        # it with an error its trainer may exit on) keeps its lease until it lapses: that is
+        # how the other ranks learn a peer is gone (Guarantee 4). (A client that half-closed
+        # early on purpose leaves them waiting just the same.)
+        if s.leased and not s.cursor.job_done:
+            self.streams.vanished(rt, s.rank, s.client_id, s.claim, s.member)
+            log.info("job %s rank %d: client %s %s; its lease lapses in <= %.1fs",
+                     self.job_id, s.rank, s.client_id,
+                     "vanished" if s.cancelled or s.client_closed else "was ended",
+                     self.settings.lease_seconds, extra=self._log_extra())
+        elif s.leased and not s.unreachable:  # (else it lapses: the client is elsewhere)
             try:
                 await self.jio.run(functools.partial(rt.state.release_rank, s.rank, s.client_id,
                                                      member=s.member))
@@ -485,6 +503,8 @@ class RankStream:
                 raise ReplicaUnavailable("server is shutting down; reconnect")
             await self._check_abort()
             action = await jio.next_action(s.cursor)
+            if s.awaited is not None:
+                await self._await_position(action)
             if isinstance(action, Finished):
                 return
             if isinstance(action, Boundary):  # the world ended: learn this rank's last step
@@ -521,6 +541,30 @@ class RankStream:
                     yield msg
                 continue
             await jio.tick()  # Wait: nothing published for this rank yet
+
+    async def _await_position(self, action: object) -> None:
+        """The stream opened at a position past the published plan (the job's state lost
+        publications the client had received; the producer publishes them again after its
+        backoff and a replay from its checkpoint): it waits for the plan to get there as long
+        as the plan grows. OUT_OF_RANGE (`PositionUnavailable`) once the epoch's END is
+        published before the position, or `resume_grace_s` went by with nothing new
+        published."""
+        s = self.s
+        through = (await self.jio.head()).published_through
+        if s.awaited <= through + 1:
+            s.awaited = None  # the plan got there: an ordinary stream from now on
+            return
+        if isinstance(action, End) and action.end.last_step + 1 < s.awaited:
+            raise beyond_the_plan(self.job_id, s.awaited, through,
+                                  f" and epoch {action.end.epoch} ended at step "
+                                  f"{action.end.last_step}")
+        now = time.monotonic()
+        if through > s.awaited_plan[0]:
+            s.awaited_plan = (through, now)
+        elif now - s.awaited_plan[1] > self.settings.resume_grace_s:
+            raise beyond_the_plan(self.job_id, s.awaited, through,
+                                  f" and nothing new was published for "
+                                  f"{self.settings.resume_grace_s:g}s")
 
     async def _await_credit(self, nbytes: int) -> bool:
         """Until the client's credits let a batch of `nbytes` go (0: until a step credit is

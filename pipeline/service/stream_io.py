@@ -110,16 +110,14 @@ class JobIO:
         self._shared: dict[tuple[int, int], _SharedBuild] = {}  # (step, rank): a group's build
         rt.add_waker(self._wake_from_any_thread)
 
-    async def run(self, fn: Callable[..., T], *args: Any, waits_s: float = 0.0) -> T:
-        """`fn(*args)`, a call to the job's state, in an I/O thread, bounded (`waits_s`: how
-        long `fn` may wait on purpose, on top of the bound)."""
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, a call to the job's state, in an I/O thread, bounded. (Nothing run here
+        waits on purpose: a wait belongs on the loop, not in one of the few I/O threads.)"""
         return await self._bounded(
-            self.loop.run_in_executor(self.executor, functools.partial(fn, *args)),
-            extra_s=waits_s)
+            self.loop.run_in_executor(self.executor, functools.partial(fn, *args)))
 
-    async def _bounded(self, call: Awaitable[T], payloads: bool = False,
-                       extra_s: float = 0.0) -> T:
-        limit = (2 * self.payload_timeout if payloads else self.state_timeout) + extra_s
+    async def _bounded(self, call: Awaitable[T], payloads: bool = False) -> T:
+        limit = 2 * self.payload_timeout if payloads else self.state_timeout
         try:
             async with asyncio.timeout(limit):
                 return await call

@@ -239,3 +239,17 @@ def test_a_group_ends_once_no_seat_is_held(env: Env):
     h = st.rank_health()[2]
     assert (h.client_id, h.lapsed) == (None, False) and st.group_health() == []
     assert 2 not in st.lapsed_ranks() and st.counters().lease_lapses == 0
+
+
+def test_a_seats_claims_are_counted_and_an_older_claim_releases_nothing(env: Env):
+    """As a rank's: a replica releases a vanished member's seat only by that member's latest
+    claim of it (a member that claimed its seat again elsewhere is alive)."""
+    st = env.state
+    first = st.claim_rank(1, "A", LONG, member=M0).claim
+    assert st.claim_rank(1, "B", LONG, member=M1).claim == 1  # counted per seat
+    again = st.claim_rank(1, "A", LONG, member=M0).claim  # A reconnected (another replica)
+    assert again == first + 1
+    st.release_rank(1, "A", first, member=M0)  # the older claim: A is alive, nothing changes
+    assert st.group_health()[0].members[0].client_id == "A"
+    st.release_rank(1, "A", again, member=M0)
+    assert st.group_health()[0].members[0].released

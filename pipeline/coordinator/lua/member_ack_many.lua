@@ -1,17 +1,19 @@
 -- Members' claims, acks and heartbeats (a replica's streams of grouped ranks, grouped into one
 -- call; the plain ranks' go to ACK_MANY). Python model: MemoryJobState.ack_many with members.
 -- KEYS: meta, acked, lease_exp, lease, lapsed, counters, claimed, grants, groups, members,
---       member_exp, member_acked, draining
--- ARGV: base, lease_ms, then (rank, member, group_size, client_id, step, renew) sextuples; step
--- < 0: a claim or heartbeat (no cursor); renew '0': the seat is renewed only if its client does
--- not hold it live. Each is checked before anything of it is written: the rank inside the world
+--       member_exp, member_acked, draining, lease_claim
+-- ARGV: base, lease_ms, then (rank, member, group_size, client_id, step, renew, claim)
+-- septuples; step < 0: a claim or heartbeat (no cursor); renew '0': the seat is renewed only if
+-- its client does not hold it live; claim '1': a seat's Open (its claims are counted per seat,
+-- as ACK counts a rank's). Each is checked before anything of it is written: the rank inside the world
 -- (ODB_RANK, as ACK_MANY), the seat (lib/group member_check: ODB_GROUP, ODB_HELD, ODB_MHELD),
 -- for an ack the step published (ODB_AHEAD) and within the rank's grant (ODB_UNSENT). Then a
 -- new group forms where none is current (its seats' acks start at the rank's cursor; taking a
 -- lapsed lease over counts a lapse), the seat is the client's for lease_ms more (a lapse counted
 -- when another client's lapsed seat is taken), its ack moves (monotonic) and the rank's cursor
 -- moves to the lowest of the group's seats; the rank's lease becomes the group's.
--- Returns one reply per entry: the seat's expiry (ms) or its error.
+-- Returns one reply per entry: {the seat's expiry (ms), the claim's number (0: not a claim)} or
+-- its error.
 --! include now
 --! include trim
 --! include group
@@ -22,7 +24,7 @@ local ws, through = tonumber(m[1]), tonumber(m[2])
 local lr, first = tonumber(m[3] or m[1]), tonumber(m[4] or 0)
 local lease_ms = tonumber(ARGV[2])
 local out, moved = {}, false
-for i = 3, #ARGV, 6 do
+for i = 3, #ARGV, 7 do
   local rank, j, k, cid = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
   local step = tonumber(ARGV[i + 4])
   local r = tonumber(rank)
@@ -80,7 +82,9 @@ for i = 3, #ARGV, 6 do
     end
     local g = redis.call('HGET', KEYS[9], rank)
     group_lease(rank, k, tonumber(string.sub(g, string.find(g, ':', 1, true) + 1)))
-    out[#out + 1] = tonumber(redis.call('HGET', KEYS[11], seat))
+    local claim = 0
+    if ARGV[i + 6] == '1' then claim = redis.call('HINCRBY', KEYS[14], seat, 1) end
+    out[#out + 1] = {tonumber(redis.call('HGET', KEYS[11], seat)), claim}
   end
 end
 if moved then trim() end

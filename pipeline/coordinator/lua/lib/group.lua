@@ -1,7 +1,8 @@
 -- Model-parallel groups (docs/redis-schema.md); the model is pipeline/jobstate/groups.py, which
 -- MemoryJobState keeps. KEYS of the scripts that include this: [1] meta, [2] acked,
 -- [3] lease_exp, [4] lease, [5] lapsed, [6] counters, [7] claimed, [8] grants, [9] groups,
--- [10] members, [11] member_exp, [12] member_acked, [13] draining; `now` from lib/now.
+-- [10] members, [11] member_exp, [12] member_acked, [13] draining, [14] lease_claim (a seat's
+-- claims so far: field "<r>:<j>"); `now` from lib/now.
 -- A group of k seats of rank r: groups[r] = "<k>:<absent_until ms>" (a seat nobody took counts
 -- as live until then); seat j is the field "<r>:<j>" of members ("<last sign ms>:<client>",
 -- client '' = released, no field = never taken), member_exp (ms) and member_acked (its last
