@@ -183,6 +183,11 @@ class BatchingConfig(_Model):
         "kernels 8 or 16; docs/trainer-client.md); the budget caps the padded lengths. "
         "None = no padding. A job served to model-parallel groups (BatchStream(group_size=k), "
         "k > 1) must set it, to 1 when its layout needs no multiple")
+    global_token_budget: int | None = Field(
+        None, gt=0, description="the tokens of one optimizer step, all ranks together "
+        "(>= token_budget): a step's samples then do not depend on the world size, and each "
+        "rank accumulates its micro-batches of up to token_budget (docs/global-steps.md); "
+        "None = a step is one batch of up to token_budget per rank")
 
     @model_validator(mode="after")
     def _valid_policy(self) -> BatchingConfig:
@@ -197,6 +202,7 @@ class BatchingConfig(_Model):
             lookahead_tokens=self.lookahead_tokens, max_window_samples=self.max_window_samples,
             over_budget=self.over_budget, ramp_up=self.ramp_up,
             pad_to_multiple=self.pad_to_multiple,
+            global_token_budget=self.global_token_budget,
         )
 
 

@@ -403,8 +403,8 @@ class RedisJobState(JobState):
         h = step_codec.decode_header(raw[0])
         wanted = {r: blob for r, blob in zip(ranks, raw[1:], strict=True) if blob is not None}
         return Step(epoch=h["e"], step=h["n"], info=StepInfo(*h["i"]),
-                    batches=tuple(step_codec.decode_batch(wanted[r], r)
-                                  for r in h["r"] if r in wanted),
+                    batches=tuple(b for r in h["r"] if r in wanted
+                                  for b in step_codec.decode_rank(wanted[r], r)),
                     world=step_codec.header_world(h), compute=step_codec.header_compute(h))
 
     def _stamped(self, steps: list[Step | None]) -> list[Step | None]:

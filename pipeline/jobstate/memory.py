@@ -111,11 +111,11 @@ class MemoryJobState(JobState):
                          f"lease holder (current: {p.generation if p else None})")
 
     def _check_batches(self, step: Step) -> None:
-        ranks = [b.rank for b in step.batches]
+        ranks = [(b.rank, b.micro) for b in step.batches]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"job {self.job_id!r}: step {step.step}: a rank appears twice in "
-                             f"batches: {ranks}")
-        for r in ranks:
+                             f"batches (rank, micro-batch): {ranks}")
+        for r, _ in ranks:
             self._check_rank(r)
 
     def publish(self, publication: Publication, *, fence: int) -> int:
@@ -708,9 +708,9 @@ class MemoryJobState(JobState):
         samples = tokens = 0
         for r, lr in enumerate(last):
             for k in range(lr + 1, self._through + 1):
-                b = self._steps[k].batch_for(r)
-                if b is not None and not b.filler:
-                    samples, tokens = samples + len(b.samples), tokens + b.num_tokens
+                for b in self._steps[k].micros_for(r):
+                    if not b.filler:
+                        samples, tokens = samples + len(b.samples), tokens + b.num_tokens
         return samples, tokens
 
     def _final_end(self, w: int) -> EpochEnd | None:

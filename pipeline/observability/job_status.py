@@ -59,7 +59,8 @@ class RankStatus:
     lapsed: bool | None = None
     lapsed_for_s: float | None = None
     heartbeat_age_s: float | None = None
-    # Consumed (acknowledged), summed from the plan: the same on every replica.
+    # Consumed (acknowledged), summed from the plan: the same on every replica. With global
+    # steps a batch is a micro-batch (a rank has several per step).
     batches_emitted: int | None = None
     samples_emitted: int | None = None
     tokens_emitted: int | None = None
@@ -139,7 +140,8 @@ class QuarantineStatus:
 
 @dataclass(frozen=True)
 class Totals:
-    """Every rank's consumption (acknowledged batches), summed from the plan."""
+    """Every rank's consumption (acknowledged batches, micro-batches of global steps each
+    counted), summed from the plan."""
 
     batches_emitted: int
     samples_emitted: int
@@ -263,7 +265,8 @@ class JobStatus:
     samples_in: int | None = None
     planned: Planned | None = None
     collate: str | None = None
-    token_budget: int | None = None
+    token_budget: int | None = None  # per batch (a micro-batch, with global steps)
+    global_token_budget: int | None = None  # per step, all ranks (docs/global-steps.md)
     producer: ProducerStatus | None = None
     producer_trouble: ProducerTrouble | None = None
     uptime_s: float | None = None

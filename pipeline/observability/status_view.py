@@ -212,6 +212,7 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
         planned=Planned(counts.samples_planned, counts.tokens_planned),
         collate=job.batching.collate if job else None,
         token_budget=job.batching.token_budget if job else None,
+        global_token_budget=job.batching.global_token_budget if job else None,
         producer=None if lease is None else ProducerStatus(lease.generation, lease.holder,
                                                            lease.live),
         producer_trouble=None if failure is None or failure.permanent else ProducerTrouble(

@@ -79,6 +79,7 @@ from pipeline.errors import (
     RankTimedOut,
     ReplicaUnavailable,
     StateUnavailable,
+    WireMismatch,
 )
 from pipeline.jobstate.interface import Member, ProducerFailure, RankAck, RankCompute
 from pipeline.modes import JobMode
@@ -97,6 +98,7 @@ from pipeline.service.rank_cursor import (
     Send,
 )
 from pipeline.service.stream_io import JobIO
+from pipeline.service.wire_codec import wire_version_problem
 from pipeline.service.world_open import (
     MAX_CREDITS,
     StreamStart,
@@ -144,6 +146,9 @@ class StreamSession:
     left: bool = False  # got END(reconfigure): its world ended, it left
     unreachable: bool = False  # ended because the job's state or payloads could not be reached
     renewed_at: float = field(default_factory=time.monotonic)  # the lease's last renewal
+    # A global step's payloads of this rank (all its micro-batches), fetched once for them all:
+    # (step, samples); (-1, None) when none is held.
+    payloads: tuple[int, list | None] = (-1, None)
     # An Open's position past the published plan, until the plan reaches it; the plan's last
     # step when the stream last saw it grow, and when.
     awaited: int | None = None
@@ -244,6 +249,10 @@ class RankStreams:
         """Serve the rank of `op` (or its seat in the rank's group) until its END (or its
         world's END(reconfigure)), the client closes or goes away (cancellation), or the stream
         must end (a domain error)."""
+        if rt.job.batching.global_token_budget is not None:  # micro-batches: a newer client
+            problem = wire_version_problem(op, global_steps=True)
+            if problem:
+                raise WireMismatch(problem)
         member = member_of(op, rt)
         jio = self.job_io(rt)
         prefetch = self.settings.prefetch_steps
@@ -531,11 +540,19 @@ class RankStream:
                 n = action.step.step
                 if n > s.granted and not await self._grant(n + s.window - 1, n):
                     continue  # its world ended before this step, or the state is behind
-                batch = await jio.build(action.step, s.rank, s.member)
+                micros = len(action.step.micros_for(s.rank))
+                held, samples = s.payloads
+                if micros > 1 and held != n:  # one fetch serves all the rank's micro-batches
+                    samples = await jio.fetch(action.step, s.rank, s.member)
+                    s.payloads = (n, samples)
+                batch = await jio.build(action.step, s.rank, action.micro,
+                                        samples if micros > 1 else None, s.member)
                 if not await self._await_credit(batch.nbytes):  # room in its byte window
                     return
                 s.credits.sent(batch.nbytes)
-                s.cursor.sent(action.step)
+                s.cursor.sent(action.step, action.micro)
+                if action.micro == micros - 1:
+                    s.payloads = (-1, None)
                 self._connection().delivered = n
                 for msg in batch.messages():  # a chunk is copied into its message as it goes
                     yield msg
