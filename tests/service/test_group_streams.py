@@ -34,16 +34,23 @@ async def lockstep(group: list[StreamClient]) -> list[list[pb.ServerMessage]]:
         msgs = await asyncio.gather(*(c.next() for c in group))
         for mine, m, c in zip(got, msgs, group, strict=True):
             mine.append(m)
-            if m.WhichOneof("kind") == "batch":
-                c.ack(m.batch.step)
+            info = m.batch.info
+            if m.WhichOneof("kind") == "batch" and info.micro_index == max(0, info.micro_count
+                                                                           - 1):
+                c.ack(m.batch.step)  # (a global step: once its last micro-batch is taken)
         if all(m.WhichOneof("kind") == "end" and m.end.job_done for m in msgs):
             for c in group:
                 c.close()
             return got
 
 
-def test_members_get_identical_batches_and_every_sample_once_with_one_fetch_per_batch():
-    job = StreamJob(world_size=2, samples=60, **PADDED)
+@pytest.mark.parametrize("global_steps", [False, True], ids=["steps", "global-steps"])
+def test_members_get_identical_batches_and_every_sample_once_with_one_fetch_per_batch(
+        global_steps):
+    """With global steps, every micro-batch of every step, and one fetch per (step, rank)."""
+    batching = {**PADDED["batching"], "global_token_budget": 3 * 2048} if global_steps else (
+        PADDED["batching"])
+    job = StreamJob(world_size=2, samples=120 if global_steps else 60, batching=batching)
     try:
         async def main():
             groups = [[member(job, r, j) for j in range(2)] for r in range(2)]
@@ -54,6 +61,9 @@ def test_members_get_identical_batches_and_every_sample_once_with_one_fetch_per_
     finally:
         job.close()
     assert outcomes == [None] * 4
+    micros = [m.batch.info.micro_count for g in got for m in g[0] if m.WhichOneof("kind")
+              == "batch"]
+    assert (max(micros) > 1) == global_steps  # several micro-batches per step and rank
     for r, (first, second) in enumerate(got):
         assert len(first) == len(second) > 1
         for a, b in zip(first, second, strict=True):  # byte-identical, step by step
