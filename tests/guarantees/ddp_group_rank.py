@@ -9,7 +9,8 @@ of every sequence as context parallelism would: chunks J and 2K-1-J of 2K equal 
 padded sequence (the job's `pad_to_multiple` is 2K, so every sequence divides). Its loss is the
 token mean over its share's loss tokens (the forward runs on the whole batch: the chunked
 attention of real CP is not the point here), scaled by `n_share * W * K / step_loss_tokens`,
-so that summed over the group, averaged over DP x K, it is the step's token mean.
+so that summed over the group, averaged over DP x K, it is the step's token mean. A global
+step's micro-batches are accumulated with `optimizer_steps` (one all-reduce per step).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from ddp_loss_rank import flat_grad, tiny_model
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer_client import BatchInfo
+from trainer_client import BatchInfo, StreamBatch, optimizer_steps
 
 IGNORE_INDEX = -100
 
@@ -63,17 +64,25 @@ def main() -> None:
     ddp = DistributedDataParallel(tiny_model())
     out = {}
     for case in torch.load(args.cases, weights_only=True):
-        mine = case["ranks"][args.dp_rank]
-        info = BatchInfo(**mine["info"])
-        inputs = {**mine["tensors"], "labels": share(mine["tensors"], args.member, k)}
-        inputs.pop("cu_seqlens", None)  # (the tiny model isolates samples by position_ids)
-        inputs.pop("cu_seqlens_unpadded", None)
-        inputs.pop("max_seqlen", None)
+        # A step: this DP rank's batch; a global step: its micro-batches, accumulated.
+        batches = []
+        for mine in case["micros"][args.dp_rank]:
+            b = StreamBatch(mine["tensors"])
+            b.info = BatchInfo(**mine["info"])
+            batches.append(b)
         ddp.zero_grad(set_to_none=True)
-        loss, n = ddp(**inputs)
-        scale = n * info.world_size * k / info.step_loss_tokens
-        (loss * scale).backward()  # DDP averages over the W x K processes here
-        out[case["name"]] = {"grad": flat_grad(ddp.module).clone(), "share_loss_tokens": n}
+        shares, steps = [], 0
+        for step in optimizer_steps(batches, ddp):  # no_sync on all but the last micro-batch
+            steps += 1
+            for b in step:
+                inputs = {**b, "labels": share(b, args.member, k)}
+                for name in ("cu_seqlens", "cu_seqlens_unpadded", "max_seqlen"):
+                    inputs.pop(name, None)  # (the tiny model isolates samples by position_ids)
+                loss, n = ddp(**inputs)
+                (loss * (n * b.info.world_size * k / b.info.step_loss_tokens)).backward()
+                shares.append(n)
+        assert steps == 1
+        out[case["name"]] = {"grad": flat_grad(ddp.module).clone(), "share_loss_tokens": shares}
     torch.save(out, args.out)
     dist.destroy_process_group()
 
