@@ -290,3 +290,20 @@ def test_a_global_token_budget_below_the_token_budget_is_refused_naming_both():
     text = str(err.value)
     assert "batching" in text and "global_token_budget (1000)" in text
     assert "token_budget (4096)" in text and "raise global_token_budget" in text
+
+
+@pytest.mark.parametrize("world", [3, 5, 6, 7])
+def test_a_step_whose_batches_do_not_divide_by_the_world_is_balanced_by_pieces(world):
+    """8 equal formed batches on 5 ranks: whole batches leave two ranks at half the others'
+    load (max/mean 1.25); pieces of batches move to the light ranks until the step's slowest
+    rank is within a few percent of the mean, every sample still placed once."""
+    ids = iter(range(10_000))
+    units = [PendingBatch(tuple(MeasuredSample(next(ids), 100) for _ in range(16)))
+             for _ in range(8)]
+    cost = lambda u: len(u.samples) * max(u.lengths())  # noqa: E731 (padded cost)
+    placed = split_step(units, world, cost, seed=3, key=1)
+    loads = [sum(cost(u) for u, f in mine if not f) for mine in placed]
+    assert sum(loads) == 8 * 16 * 100
+    assert max(loads) / (sum(loads) / world) <= 1.05, loads
+    assert Counter(s for mine in placed for u, _ in mine for s in u.samples) == Counter(
+        s for u in units for s in u.samples)
