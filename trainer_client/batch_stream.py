@@ -56,6 +56,16 @@ only: the wait inside collectives (the all-reduce of a faster rank) is what bala
 `trainer_client.compute_clock.ComputeClock` times a DDP model's step without it (the framework
 adapters report with it by themselves).
 
+Model-parallel groups (docs/trainer-client.md): the tensor/context/pipeline-parallel members of
+one data-parallel rank each open `BatchStream(endpoint, job, dp_rank, dp_size, group_size=k,
+group_rank=j)` and all receive that rank's batches, byte-identical; the group holds the rank's
+one lease and its acks count once (the rank moves with its slowest member, so a member that
+restarts without a state gets the group's position); a lost member is a lost rank to the job's
+`rank_failure_policy`. Any member's `state_dict()` restores any member. A group size another
+live member disagrees with is refused (FAILED_PRECONDITION naming both): retried like a held
+rank (a previous launch's member lapses) and raised after `reconnect_timeout`; a job that
+cannot serve groups (no `batching.pad_to_multiple`) is raised at once.
+
 Global steps (docs/global-steps.md): a job with a global token budget sends this rank several
 batches per step, its micro-batches (`batch.info.micro_index` of `micro_count`), to accumulate
 into one optimizer step: `trainer_client.accumulate.optimizer_steps` does it right (no_sync on
@@ -93,7 +103,13 @@ from trainer_client.channel import channel_options, open_channel, rotated
 from trainer_client.decode import StreamBatch, TensorKind, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client.wire_format import DEFAULT_PREFETCH_BYTES, MISMATCH_PREFIX, WIRE_VERSION
+from trainer_client.wire_format import (
+    DEFAULT_PREFETCH_BYTES,
+    GROUP_REFUSED_PREFIX,
+    MAX_GROUP_SIZE,
+    MISMATCH_PREFIX,
+    WIRE_VERSION,
+)
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
@@ -200,7 +216,13 @@ class BatchStream:
         load_balancing: str = "pick_first", tensors: TensorKind = "auto",
         keepalive_time_s: float = 4.0, keepalive_timeout_s: float = 4.0,
         heartbeat_s: float = 2.0, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        group_size: int = 1, group_rank: int = 0,
     ) -> None:
+        if not 1 <= group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}], got {group_size}")
+        if not 0 <= group_rank < group_size:
+            raise ValueError(f"group_rank must be in [0, group_size={group_size}), got "
+                             f"{group_rank}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if prefetch_bytes < 0:
@@ -209,9 +231,11 @@ class BatchStream:
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self.endpoint, self.job, self.rank, self.world_size = endpoint, job, rank, world_size
+        self.group_size, self.group_rank = group_size, group_rank
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
-        self.client_id = client_id or f"{job}/{rank}/{uuid.uuid4().hex[:12]}"
+        member = f".{group_rank}" if group_size > 1 else ""
+        self.client_id = client_id or f"{job}/{rank}{member}/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
         self.heartbeat_s = heartbeat_s
         # A call that stayed up this long was a working connection: its failure starts a new
@@ -481,7 +505,8 @@ class BatchStream:
                     job_id=self.job, rank=self.rank, world_size=self.world_size,
                     resume_step=pos, resume_epoch=epoch, client_id=self.client_id,
                     credits=credits, wire_version=WIRE_VERSION,
-                    prefetch_bytes=self.prefetch_bytes, held_bytes=self._queued_bytes)))
+                    prefetch_bytes=self.prefetch_bytes, held_bytes=self._queued_bytes,
+                    group_size=self.group_size, group_rank=self.group_rank)))
                 link.reqs = reqs
                 link.call = call = self._stream(_requests(reqs, self.heartbeat_s),
                                                 metadata=self._metadata)
@@ -538,7 +563,8 @@ class BatchStream:
             del call
             if link.closing:
                 return
-            retry = code in _RETRYABLE and not details.startswith(MISMATCH_PREFIX)
+            retry = code in _RETRYABLE and not details.startswith(
+                (MISMATCH_PREFIX, GROUP_REFUSED_PREFIX))
             now = time.monotonic()
             if outage_since is None or now - started > self._live_bound:
                 outage_since = now

@@ -44,6 +44,10 @@ NUMPY_DTYPES: dict[int, np.dtype] = {
 WIRE_DTYPES: dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
 
 MISMATCH_PREFIX = "wire version mismatch"
+# A model-parallel group the job cannot serve (no batching.pad_to_multiple): configuration, not
+# a passing state, so the client does not retry it.
+GROUP_REFUSED_PREFIX = "group refused"
+MAX_GROUP_SIZE = 1024  # clients of one rank's group (Open.group_size)
 
 # A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
 # tells what a job's largest batch means against it.
