@@ -56,6 +56,25 @@ only: the wait inside collectives (the all-reduce of a faster rank) is what bala
 `trainer_client.compute_clock.ComputeClock` times a DDP model's step without it (the framework
 adapters report with it by themselves).
 
+Model-parallel groups (docs/trainer-client.md): the tensor/context/pipeline-parallel members of
+one data-parallel rank each open `BatchStream(endpoint, job, dp_rank, dp_size, group_size=k,
+group_rank=j)` and all receive that rank's batches, byte-identical; the group holds the rank's
+one lease and its acks count once (the rank moves with its slowest member, so a member that
+restarts without a state gets the group's position); a lost member is a lost rank to the job's
+`rank_failure_policy`. Any member's `state_dict()` restores any member. A group size another
+live member disagrees with is refused (FAILED_PRECONDITION naming both): retried like a held
+rank (a previous launch's member lapses) and raised after `reconnect_timeout`; a job that
+cannot serve groups (no `batching.pad_to_multiple`) is raised at once.
+
+Global steps (docs/global-steps.md): a job with a global token budget sends this rank several
+batches per step, its micro-batches (`batch.info.micro_index` of `micro_count`), to accumulate
+into one optimizer step: `trainer_client.accumulate.optimizer_steps` does it right (no_sync on
+all but the last). A step counts as consumed once its last micro-batch was taken: `next_step`
+stays at a step until then, its ack goes out when the next batch (or END) is taken, and a
+resume restarts the step at its first micro-batch; a reconnection mid-step gets the rest of it
+(the micro-batches already received are not yielded twice). `report_compute` of each
+micro-batch is summed and sent once per step (what the service fits a rank's step on).
+
 Elastic worlds (docs/elastic.md): when the job's world is reconfigured, this rank gets its
 batches up to the boundary and then an END whose `reason` is "reconfigure" and whose
 `world_size` is the new world's (`stream.last_end`; `stream.done` stays False). The rank then
@@ -84,7 +103,13 @@ from trainer_client.channel import channel_options, open_channel, rotated
 from trainer_client.decode import StreamBatch, TensorKind, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client.wire_format import DEFAULT_PREFETCH_BYTES, MISMATCH_PREFIX, WIRE_VERSION
+from trainer_client.wire_format import (
+    DEFAULT_PREFETCH_BYTES,
+    GROUP_REFUSED_PREFIX,
+    MAX_GROUP_SIZE,
+    MISMATCH_PREFIX,
+    WIRE_VERSION,
+)
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
@@ -191,7 +216,13 @@ class BatchStream:
         load_balancing: str = "pick_first", tensors: TensorKind = "auto",
         keepalive_time_s: float = 4.0, keepalive_timeout_s: float = 4.0,
         heartbeat_s: float = 2.0, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        group_size: int = 1, group_rank: int = 0,
     ) -> None:
+        if not 1 <= group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}], got {group_size}")
+        if not 0 <= group_rank < group_size:
+            raise ValueError(f"group_rank must be in [0, group_size={group_size}), got "
+                             f"{group_rank}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if prefetch_bytes < 0:
@@ -200,9 +231,11 @@ class BatchStream:
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self.endpoint, self.job, self.rank, self.world_size = endpoint, job, rank, world_size
+        self.group_size, self.group_rank = group_size, group_rank
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
-        self.client_id = client_id or f"{job}/{rank}/{uuid.uuid4().hex[:12]}"
+        member = f".{group_rank}" if group_size > 1 else ""
+        self.client_id = client_id or f"{job}/{rank}{member}/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
         self.heartbeat_s = heartbeat_s
         # A call that stayed up this long was a working connection: its failure starts a new
@@ -230,7 +263,11 @@ class BatchStream:
         self._epoch = 0
         self._epoch_first_step: int | None = 0
         self._done = False
-        self._last_yielded = -1
+        self._last_yielded = -1  # the last step whose batches were all yielded
+        # (step, micro_index) of the last yielded micro-batch while its step has more: a new
+        # receiver does not yield those again (None: at a step boundary).
+        self._partial: tuple[int, int] | None = None
+        self._step_compute: tuple[int, float] = (-1, 0.0)  # a step's micro-batches, summed
         # Until a state is loaded or a batch arrives, the service picks the position: the rank's
         # first unacknowledged step (a restarted trainer without a checkpoint goes on instead of
         # starting over, repeating at most the steps whose ack had not gone out).
@@ -265,6 +302,7 @@ class BatchStream:
                              f"this stream has job={self.job!r}")
         self._link.stop()
         self._unsent_compute.clear()  # of steps the restored position may not have reached
+        self._partial, self._step_compute = None, (-1, 0.0)
         self._next_step = int(state["next_step"])
         self._epoch = int(state["epoch"])
         self._done = bool(state.get("done", False))
@@ -286,7 +324,8 @@ class BatchStream:
 
     @property
     def next_step(self) -> int:
-        """The global step after the last yielded batch."""
+        """The global step after the last yielded batch (of a step with micro-batches left:
+        that step, which a resume restarts at its first)."""
         return self._next_step
 
     @property
@@ -329,20 +368,35 @@ class BatchStream:
                         if self._link.reqs is not None:
                             self._link.reqs.put(None)
                 return
-            if item.info.epoch > self._epoch:  # resumed at the cursor, in a later epoch
-                self._epoch, self._epoch_first_step = item.info.epoch, None
-            self._last_yielded = item.info.step
-            self._next_step = item.info.step + 1
+            info = item.info
+            if info.epoch > self._epoch:  # resumed at the cursor, in a later epoch
+                self._epoch, self._epoch_first_step = info.epoch, None
+            if info.last_micro:  # the step is consumed once its last micro-batch is taken
+                self._last_yielded = info.step
+                self._next_step = info.step + 1
+                self._partial = None
+            else:
+                self._next_step = info.step
+                self._partial = (info.step, info.micro_index)
             self._positioned = True
             yield item
 
     def report_compute(self, batch: StreamBatch, seconds: float) -> None:
         """Report that `batch` took `seconds` of compute on this rank (forward + backward,
         without the wait inside collectives). Sent with the next Ack; a job that does not
-        balance by compute ignores it."""
+        balance by compute ignores it. Micro-batches of one step are summed and sent with its
+        last (a report of the last alone covers the step)."""
+        info = batch.info
+        seconds = float(seconds)
         with self._link.lock:
-            self._unsent_compute.append(pb.ComputeReport(step=batch.info.step,
-                                                         seconds=float(seconds)))
+            if info.micro_count > 1:
+                step, acc = self._step_compute
+                seconds += acc if step == info.step else 0.0
+                if not info.last_micro:
+                    self._step_compute = (info.step, seconds)
+                    return
+                self._step_compute = (-1, 0.0)
+            self._unsent_compute.append(pb.ComputeReport(step=info.step, seconds=seconds))
             del self._unsent_compute[:-_MAX_COMPUTE_HELD]
 
     @contextmanager
@@ -432,6 +486,9 @@ class BatchStream:
     def _receive(self) -> None:
         link = self._link
         pos = self._next_step if self._positioned else RESUME_FROM_CURSOR
+        # A step's micro-batches received (or yielded) so far: a resumed call restarts the step
+        # at its first, and those are not queued again.
+        received = self._partial
         epoch = self._epoch
         delay = self._backoff[0]
         outage_since: float | None = None  # the first failure of the current outage
@@ -448,7 +505,8 @@ class BatchStream:
                     job_id=self.job, rank=self.rank, world_size=self.world_size,
                     resume_step=pos, resume_epoch=epoch, client_id=self.client_id,
                     credits=credits, wire_version=WIRE_VERSION,
-                    prefetch_bytes=self.prefetch_bytes, held_bytes=self._queued_bytes)))
+                    prefetch_bytes=self.prefetch_bytes, held_bytes=self._queued_bytes,
+                    group_size=self.group_size, group_rank=self.group_rank)))
                 link.reqs = reqs
                 link.call = call = self._stream(_requests(reqs, self.heartbeat_s),
                                                 metadata=self._metadata)
@@ -459,7 +517,19 @@ class BatchStream:
                     delay = self._backoff[0]
                     item = reader.read(raw)
                     if isinstance(item, StreamBatch):
-                        pos = item.info.step + 1
+                        info = item.info
+                        if (received is not None and info.step == received[0]
+                                and info.micro_index <= received[1]):
+                            with link.lock:  # had it already: its credit goes straight back
+                                self._unsent_credits += 1
+                                self._unsent_credit_bytes += item.nbytes
+                                self._send_ack_locked()
+                            continue
+                        if info.last_micro:
+                            pos, received = info.step + 1, None
+                        else:
+                            pos = info.step
+                            received = (info.step, info.micro_index)
                         with link.lock:
                             self._queued_batches += 1
                             self._queued_bytes += item.nbytes
@@ -493,7 +563,8 @@ class BatchStream:
             del call
             if link.closing:
                 return
-            retry = code in _RETRYABLE and not details.startswith(MISMATCH_PREFIX)
+            retry = code in _RETRYABLE and not details.startswith(
+                (MISMATCH_PREFIX, GROUP_REFUSED_PREFIX))
             now = time.monotonic()
             if outage_since is None or now - started > self._live_bound:
                 outage_since = now

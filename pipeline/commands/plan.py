@@ -44,6 +44,8 @@ _JOB_FLAGS: dict[str, tuple[str, ...]] = {
     "attn_a": ("batching", "attn_a"),
     "attn_b": ("batching", "attn_b"),
     "pool_steps": ("batching", "pool_steps"),
+    "pad_to_multiple": ("batching", "pad_to_multiple"),
+    "global_token_budget": ("batching", "global_token_budget"),
     "epochs": ("epochs",),
     "seed": ("seed",),
     "shuffle": ("source", "shuffle"),
@@ -111,6 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-budget", type=int, default=None, metavar="T",
         help="max token cost per batch (required unless --config)",
     )
+    parser.add_argument(
+        "--global-token-budget", type=int, default=None, metavar="G",
+        help="tokens of one optimizer step, all ranks together (>= the budget): steps that "
+        "do not depend on the world size, each rank's share in micro-batches of up to the "
+        "budget (docs/global-steps.md); default: one batch per rank and step",
+    )
     parser.add_argument("--mode", choices=[m.value for m in DGAP_MODES], default=None,
                         help="DGAP mode (default join)")
     parser.add_argument(
@@ -145,6 +153,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="P",
         help="steps' worth of batches pooled for rank balancing (default: ~256 batches)",
+    )
+    parser.add_argument(
+        "--pad-to-multiple", type=int, default=None, metavar="M",
+        help="pad every sequence to a multiple of M (context parallelism: 2 x CP); the budget "
+        "caps the padded lengths (default: no padding)",
     )
     parser.add_argument(
         "--epochs", type=int, default=None, metavar="E",

@@ -54,6 +54,18 @@ def batch_features(samples: Sequence[MeasuredSample], lengths: Sequence[int],
             float(sum(1 for v in visual if v > 0)), float(n))
 
 
+def rank_features(batches: Sequence[tuple[Sequence[MeasuredSample], Sequence[int]]],
+                  collate: Collate) -> tuple[float, ...]:
+    """The `FEATURES` of a rank's micro-batches of one step, `(samples, lengths)` each: their
+    sum (every feature adds up over batches, so a model's prediction of the rank's step is the
+    sum of its micro-batches' predictions; "batch" counts them)."""
+    total = [0.0] * len(FEATURES)
+    for samples, lengths in batches:
+        for i, f in enumerate(batch_features(samples, lengths, collate)):
+            total[i] += f
+    return tuple(total)
+
+
 @dataclass(frozen=True, slots=True)
 class ComputeModel:
     """A fitted model in force: seconds = sum(coefficients[i] * features[i]) (`FEATURES` order).

@@ -2,7 +2,8 @@
 
 Ranks report each batch's compute seconds on their acks; replicas keep them in the job's state
 tagged with the world. Every `poll_seconds` the producer reads the new ones, gives each the
-features of its batch (from the published plan), feeds the fit (`compute_fit.ComputeFitter`)
+features of its batch (from the published plan; of a global step, the sum over the rank's
+micro-batches: its report covers them all), feeds the fit (`compute_fit.ComputeFitter`)
 and records where the fit stands, with the measured per-step imbalance, for `status` and
 metrics. `model` is the model in force (None: the gate is closed, balance by tokens); the
 producer hands it to the planner only when it takes a checkpoint, so that the checkpoint holds
@@ -24,7 +25,7 @@ from pipeline.planner.compute_fit import (
     ComputeFitter,
     ComputeModel,
     ComputeReport,
-    batch_features,
+    rank_features,
 )
 from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import Collate, Step
@@ -82,15 +83,16 @@ class ComputeBalancer:
         steps = self._steps_of(current, world_size)
         for r in current:
             step = steps.get(r.step)
-            batch = step.batch_for(r.rank) if step is not None else None
-            if batch is None:  # trimmed already, or a rank without a batch there: nothing to fit
+            micros = step.micros_for(r.rank) if step is not None else ()
+            if not micros:  # trimmed already, or a rank without a batch there: nothing to fit
                 continue
-            lengths = [batch.truncated_to.get(s.sample_id, s.num_tokens) for s in batch.samples]
-            features = batch_features(batch.samples, lengths, self.collate)
+            features = rank_features(
+                [(b.samples, [b.truncated_to.get(s.sample_id, s.num_tokens) for s in b.samples])
+                 for b in micros], self.collate)
             if self.fitter.offer(ComputeReport(r.step, r.rank, r.seconds, features),
                                  world_first_step=world_first_step):
                 model = step.compute  # the model its step was balanced by (None: tokens)
-                self._note_measured(r, len(step.batches),
+                self._note_measured(r, len(step.ranks()),
                                     None if model is None else model.predict(features))
         self.fitter.refit()
         self.state.set_compute_fit(self.status())

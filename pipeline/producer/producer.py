@@ -329,9 +329,9 @@ class Producer:
         acked = self.state.acked_all()
         for n in range(max(0, min(acked) + 1), self._last_published + 1):
             step = self.state.get_step(n)
-            for b in step.batches if step else ():
-                if n > acked[b.rank]:
-                    self._unacked[b.rank].append(n)
+            for r in step.ranks() if step else ():
+                if n > acked[r]:
+                    self._unacked[r].append(n)
 
     def _produce_once(self) -> Outcome:
         if self._mixing is None and self.job.source.mixture is not None:
@@ -441,8 +441,8 @@ class Producer:
         self._failing_since = None  # published: a streak of transient failures is over
         for step in steps:
             self._last_published = max(self._last_published, step.step)
-            for b in step.batches:
-                self._unacked[b.rank].append(step.step)
+            for r in step.ranks():
+                self._unacked[r].append(step.step)
         if self._compute is not None:
             self._models[at] = planner.compute_model
             self._models.move_to_end(at)

@@ -68,9 +68,12 @@ def _ranks(job: JobStatus) -> list[str]:
                      f"{t.samples_per_s:.1f} samples/s  {t.tokens_per_s:.0f} tokens/s  "
                      f"{t.batches_per_s:.2f} batches/s{extra}")
     if job.totals:
+        budget = (f"token budget {_v(job.token_budget)}" if job.global_token_budget is None
+                  else f"token budget {_v(job.token_budget)} per micro-batch, global token "
+                  f"budget {job.global_token_budget} per step; "
+                  f"{_v(job.totals.batches_emitted)} micro-batches consumed")
         lines.append(f"  padding efficiency {_pct(job.padding_efficiency)}  "
-                     f"budget utilisation {_pct(job.budget_utilisation)}  "
-                     f"(token budget {_v(job.token_budget)})")
+                     f"budget utilisation {_pct(job.budget_utilisation)}  ({budget})")
     prod = job.producer
     if prod:
         lines.append(f"  producer generation {prod.generation} "
@@ -81,15 +84,25 @@ def _ranks(job: JobStatus) -> list[str]:
                      f"far): {trouble.message}")
     header = ("rank", "delivered*", "acked", "lag", "connected*", "heartbeat", "stalled",
               "lapsed", "client")
-    rows = [header] + [(
-        str(r.rank), _v(r.replica.delivered_step if r.replica else None),
-        _v(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
-        _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
-    ) for r in job.ranks or ()]
+    rows = [header]
+    for r in job.ranks or ():
+        rows.append((
+            str(r.rank), _v(r.replica.delivered_step if r.replica else None),
+            _v(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
+            _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
+        ))
+        rows += [(  # a rank served to a model-parallel group: every member under it
+            f"{r.rank}.{m.member}", _v(m.replica.delivered_step if m.replica else None),
+            _v(m.acked_step), _v(m.lag_steps), _v(m.replica.connected if m.replica else None),
+            _v(m.heartbeat_age_s, "{:.1f}s"), "", _v(bool(m.lapsed_for_s)),
+            m.client_id or ("(released)" if m.released else "-"),
+        ) for m in r.members or ()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
-    lines.append(f"  * as seen by replica {job.replica.id if job.replica else '-'}")
+    lines.append(f"  * as seen by replica {job.replica.id if job.replica else '-'}"
+                 + ("; r.m: member m of rank r's group, its lag behind the group's most "
+                    "advanced member" if any(r.members for r in job.ranks or ()) else ""))
     return lines
 
 

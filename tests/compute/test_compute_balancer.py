@@ -9,6 +9,8 @@ import json
 import math
 import random
 
+import pytest
+
 from pipeline.config import ComputeBalancingConfig, TrainingJobConfig
 from pipeline.jobstate import MemoryJobState, PlannerCheckpoint, Publication, RankCompute
 from pipeline.planner.compute_fit import ComputeModel, batch_features
@@ -141,3 +143,39 @@ def test_no_report_fails_the_job_and_a_restarted_fit_reads_them_again():
                             poll_seconds=0.0)
     again.update(world=0, world_first_step=0, world_size=W)
     assert again.fitter.rejected == fit.rejected and again.model is not None
+
+
+def test_global_steps_a_ranks_report_covers_its_micro_batches():
+    """A rank's report of a global step is its micro-batches' compute together: it is fitted
+    on their summed features, so the planted per-batch model is found again (not a model of
+    whole steps), and the planner then places micro-batches by it."""
+    state = MemoryJobState("g", W)
+    gen = state.claim_producer("p", 30.0)
+    planner = StepPlanner(BatchingPolicy(token_budget=1024, ramp_up=False,
+                                         global_token_budget=5 * 1024), W)
+    rng = random.Random(1)
+    data = [MeasuredSample(i, rng.randint(8, 900)) for i in range(2000)]
+    steps = [e for e in planner.feed_many(data) if isinstance(e, Step)]
+    assert any(len(s.micros_for(r)) > 1 for s in steps for r in range(W))
+    cp = PlannerCheckpoint(0, len(data), planner.next_step,
+                           json.dumps(planner.snapshot().to_dict()).encode())
+    state.publish(Publication(cp, tuple(steps), samples_in=len(data)), fence=gen)
+
+    def step_seconds(step: Step, rank: int) -> float:
+        return sum(PLANTED.predict(batch_features(b.samples, [s.num_tokens for s in b.samples],
+                                                  Collate.PADDED))
+                   for b in step.micros_for(rank))
+
+    state.record_compute([RankCompute(0, s.step, r, step_seconds(s, r)) for s in steps
+                          for r in range(W)])
+    balancer = ComputeBalancer(state, ComputeBalancingConfig(enabled=True), Collate.PADDED,
+                               poll_seconds=0.0)
+    balancer.update(world=0, world_first_step=0, world_size=W)
+    fit = state.compute_fit()
+    assert fit.gate_open and fit.error < 1e-6
+    assert fit.coefficients == pytest.approx(PLANTED.coefficients, rel=1e-4, abs=1e-12)
+    assert fit.last_measured == {r: step_seconds(steps[-1], r) for r in range(W)}
+    planner.set_compute_model(balancer.model)
+    more = [e for e in planner.feed_many(MeasuredSample(10_000 + i, rng.randint(8, 900))
+                                         for i in range(600)) if isinstance(e, Step)]
+    assert more and all(s.compute == balancer.model for s in more)

@@ -380,3 +380,57 @@ def test_only_the_adapter_knows_grpc(module):
     imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree)
                  if isinstance(n, ast.ImportFrom)}
     assert "grpc" not in imported
+
+
+def test_global_steps_go_one_micro_batch_per_message_within_credits_fetched_once_per_rank():
+    """A global step's micro-batches (docs/global-steps.md) each spend a credit; a rank's
+    payloads of a step are fetched once for all its micro-batches; every sample once."""
+    job = StreamJob(world_size=3, samples=200, batching={"global_token_budget": 8192})
+
+    async def consume(c: StreamClient) -> list:
+        got = []
+        while True:
+            msg = await c.next()
+            got.append(msg)
+            if msg.WhichOneof("kind") == "batch":
+                i = msg.batch.info
+                # Acknowledged once the step's last micro-batch was taken (as BatchStream does).
+                c.ack(msg.batch.step - (i.micro_index < i.micro_count - 1))
+            elif msg.end.job_done:
+                c.close()
+                return got
+
+    async def main():
+        one = StreamClient(job, 0, credits=1)
+        first = await one.next()
+        with pytest.raises(TimeoutError):
+            await one.next(timeout=0.5)  # a micro-batch spent the one credit
+        one.ack(first.batch.step - 1)
+        rest = await consume(one)
+        others = await asyncio.gather(*(consume(StreamClient(job, r)) for r in (1, 2)))
+        return [[first, *rest], *others]
+
+    try:
+        got = job.run(main())
+        plan = [job.state.get_step(n) for n in range(job.state.published_through() + 1)]
+        ids = Counter()
+        for r, msgs in enumerate(got):
+            batches = [m.batch for m in msgs if m.WhichOneof("kind") == "batch"]
+            sent = [(b.step, b.info.micro_index) for b in batches]
+            want = [(s.step, b.micro) for s in plan for b in s.micros_for(r)]
+            assert sent == want, f"rank {r}: every micro-batch of its steps, in order"
+            for b in batches:
+                step = plan[b.step]
+                assert b.info.micro_count == len(step.micros_for(r))
+                assert b.info.optimizer_step == step.info.optimizer_step
+                assert b.info.step_samples == step.info.step_samples  # the whole step's
+                mine = step.micros_for(r)[b.info.micro_index]
+                assert list(b.sample_ids) == [str(i) for i in mine.sample_ids]
+                if not b.filler:
+                    ids.update(b.sample_ids)
+            fetched = sum(len(s.rank_samples(r)) for s in plan)
+            assert job.rt.payloads.fetched_by_rank()[r] == fetched  # once per (step, rank)
+        assert ids == Counter(str(s.sample_id) for s in job.samples)
+        assert any(len(s.micros_for(r)) > 1 for s in plan for r in range(3))
+    finally:
+        job.close()
