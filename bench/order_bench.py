@@ -126,7 +126,8 @@ def _lengths(rng, n: int, mean: float, cv: float, budget: int) -> np.ndarray:
     return np.clip(rng.lognormal(math.log(mean) - s * s / 2, s, n).astype(int), 16, budget)
 
 
-def _shares_case(name, n_a, n_b, mean_a, mean_b, cv_a, cv_b, budget, world, seed=0) -> dict:
+def _shares_case(name, n_a, n_b, mean_a, mean_b, cv_a, cv_b, budget, world, seed=0, *,
+                 control: str | None = None, global_budget: int | None = None) -> dict:
     rng = np.random.default_rng(seed)
     lens = [_lengths(rng, n_a, mean_a, cv_a, budget), _lengths(rng, n_b, mean_b, cv_b, budget)]
     loss = [np.maximum(1, (x * rng.uniform(0.2, 0.8, len(x))).astype(int)) for x in lens]
@@ -135,8 +136,10 @@ def _shares_case(name, n_a, n_b, mean_a, mean_b, cv_a, cv_b, budget, world, seed
     rows, src, _ = _positions(order)
     samples = [MeasuredSample(f"{s}:{r}", int(lens[s][r]), 0, int(loss[s][r]), int(s))
                for s, r in zip(src.tolist(), rows.tolist(), strict=True)]  # rows: per source
-    policy = BatchingPolicy(token_budget=budget)
+    policy = BatchingPolicy(token_budget=budget, global_token_budget=global_budget)
     planner = StepPlanner(policy, world)
+    if control is not None:  # the planner's source shares (mix_by)
+        planner.set_source_targets([n_a, n_b], control)
     events = planner.feed_many(samples) + planner.end_epoch(last_epoch=True)
     steps = [e for e in events if isinstance(e, Step)]
     seq = np.array([s.source for st in steps for b in st.batches for s in b.samples])
@@ -152,8 +155,13 @@ def _shares_case(name, n_a, n_b, mean_a, mean_b, cv_a, cv_b, budget, world, seed
     padded = sum(len(b.samples) * max(s.num_tokens for s in b.samples)
                  for st in steps for b in st.batches)
     gmt = gmt_batches([s.num_tokens for s in samples], budget)
-    return {"case": name, "samples": n_a + n_b, "means": [mean_a, mean_b], "cv": [cv_a, cv_b],
+    bal = [max(b.cost for b in st.batches) / np.mean([b.cost for b in st.batches])
+           for st in steps if len({b.rank for b in st.batches}) == world]
+    return {"case": name, "control": control or "off",
+            "global_token_budget": global_budget, "samples": n_a + n_b,
+            "means": [mean_a, mean_b], "cv": [cv_a, cv_b],
             "token_budget": budget, "world_size": world, "steps": len(steps),
+            "rank_balance_p50": round(float(np.median(bal)), 4),
             "tenth_share_dev_max": round(tenth, 3),
             "window10_loss_share_dev_max": round(float(win.max()), 3),
             "window10_loss_share_dev_p95": round(float(np.quantile(win, 0.95)), 3),
@@ -171,8 +179,13 @@ def shares(quick: bool) -> list[dict]:
     ]
     out = []
     for c in cases:
-        out.append(_shares_case(*c))
-        print(out[-1], flush=True)
+        for control in (None, "samples", "loss_tokens"):
+            out.append(_shares_case(*c, control=control))
+            print(out[-1], flush=True)
+        budget = c[7]
+        for control in (None, "samples", "loss_tokens"):  # global steps of 8 budgets
+            out.append(_shares_case(*c, control=control, global_budget=8 * budget))
+            print(out[-1], flush=True)
     return out
 
 

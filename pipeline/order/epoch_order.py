@@ -302,6 +302,14 @@ class EpochOrder:
         return EpochOrder(self.seed, self.epoch, self.layouts,
                           [*keep, Segment(position, tuple(counts))], self.settings)
 
+    def source_totals(self) -> list[int]:
+        """The positions of each source in the whole epoch (its segments' parts)."""
+        totals = [0] * len(self.layouts)
+        for k, seg in enumerate(self.segments):
+            used = prefix_counts(seg.counts, self._limit(k) - seg.start)
+            totals = [t + u for t, u in zip(totals, used, strict=True)]
+        return totals
+
     def source_of(self, file_name: str) -> int:
         """The mixture source of a file (by its name in sample ids)."""
         return self._file_source[file_name]

@@ -9,9 +9,12 @@ formed unit goes next (a step of a pool, a micro-batch of a global step), which 
 units keeps every source closest to its target.
 
 - Counted in samples (`mix_by: samples`) or in loss tokens (`mix_by: loss_tokens`).
-- Targets: a share per source. In samples they are the order's counts for the part of the epoch
-  in force; in loss tokens each source's count times its mean loss tokens so far (`observe`:
-  every sample fed), since the tokens an epoch holds are known only once it is measured.
+- Targets: a share per source, its part of what the epoch has left to emit: in samples from
+  the epoch's counts (the order's; after a mixture change, what was read before it plus the
+  new counts of the rest), in loss tokens each source's count times its mean loss tokens so
+  far (`observe`: every sample fed), since the tokens an epoch holds are known only once it is
+  measured. Left to emit, not of the whole epoch: the shares stay level to its end, and after a
+  change what the planner still holds of the old mix is spread over the rest.
 - Deficits accumulate per unit taken against the targets in force when it is taken, so a
   target that moves (a better estimate, a `mix`) steers what comes next without a jump.
 - `pick` returns the candidate whose taking leaves the smallest squared deficit; ties go to the
@@ -24,6 +27,8 @@ Pure and deterministic; `snapshot`/`restore` carry it in the planner's state.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from pipeline.planner.types import MeasuredSample
 
@@ -47,8 +52,8 @@ class SourceShares:
     # -- targets ----------------------------------------------------------------------------
 
     def set_counts(self, counts: Sequence[int]) -> None:
-        """The samples of each source the part of the epoch in force holds (the order's
-        segment counts): the targets' weights."""
+        """The samples of each source the epoch holds (the order's counts; after a mixture
+        change, what was read of each before it plus the rest's new counts)."""
         if len(counts) != self.sources or min(counts) < 0 or sum(counts) <= 0:
             raise ValueError(f"counts must be {self.sources} values >= 0 summing to > 0, got "
                              f"{list(counts)}")
@@ -60,16 +65,19 @@ class SourceShares:
         self._fed_tokens[sample.source] += sample.loss_tokens
 
     def targets(self) -> list[float]:
-        """Each source's target share (summing to 1)."""
+        """Each source's target share of what goes next (summing to 1): its part of what the
+        epoch has left to emit, so the shares stay level to the epoch's end (a mixture change
+        included: what the planner still holds of the old mix is spread over the rest)."""
         if self.by == "samples":
-            w = list(self._counts)
+            w = [max(0.0, c - t) for c, t in zip(self._counts, self.taken, strict=True)]
         else:
-            # A source's tokens ahead: its count times its mean loss tokens so far (a source not
-            # yet seen counts at the mean of those seen, so it is not starved before it is).
+            # A source's tokens: its count times its mean loss tokens so far (a source not yet
+            # seen counts at the mean of those seen, so it is not starved before it is).
             seen = [t / n for t, n in zip(self._fed_tokens, self._fed_samples, strict=True) if n]
             fallback = sum(seen) / len(seen) if seen else 1.0
-            w = [c * (t / n if n else fallback) for c, t, n in
-                 zip(self._counts, self._fed_tokens, self._fed_samples, strict=True)]
+            w = [max(0.0, c * (t / n if n else fallback) - taken) for c, t, n, taken in
+                 zip(self._counts, self._fed_tokens, self._fed_samples, self.taken,
+                     strict=True)]
         total = sum(w)
         if total <= 0:
             return [1.0 / self.sources] * self.sources
@@ -84,11 +92,6 @@ class SourceShares:
             out[s.source] += 1 if self.by == "samples" else s.loss_tokens
         return out
 
-    def _after(self, add: Sequence[int], shares: Sequence[float]) -> float:
-        total = sum(add)
-        return sum((d + a - t * total) ** 2
-                   for d, a, t in zip(self.deficit, add, shares, strict=True))
-
     def pick(self, candidates: Sequence[Sequence[MeasuredSample]]) -> int:
         """The index of the candidate whose taking leaves the smallest squared deficit (the
         first of equals)."""
@@ -96,13 +99,16 @@ class SourceShares:
             raise ValueError("no candidates to pick from")
         if self.sources == 1:
             return 0
-        shares = self.targets()
-        best, best_i = None, 0
-        for i, c in enumerate(candidates):
-            score = self._after(self.amounts(c), shares)
-            if best is None or score < best - 1e-9:
-                best, best_i = score, i
-        return best_i
+        return self.pick_amounts([self.amounts(c) for c in candidates])
+
+    def pick_amounts(self, amounts: Sequence[Sequence[int]]) -> int:
+        """`pick` for candidates given by what each adds per source (`amounts`)."""
+        a = np.asarray(amounts, dtype=np.float64).reshape(len(amounts), self.sources)
+        t = np.asarray(self.targets())
+        after = np.asarray(self.deficit) + a - t[None, :] * a.sum(axis=1, keepdims=True)
+        score = (after * after).sum(axis=1)
+        # The first of those within rounding of the best (float sums of the same integers).
+        return int(np.flatnonzero(score <= score.min() + 1e-9)[0])
 
     def take(self, samples: Sequence[MeasuredSample]) -> None:
         """A unit of these samples was emitted: deficits move against the targets in force."""

@@ -75,6 +75,11 @@ class Mixing:
                  extra={"job": self.job.job_id})
         return changed
 
+    def epoch_counts(self, epoch: int, cursor: OrderCursor) -> list[int]:
+        """The samples of each source the epoch holds with the cursor's changes (the planner
+        keeps each source's share of what is left of them)."""
+        return self.order.epoch(epoch, cursor).source_totals()
+
     def tally(self, cursor: OrderCursor, batches: Iterable[Batch],
               quarantined: Sequence[QuarantineEntry] = (), *, sign: int = 1) -> OrderCursor:
         """The cursor with these published batches and quarantined records counted per source

@@ -122,6 +122,7 @@ class Producer:
         # A mixture's changes at step boundaries and its per-source status (None: one source;
         # built when production starts: it reads the sources' indexes, which may fail).
         self._mixing: Mixing | None = None
+        self._planner_targets: tuple | None = None  # (epoch, changes) the planner's are for
         self._voided: list[Batch] = []  # batches the adopted reconfigurations returned
         # The model each recent publication's checkpoint holds, by its position: a replay of
         # publications the state lost (a Redis rollback) plans with the same models.
@@ -337,6 +338,7 @@ class Producer:
         if self._mixing is None and self.job.source.mixture is not None:
             self._mixing = Mixing.for_job(self.job, self.state, self.feed)
         planner, cp = self._restore()
+        self._planner_targets = None  # a planner restored: tell it the targets again
         if self.state.is_done():
             return Outcome.DONE
         first_epoch = cp.epoch if cp is not None else 0
@@ -387,10 +389,16 @@ class Producer:
         return Outcome.DONE
 
     def _mix(self, epoch: int, cursor: OrderCursor, planner: StepPlanner) -> OrderCursor:
-        """The cursor with the mixture changes due now (the same cursor when none)."""
+        """The cursor with the mixture changes due now (the same cursor when none); the
+        planner keeps each source's share of the mixture in force from its next step on."""
         if self._mixing is None:
             return cursor
-        return self._mixing.apply(epoch, cursor, planner.next_step)
+        mixed = self._mixing.apply(epoch, cursor, planner.next_step)
+        if mixed is not cursor or self._planner_targets != (epoch, mixed.changes):
+            planner.set_source_targets(self._mixing.epoch_counts(epoch, mixed),
+                                       self.job.source.mix_by)
+            self._planner_targets = (epoch, mixed.changes)
+        return mixed
 
     def _publish_counted(self, pending: _Pending, planner: StepPlanner, epoch: int,
                          cursor: OrderCursor, *, done: bool = False,

@@ -45,11 +45,13 @@ def files(tmp_path_factory) -> tuple[str, str]:
     return _chats(d / "a.jsonl", "a", 1), _chats(d / "b.jsonl", "b", 2)
 
 
-def _job(files, **source) -> TrainingJobConfig:
+def _job(files, batching: dict | None = None, **source) -> TrainingJobConfig:
     a, b = files
     return TrainingJobConfig.model_validate({
         "job_id": "mix", "world_size": 2, "seed": 5, "epochs": 2,
-        "batching": {"token_budget": 1024},
+        # A window and pool small against the epoch (as a real dataset's are).
+        "batching": {"token_budget": 1024, "lookahead_tokens": 4096, "pool_steps": 8,
+                     **(batching or {})},
         "source": {"mixture": [{"name": "a", "paths": [a]},
                                {"name": "b", "paths": [b], "repeat": 2}], **source}})
 
@@ -121,14 +123,21 @@ def test_a_mix_request_takes_effect_at_one_step_boundary_and_replays_after_a_res
     (change,) = seen["end0"].changes  # recorded in the plan: its first step, by, weights
     by, weights = change[1], dict(change[2])
     assert (by, weights) == ("mix 1", {"a": 3.0, "b": 1.0})
-    before = [i for st in steps if st.epoch == 0 and st.step < change[0]
-              for b in st.batches for i in map(str, b.sample_ids)]
-    after = [i for st in steps if st.epoch == 0 and st.step >= change[0]
-             for b in st.batches for i in map(str, b.sample_ids)]
-    assert before and after
-    share_a = sum(_source_of(i) == "a" for i in after) / len(after)
-    assert share_a > 0.6, share_a  # from 1/3 toward 3/4 at once (the planner's window holds
-    epoch1 = collections.Counter(_source_of(i) for i in _epoch_ids(steps, 1))  # older samples)
+    def share_a(first: int, last: int) -> float:
+        ids = [i for st in steps if st.epoch == 0 and first <= st.step < last
+               for b in st.batches for i in map(str, b.sample_ids)]
+        return sum(_source_of(i) == "a" for i in ids) / len(ids)
+
+    end0 = max(st.step for st in steps if st.epoch == 0)
+    assert abs(share_a(0, change[0]) - 1 / 3) <= 0.05
+    # From its step on, what the rest of the epoch holds (the planner's window and pool of the
+    # old mix, then the new reads at 3:1) is spread level over the rest: no drift to its end.
+    rest = share_a(change[0], end0 + 1)
+    half = (change[0] + end0 + 1) // 2
+    assert rest > 1 / 3 + 0.2
+    assert abs(share_a(change[0], half) - rest) <= 0.05
+    assert abs(share_a(half, end0 + 1) - rest) <= 0.05
+    epoch1 = collections.Counter(_source_of(i) for i in _epoch_ids(steps, 1))
     assert epoch1 == {"a": 900, "b": 300}  # 3:1 of the epoch's 1,200 from its start
 
     # A producer stopped after the change (as a kill would stop it) and a successor from its
@@ -146,15 +155,38 @@ def test_a_mix_request_takes_effect_at_one_step_boundary_and_replays_after_a_res
 
 
 def test_a_schedule_entry_changes_the_weights_from_its_step(files):
-    job = _job(files, schedule=[{"from_step": 40, "weights": {"a": 1, "b": 0}}])
+    job = _job(files, schedule=[{"from_step": 20, "weights": {"a": 1, "b": 0}}])
     st = MemoryJobState("mix", 2)
-    assert _run(job, st, LocalFeed(job)) is Outcome.DONE
+    seen: dict = {}
+    feed = _Hooked(job, {3 * ROWS + 1: lambda: seen.update(end0=st.source_status())})
+    assert _run(job, st, feed) is Outcome.DONE
     steps = _steps(st)
     ids = _epoch_ids(steps, 0)
     assert len(ids) == len(set(ids)) == 3 * ROWS
+    ((step, by, weights),) = seen["end0"].changes
+    assert step >= 20 and by == "schedule 0" and dict(weights) == {"a": 1.0, "b": 0.0}
+
+    def share_b(first: int, last: int) -> float:
+        got = [i for s_ in steps if s_.epoch == 0 and first <= s_.step < last
+               for b in s_.batches for i in map(str, b.sample_ids)]
+        return sum(_source_of(i) == "b" for i in got) / len(got)
+
+    assert share_b(step, 10**9) < share_b(0, step) - 0.2  # b is read no more from there on
     epoch1 = collections.Counter(_source_of(i) for i in _epoch_ids(steps, 1))
-    assert epoch1 == {"a": 3 * ROWS}  # b left out from then on; a's extra copies are #1, #2
+    assert epoch1 == {"a": 3 * ROWS}  # b left out of the next epoch; a's rows thrice (#1, #2)
     assert len(set(_epoch_ids(steps, 1))) == 3 * ROWS
-    late = [i for st in steps if st.epoch == 0 and st.step >= 80
-            for b in st.batches for i in map(str, b.sample_ids)]
-    assert late and all(_source_of(i) == "a" for i in late)
+
+
+@pytest.mark.parametrize("global_budget", [None, 4096])
+def test_mixed_by_loss_tokens_every_window_of_ten_steps_holds_each_sources_token_share(
+        files, global_budget):
+    job = _job(files, {"global_token_budget": global_budget}, mix_by="loss_tokens")
+    st = MemoryJobState("mix", 2)
+    assert _run(job, st, LocalFeed(job)) is Outcome.DONE
+    steps = [s for s in _steps(st) if s.epoch == 0]
+    tokens = [[sum(s.loss_tokens for b in st_.batches if not b.filler for s in b.samples
+                   if _source_of(str(s.sample_id)) == src) for src in "ab"] for st_ in steps]
+    share = sum(t[1] for t in tokens) / sum(sum(t) for t in tokens)
+    worst = max(abs(sum(t[1] for t in tokens[i:i + 10]) / sum(sum(t) for t in tokens[i:i + 10])
+                    - share) for i in range(len(tokens) - 9))
+    assert worst <= 0.02

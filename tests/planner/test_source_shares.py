@@ -55,7 +55,7 @@ def test_the_deficit_stays_within_one_unit_when_every_source_is_on_offer(by, m, 
     counts = data.draw(st.lists(st.integers(1, 5), min_size=2, max_size=3))
     k = len(counts)
     sh = SourceShares(k, by)
-    sh.set_counts(counts)
+    sh.set_counts([1000 * c for c in counts])  # (more than is taken: no source runs out)
     for _ in range(60):
         cands = [[sample(i, data.draw(st.integers(1, m)))] for i in range(k)]
         extra = data.draw(st.lists(units, max_size=3))
@@ -83,21 +83,24 @@ def test_token_targets_follow_the_counts_and_each_sources_mean_loss_tokens():
     assert three.targets() == [0.25, 0.25, 0.5]
 
 
-def test_a_target_that_moves_steers_what_comes_next_without_a_jump():
+def test_the_targets_are_what_is_left_so_a_change_steers_the_rest_without_a_jump():
     sh = SourceShares(2, "samples")
-    sh.set_counts([1, 1])
+    sh.set_counts([25, 25])
     for i in range(10):
         sh.take([sample(i % 2)])
     before = list(sh.deficit)
-    sh.set_counts([1, 3])  # a mix: 1/4, 3/4 from now on
+    sh.set_counts([15, 35])  # a mix: the 40 left go 1:3 (5 + 10 and 5 + 30 in the epoch)
     assert sh.deficit == before  # nothing taken: nothing moved
+    assert sh.targets() == [0.25, 0.75]
     picks = []
     for _ in range(40):
         cands = [[sample(0)], [sample(1)]]
         i = sh.pick(cands)
         picks.append(i)
         sh.take(cands[i])
-    assert picks.count(1) == 30  # the new shares hold at once
+    assert picks.count(1) == 30 and sh.taken == [15, 35]  # the epoch ends as its counts say
+    # Every stretch of the rest holds the new shares (within a sample).
+    assert all(abs(picks[:n].count(1) - 0.75 * n) <= 1 for n in range(1, 41))
 
 
 @SETTINGS
