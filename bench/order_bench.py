@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -195,17 +196,18 @@ def main() -> int:
     ap.add_argument("--parts", default="quality,shares")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    result: dict = {"machine": platform.node(), "cpus": __import__("os").cpu_count(),
-                    "quick": args.quick}
+    path = OUT_DIR / f"order_bench{'_quick' if args.quick else ''}.json"
+    # a run of some parts keeps the others' last figures
+    result: dict = json.loads(path.read_text()) if path.exists() else {}
+    result.update({"machine": platform.node(), "cpus": os.cpu_count(), "quick": args.quick})
     if "quality" in parts:
         result["quality"] = quality(args.quick)
     if "shares" in parts:
         result["shares"] = shares(args.quick)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path = OUT_DIR / f"order_bench{'_quick' if args.quick else ''}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     for part in ("quality", "shares"):
-        rows = result.get(part)
+        rows = result.get(part) if part in parts else None
         if rows:
             keys = list(rows[0])
             print(f"\n| {' | '.join(keys)} |\n|{'---|' * len(keys)}")

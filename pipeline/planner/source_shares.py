@@ -9,19 +9,24 @@ formed unit goes next (a step of a pool, a micro-batch of a global step), which 
 units keeps every source closest to its target.
 
 - Counted in samples (`mix_by: samples`) or in loss tokens (`mix_by: loss_tokens`).
-- Targets: a share per source, its part of what the epoch has left to emit: in samples from
-  the epoch's counts (the order's; after a mixture change, what was read before it plus the
-  new counts of the rest), in loss tokens each source's count times its mean loss tokens so
-  far (`observe`: every sample fed), since the tokens an epoch holds are known only once it is
-  measured. Left to emit, not of the whole epoch: the shares stay level to its end, and after a
-  change what the planner still holds of the old mix is spread over the rest.
-- Deficits accumulate per unit taken against the targets in force when it is taken, so a
-  target that moves (a better estimate, a `mix`) steers what comes next without a jump.
+- Targets, a share per source:
+  - samples: each source's part of the stretch since the counts last changed (the epoch's
+    start, or a mixture change: what was read before it plus the new counts of the rest, less
+    what was emitted before it), fixed and exact: what the planner still holds of an old mix
+    is spread over the rest;
+  - loss tokens: each source's part of what the epoch has left to emit, a source's tokens
+    being its count times its mean loss tokens so far (`observe`: every sample fed), since the
+    tokens an epoch holds are known only once it is measured. Of what is left, so the error of
+    an early estimate is spread over the rest of the epoch, never made up for in a burst.
+- Deficits accumulate per unit taken against the targets in force when it is taken (a target
+  that moves, a better estimate, steers what comes next without a jump); new counts start them
+  again.
 - `pick` returns the candidate whose taking leaves the smallest squared deficit; ties go to the
   first candidate (the planner's own order), so with one source, or equal candidates, nothing
   changes.
 
-Pure and deterministic; `snapshot`/`restore` carry it in the planner's state.
+The mechanism was chosen from bench/order_bench.py's numbers (docs/data-order.md). Pure and
+deterministic; `snapshot`/`restore` carry it in the planner's state.
 """
 
 from __future__ import annotations
@@ -43,21 +48,26 @@ class SourceShares:
             raise ValueError(f"by must be one of {MIX_BY}, got {by!r}")
         self.sources = sources
         self.by = by
-        self._counts = [1.0] * sources  # what the rest of the epoch holds of each (relative)
+        self._counts = [1.0] * sources  # the samples of each source the epoch holds
         self._fed_tokens = [0] * sources
         self._fed_samples = [0] * sources
+        self.taken = [0] * sources  # samples or loss tokens taken this epoch, per source
+        self.anchor = [0] * sources  # `taken` when the counts last changed
         self.deficit = [0.0] * sources  # taken - target share of what was taken, per source
-        self.taken = [0] * sources  # samples or loss tokens taken, per source
 
     # -- targets ----------------------------------------------------------------------------
 
     def set_counts(self, counts: Sequence[int]) -> None:
         """The samples of each source the epoch holds (the order's counts; after a mixture
-        change, what was read of each before it plus the rest's new counts)."""
+        change, what was read of each before it plus the rest's new counts). The same counts
+        again (a restarted producer sets them once more) change nothing."""
         if len(counts) != self.sources or min(counts) < 0 or sum(counts) <= 0:
             raise ValueError(f"counts must be {self.sources} values >= 0 summing to > 0, got "
                              f"{list(counts)}")
-        self._counts = [float(c) for c in counts]
+        if [float(c) for c in counts] != self._counts:
+            self._counts = [float(c) for c in counts]
+            self.anchor = list(self.taken)
+            self.deficit = [0.0] * self.sources
 
     def observe(self, sample: MeasuredSample) -> None:
         """A sample fed to the planner (its source's mean loss tokens, for token targets)."""
@@ -65,11 +75,9 @@ class SourceShares:
         self._fed_tokens[sample.source] += sample.loss_tokens
 
     def targets(self) -> list[float]:
-        """Each source's target share of what goes next (summing to 1): its part of what the
-        epoch has left to emit, so the shares stay level to the epoch's end (a mixture change
-        included: what the planner still holds of the old mix is spread over the rest)."""
+        """Each source's target share of what goes next (summing to 1)."""
         if self.by == "samples":
-            w = [max(0.0, c - t) for c, t in zip(self._counts, self.taken, strict=True)]
+            w = [max(0.0, c - a) for c, a in zip(self._counts, self.anchor, strict=True)]
         else:
             # A source's tokens: its count times its mean loss tokens so far (a source not yet
             # seen counts at the mean of those seen, so it is not starved before it is).
@@ -119,18 +127,20 @@ class SourceShares:
             self.taken[i] += add[i]
 
     def reset_epoch(self) -> None:
-        """A new epoch: deficits and token means start again (its counts come with it)."""
+        """A new epoch: what was taken, deficits and token means start again (its counts come
+        with it)."""
         self._fed_tokens = [0] * self.sources
         self._fed_samples = [0] * self.sources
-        self.deficit = [0.0] * self.sources
         self.taken = [0] * self.sources
+        self.anchor = [0] * self.sources
+        self.deficit = [0.0] * self.sources
 
     # -- state ------------------------------------------------------------------------------
 
     def snapshot(self) -> dict:
         return {"by": self.by, "counts": list(self._counts), "fed_tokens": list(self._fed_tokens),
                 "fed_samples": list(self._fed_samples), "deficit": list(self.deficit),
-                "taken": list(self.taken)}
+                "taken": list(self.taken), "anchor": list(self.anchor)}
 
     @classmethod
     def restore(cls, d: dict) -> SourceShares:
@@ -140,4 +150,5 @@ class SourceShares:
         s._fed_samples = [int(x) for x in d["fed_samples"]]
         s.deficit = [float(x) for x in d["deficit"]]
         s.taken = [int(x) for x in d["taken"]]
+        s.anchor = [int(x) for x in d["anchor"]]
         return s

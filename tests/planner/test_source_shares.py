@@ -83,24 +83,25 @@ def test_token_targets_follow_the_counts_and_each_sources_mean_loss_tokens():
     assert three.targets() == [0.25, 0.25, 0.5]
 
 
-def test_the_targets_are_what_is_left_so_a_change_steers_the_rest_without_a_jump():
+def test_a_change_spreads_the_rest_of_the_epoch_at_the_new_shares():
     sh = SourceShares(2, "samples")
     sh.set_counts([25, 25])
     for i in range(10):
-        sh.take([sample(i % 2)])
-    before = list(sh.deficit)
-    sh.set_counts([15, 35])  # a mix: the 40 left go 1:3 (5 + 10 and 5 + 30 in the epoch)
-    assert sh.deficit == before  # nothing taken: nothing moved
-    assert sh.targets() == [0.25, 0.75]
+        sh.take([sample(0 if i < 6 else 1)])  # 6 and 4: source 0 ahead by one
+    before = (list(sh.deficit), sh.targets())
+    sh.set_counts([25, 25])  # the same counts again (a restarted producer): nothing moves
+    assert (list(sh.deficit), sh.targets()) == before == ([1.0, -1.0], [0.5, 0.5])
+    sh.set_counts([15, 35])  # a mix: the 40 left go 9:31 (the epoch ends as its counts say)
+    assert sh.deficit == [0.0, 0.0] and sh.targets() == [9 / 40, 31 / 40]
     picks = []
     for _ in range(40):
         cands = [[sample(0)], [sample(1)]]
         i = sh.pick(cands)
         picks.append(i)
         sh.take(cands[i])
-    assert picks.count(1) == 30 and sh.taken == [15, 35]  # the epoch ends as its counts say
-    # Every stretch of the rest holds the new shares (within a sample).
-    assert all(abs(picks[:n].count(1) - 0.75 * n) <= 1 for n in range(1, 41))
+    assert sh.taken == [15, 35]
+    # Every stretch of the rest holds the new shares (within a sample), from its first pick.
+    assert all(abs(picks[:n].count(1) - 31 / 40 * n) <= 1 for n in range(1, 41))
 
 
 @SETTINGS
