@@ -1,4 +1,5 @@
-"""`odb-pipeline plan --data`: the real preprocessing feeds the planner; --export-lengths
+"""`odb-pipeline plan --data`: the real preprocessing feeds the planner the served order (the plan
+is the service's plan of the same job); --export-lengths
 round-trips through --lengths; --config job settings are defaults that flags override; input
 errors are one line, exit 2."""
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from support.reference_plan import reference_plan
 
 from pipeline.cli import main
 from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES
@@ -65,6 +67,12 @@ def test_plan_data_reports_quarantine_and_exports_lengths(chats_slice, tmp_path)
     ids = [b_id for ln in steps_out.read_text().splitlines()
            for b in json.loads(ln)["batches"] for b_id in b["samples"]]
     assert sorted(ids) == sorted(e["sample_id"] for e in exported)  # real string ids, once each
+    # The plan is the one the service makes of the same job: its order, shuffled by default.
+    served = reference_plan({"job_id": "plan", "world_size": 2, "source": {"paths": [
+        str(chats_slice)]}, "batching": {"token_budget": 4096}})
+    planned = {(s["epoch"], s["step"], b["rank"]): b["samples"] for s in map(
+        json.loads, steps_out.read_text().splitlines()) for b in s["batches"]}
+    assert planned == served
 
     again = _cli("--lengths", str(lengths), *flags)
     assert again.returncode == 0, again.stderr[-2000:]
