@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from pipeline.config import TrainingJobConfig
 from pipeline.jobstate import MemoryJobState
+from pipeline.planner.types import Step
 from pipeline.producer.local_feed import LocalFeed
 from pipeline.producer.producer import Outcome, Producer, ProducerSettings
 
@@ -18,19 +19,20 @@ _SETTINGS = ProducerSettings(lease_seconds=30.0, max_ahead=10**9, linger_seconds
                              poll_seconds=0.01)
 
 
-def reference_plan(job: TrainingJobConfig | dict) -> dict[tuple[int, int, int], list[str]]:
-    """(epoch, step, rank) -> the sample ids of that rank's batch (fillers included)."""
+def reference_steps(job: TrainingJobConfig | dict) -> list[Step]:
+    """The job's published steps, planned on a fresh state without interruption."""
     if isinstance(job, dict):
         job = TrainingJobConfig.model_validate(job)
     state = MemoryJobState(job.job_id, job.world_size, job.mode)
     outcome = Producer(job, state, LocalFeed(job), holder="reference", settings=_SETTINGS).run()
     assert outcome is Outcome.DONE, outcome
-    plan = {}
-    for n in range(state.published_through() + 1):
-        step = state.get_step(n)
-        for b in step.batches:
-            plan[(step.epoch, step.step, b.rank)] = [str(i) for i in b.sample_ids]
-    return plan
+    return [state.get_step(n) for n in range(state.published_through() + 1)]
+
+
+def reference_plan(job: TrainingJobConfig | dict) -> dict[tuple[int, int, int], list[str]]:
+    """(epoch, step, rank) -> the sample ids of that rank's batch (fillers included)."""
+    return {(step.epoch, step.step, b.rank): [str(i) for i in b.sample_ids]
+            for step in reference_steps(job) for b in step.batches}
 
 
 def assert_same_plan(plan: dict[tuple[int, int, int], list[str]],
