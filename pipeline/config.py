@@ -556,6 +556,43 @@ class ServiceConfig(_Model):
             seen.add(job.job_id)
         return self
 
+    def client_problems(self) -> list[str]:
+        """What in these settings cannot work with the trainers' clients at their defaults
+        (`trainer_client.wire_format`): each problem names the fields and the fix. `serve`
+        refuses such a config (Guarantee 7); tests that tune their clients may start a service
+        with tighter settings in-process."""
+        from trainer_client.wire_format import (
+            DEFAULT_HEARTBEAT_S,
+            DEFAULT_KEEPALIVE_TIME_S,
+            DEFAULT_KEEPALIVE_TIMEOUT_S,
+        )
+
+        out = []
+        ping = self.grpc.min_client_ping_interval_s
+        if ping > DEFAULT_KEEPALIVE_TIME_S:
+            out.append(
+                f"grpc.min_client_ping_interval_s = {ping:g} is above the trainers' keepalive "
+                f"interval (BatchStream keepalive_time_s {DEFAULT_KEEPALIVE_TIME_S:g} s): the "
+                "service would answer their pings with GOAWAY \"too_many_pings\" and they would "
+                f"stop noticing a dead replica; set it to at most {DEFAULT_KEEPALIVE_TIME_S:g}")
+        if self.lease_seconds <= DEFAULT_HEARTBEAT_S:
+            out.append(
+                f"lease_seconds = {self.lease_seconds:g} is not above the trainers' heartbeat "
+                f"period (BatchStream heartbeat_s {DEFAULT_HEARTBEAT_S:g} s): a rank busy in a "
+                "long step would lose its lease between two heartbeats; set it above "
+                f"{DEFAULT_HEARTBEAT_S:g} (default 10)")
+        bound = DEFAULT_KEEPALIVE_TIME_S + DEFAULT_KEEPALIVE_TIMEOUT_S
+        wait = self.state_timeout_seconds + self.resume_grace_seconds
+        if wait >= bound:
+            out.append(
+                f"state_timeout_seconds + resume_grace_seconds = {wait:g} is not below the "
+                "trainers' detection bound (BatchStream keepalive_time_s + keepalive_timeout_s "
+                f"= {bound:g} s): a stream that waits that long before it fails looks like a "
+                "working connection to the client, which would then reconnect without end "
+                f"instead of giving up after its reconnect_timeout; keep the sum below "
+                f"{bound:g} (defaults 5 + 2)")
+        return out
+
     def status_token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The status pages' bearer token, read from `status_token_env` at use (None: unset)."""
         if self.status_token_env is None:

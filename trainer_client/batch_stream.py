@@ -84,7 +84,14 @@ from trainer_client.channel import channel_options, open_channel, rotated
 from trainer_client.decode import StreamBatch, TensorKind, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client.wire_format import DEFAULT_PREFETCH_BYTES, MISMATCH_PREFIX, WIRE_VERSION
+from trainer_client.wire_format import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_KEEPALIVE_TIME_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    DEFAULT_PREFETCH_BYTES,
+    MISMATCH_PREFIX,
+    WIRE_VERSION,
+)
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
@@ -189,8 +196,9 @@ class BatchStream:
         certificate_chain: bytes | None = None, max_message_mb: int = 256,
         reconnect_timeout: float = 60.0, backoff: tuple[float, float] = (0.05, 2.0),
         load_balancing: str = "pick_first", tensors: TensorKind = "auto",
-        keepalive_time_s: float = 4.0, keepalive_timeout_s: float = 4.0,
-        heartbeat_s: float = 2.0, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S,
+        keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")

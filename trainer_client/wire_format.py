@@ -41,6 +41,13 @@ MISMATCH_PREFIX = "wire version mismatch"
 # tells what a job's largest batch means against it.
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
 
+# A client's liveness settings unless it sets its own (`BatchStream(keepalive_time_s=...,
+# keepalive_timeout_s=..., heartbeat_s=...)`); `serve` refuses settings of its own that cannot
+# work with them (`pipeline.config.ServiceConfig.client_problems`).
+DEFAULT_KEEPALIVE_TIME_S = 4.0  # a keepalive ping when nothing arrived for this long
+DEFAULT_KEEPALIVE_TIMEOUT_S = 4.0  # a ping unanswered this long drops the connection
+DEFAULT_HEARTBEAT_S = 2.0  # a Heartbeat on the stream when nothing else went out for this long
+
 
 def version_mismatch(client_version: int, server_version: int = WIRE_VERSION) -> str | None:
     """None when the versions agree, else the FAILED_PRECONDITION details naming both."""

@@ -57,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides={"grpc": grpc_over} if grpc_over else None)
     if not config.jobs:
         raise UserError(f"{args.config}: no jobs configured (add a `jobs:` list)")
+    problems = config.client_problems()
+    if problems:
+        raise UserError(f"{args.config}: settings the trainers' clients cannot work with: "
+                        + "; ".join(problems))
     for job in config.jobs:
         job.token()  # fail now, with the variable's name, if a token is missing
     status_token = config.status_token()

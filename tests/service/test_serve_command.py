@@ -60,6 +60,27 @@ def test_a_taken_metrics_port_is_a_one_line_error(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(("settings", "named", "fix"), [
+    ({"grpc": {"port": 0, "min_client_ping_interval_s": 5.0}}, "grpc.min_client_ping_interval_s",
+     "at most 4"),
+    ({"lease_seconds": 2.0}, "lease_seconds", "above 2"),
+    ({"state_timeout_seconds": 6.0, "resume_grace_seconds": 2.0},
+     "state_timeout_seconds + resume_grace_seconds", "below 8"),
+])
+def test_settings_the_trainers_clients_cannot_work_with_are_refused_at_start(
+        tmp_path, capsys, settings, named, fix):
+    """#40 item 13: pings the service would answer with GOAWAY, a lease that lapses between two
+    heartbeats, a state bound the client's outage clock takes for a live call: refused before
+    anything starts (no state dir, no Redis), naming the fields and the fix."""
+    path = _config(tmp_path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+    assert cli.main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert named in err and fix in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "state").exists()
+
+
 @pytest.mark.slow
 def test_serve_streams_a_job_then_drains_on_sigterm(tmp_path):
     chats = tmp_path / "chats.jsonl"
