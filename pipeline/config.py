@@ -15,7 +15,9 @@ for one, is `batching.pool_steps` and nothing else.
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -637,6 +639,43 @@ def _env_overrides(environ: Mapping[str, str], model: type[BaseModel], prefix: s
     return out
 
 
+def _spelling(name: str) -> str:
+    return name.upper().replace("_", "")
+
+
+def _misspelt(name: str, setting: str) -> bool:
+    """`name` is `setting` with its separators wrong or a letter or two off (not another name
+    that merely resembles it, such as a token variable `ODB_STATUS_TOKEN`)."""
+    a, b = _spelling(name), _spelling(setting)
+    return a == b or (abs(len(a) - len(b)) <= 2
+                      and difflib.SequenceMatcher(None, a, b).ratio() >= 0.9)
+
+
+def check_env_names(environ: Mapping[str, str], config: ServiceConfig) -> None:
+    """An `ODB_*` variable that names no setting (nor a token the config names) would be
+    ignored: one that looks like a misspelt setting (`ODB_GRPC_PORT` for `ODB_GRPC__PORT`) is
+    refused, any other is warned about; both name the closest setting."""
+    settings = env_var_names()
+    tokens = {j.token_env for j in config.jobs} | {config.status_token_env}
+    typos = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in settings or name in tokens:
+            continue
+        near = difflib.get_close_matches(name, settings, n=1, cutoff=0.6)
+        closest = next((s for s in settings if _spelling(s) == _spelling(name)),
+                       near[0] if near else None)
+        if closest is not None and _misspelt(name, closest):
+            typos.append(f"{name} (did you mean {closest}?)")
+        else:
+            logging.getLogger(__name__).warning(
+                "environment variable %s names no setting and is ignored%s", name,
+                f" (the closest setting is {closest})" if closest else "")
+    if typos:
+        raise ConfigError(f"environment variables that name no setting: {', '.join(typos)}; "
+                          "a nested setting joins its path with two underscores "
+                          "(ODB_GRPC__PORT is grpc.port): rename or unset them")
+
+
 def deep_merge(base: dict, top: Mapping) -> dict:
     """`base` with `top` merged in, nested mappings key by key (`top` wins)."""
     merged = dict(base)
@@ -689,11 +728,13 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
 ) -> ServiceConfig:
     """File, then ODB_* environment, then explicit overrides (CLI flags); validated once."""
+    environ = os.environ if environ is None else environ
     data = read_config_file(path) if path is not None else {}
-    data = deep_merge(data, _env_overrides(os.environ if environ is None else environ,
-                                           ServiceConfig, ENV_PREFIX))
+    data = deep_merge(data, _env_overrides(environ, ServiceConfig, ENV_PREFIX))
     data = deep_merge(data, overrides or {})
     try:
-        return ServiceConfig.model_validate(data)
+        config = ServiceConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+    check_env_names(environ, config)
+    return config

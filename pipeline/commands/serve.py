@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.redis_server import LocalRedis
     from pipeline.service.server import start_service
 
+    _refuse_ports_in_use(config)  # before the embedded Redis, any state or lease
+
     configure_logging(config.log_format, config.log_level)
     # Stopped in reverse order of start: the status record, the service (streams drained, the
     # producers stopped at a checkpoint), Ray, then Redis last (its own stop fsyncs the AOF).
@@ -122,6 +124,41 @@ def run(args: argparse.Namespace) -> int:
             if ray_up.error is not None:
                 raise UserError(f"Ray did not start: {ray_up.error}")
         return _stopped(started)
+
+
+def _refuse_ports_in_use(config: ServiceConfig) -> None:
+    """Each configured port, bound and released at once: one in use is refused before anything
+    starts. (The gRPC port is then bound for good, unshared, before any job's state is
+    touched: `start_service`; this check only makes the refusal come first.)"""
+    from pipeline.service.server import port_in_use
+
+    ports = [(config.grpc.host, config.grpc.port, "grpc.port", "--port")]
+    if config.metrics_port is not None:
+        ports.append((config.metrics_host, config.metrics_port, "metrics_port", None))
+    for host, port, setting, flag in ports:
+        if port and _in_use(host, port):
+            raise UserError(port_in_use(f"{host}:{port}", setting, flag))
+
+
+def _in_use(host: str, port: int) -> bool:
+    """Whether binding `host:port` (as gRPC and the HTTP server do: SO_REUSEADDR, no
+    SO_REUSEPORT) fails because the port is taken (any other failure is the real bind's to
+    report)."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except OSError:
+        return False
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def _stopped(started: ExitStack) -> int:

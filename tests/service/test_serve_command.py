@@ -56,8 +56,37 @@ def test_a_taken_metrics_port_is_a_one_line_error(tmp_path, capsys):
         path.write_text(json.dumps(cfg))
         assert cli.main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"metrics port {cfg['metrics_port']}: Address already in use" in err
+    assert f"cannot listen on 127.0.0.1:{cfg['metrics_port']}: the port is in use" in err
+    assert "ODB_METRICS_PORT" in err  # how to pick another one
     assert "Traceback" not in err
+    assert not (tmp_path / "state").exists()  # refused before the embedded Redis started
+
+
+def test_a_grpc_port_held_by_another_server_is_refused_before_any_state_is_touched(
+        redis_url, redis_client):
+    """gRPC turns SO_REUSEPORT on by default: a second replica would have shared the port with
+    the first (clients alternating between two services). It is refused, before the job is
+    registered or a lease taken."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from pipeline.config import ServiceConfig
+    from pipeline.service.server import start_service
+
+    first = grpc.server(ThreadPoolExecutor(1), options=[("grpc.so_reuseport", 1)])
+    port = first.add_insecure_port("127.0.0.1:0")
+    first.start()
+    try:
+        cfg = ServiceConfig.model_validate({
+            "redis_url": redis_url, "metrics_port": None, "grpc": {"port": port},
+            "jobs": [{"job_id": "sft", "world_size": 1, "source": {"paths": [str(CHATS)]}}]})
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: the port is in "
+                                          "use.*ODB_GRPC__PORT"):
+            start_service(cfg)
+        assert redis_client.keys("*") == []
+    finally:
+        first.stop(None)
 
 
 @pytest.mark.parametrize(("settings", "named", "fix"), [
