@@ -36,6 +36,10 @@ NUMPY_DTYPES: dict[int, np.dtype] = {
 WIRE_DTYPES: dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
 
 MISMATCH_PREFIX = "wire version mismatch"
+# Trailing metadata of a status the client must not retry whatever its code: the job failed
+# for good (its producer's permanent failure) or has nothing left to give. A client ends at
+# once with it instead of reconnecting until its reconnect_timeout.
+FINAL_STATUS_KEY = "odb-final"
 
 # A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
 # tells what a job's largest batch means against it.

@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                         + "; ".join(problems))
     for job in config.jobs:
         job.token()  # fail now, with the variable's name, if a token is missing
+    _check_sources(config)
     status_token = config.status_token()
     from pipeline import local_services
     from pipeline.observability import configure_logging, start_metrics_server
@@ -124,6 +125,18 @@ def run(args: argparse.Namespace) -> int:
             if ray_up.error is not None:
                 raise UserError(f"Ray did not start: {ray_up.error}")
         return _stopped(started)
+
+
+def _check_sources(config: ServiceConfig) -> None:
+    """Every job's sources exist, are readable and their first row parses: a misspelt path is
+    refused here, not found by the producer after `serve` said it listens."""
+    from pipeline.preprocess.sources import check_sources
+
+    for job in config.jobs:
+        try:
+            check_sources(job.source)
+        except UserError as exc:
+            raise UserError(f"job {job.job_id!r}: {exc}") from None
 
 
 def _refuse_ports_in_use(config: ServiceConfig) -> None:

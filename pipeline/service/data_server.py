@@ -45,6 +45,7 @@ from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import FINAL_STATUS_KEY
 
 # The one table from the domain's errors to status codes (the most specific class wins).
 STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
@@ -65,6 +66,11 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     ReplicaUnavailable: grpc.StatusCode.UNAVAILABLE,
     StateUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+# Errors a client must not retry whatever their code (`FINAL_STATUS_KEY`): the job failed for
+# good, and every replica would answer the same until an operator acts.
+FINAL = (ProducerFailed,)
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -193,4 +199,5 @@ class DataServicer(pb_grpc.DataServiceServicer):
             await self.streams.serve(rt, op, op.client_id or context.peer(),
                                      _client_messages(requests), context.write)
         except OdbError as exc:
-            await context.abort(status_of(exc), str(exc))
+            final = ((FINAL_STATUS_KEY, "1"),) if isinstance(exc, FINAL) else ()
+            await context.abort(status_of(exc), str(exc), trailing_metadata=final)

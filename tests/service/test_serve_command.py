@@ -62,6 +62,29 @@ def test_a_taken_metrics_port_is_a_one_line_error(tmp_path, capsys):
     assert not (tmp_path / "state").exists()  # refused before the embedded Redis started
 
 
+def test_a_source_that_cannot_be_read_is_refused_before_anything_starts(
+        tmp_path, capsys, monkeypatch):
+    """#42: a misspelt path was found by the producer after `serve` said it listens. Checked at
+    start: a missing path (named as resolved against the working directory, the usual
+    mistake), a first row that does not parse; nothing started (no state dir)."""
+    monkeypatch.chdir(tmp_path)
+    path = _config(tmp_path)
+    cfg = json.loads(path.read_text())
+    cfg["jobs"][0]["source"]["paths"] = ["data/chat.jsonl"]
+    path.write_text(json.dumps(cfg))
+    assert cli.main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (f"job 'sft': source not found: data/chat.jsonl (relative to the working directory "
+            f"{tmp_path}: {tmp_path / 'data' / 'chat.jsonl'})") in err, err
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chat.jsonl").write_text("\nrole,content\nuser,hi\n")  # a CSV
+    assert cli.main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "job 'sft': source data/chat.jsonl: the first row of data/chat.jsonl does not " \
+           "parse as jsonl" in err, err
+    assert not (tmp_path / "state").exists()
+
+
 def test_a_grpc_port_held_by_another_server_is_refused_before_any_state_is_touched(
         redis_url, redis_client):
     """gRPC turns SO_REUSEPORT on by default: a second replica would have shared the port with
