@@ -49,6 +49,10 @@ class UserError(OdbError):
 class JobMismatch(UserError):
     """The job id exists in the state with a different config hash or mode."""
 
+    def __init__(self, message: str, *, job_id: str = "") -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
 
 class SchemaMismatch(UserError):
     """Redis holds coordinator state of another schema version than this build speaks."""

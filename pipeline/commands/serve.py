@@ -25,7 +25,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from pipeline.config import ServiceConfig, load_config
-from pipeline.errors import UserError
+from pipeline.errors import JobMismatch, UserError
 from pipeline.stop_signals import DEFAULT_GRACE_S, StopSignals
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(config.log_format, config.log_level)
     # Stopped in reverse order of start: the status record, the service (streams drained, the
     # producers stopped at a checkpoint), Ray, then Redis last (its own stop fsyncs the AOF).
+    embedded_state = config.state_dir if config.redis_url is None else None
     with ExitStack() as started:
         if config.redis_url is None:
             embedded = LocalRedis.durable(config.state_dir)
@@ -100,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
             svc = start_service(config, ray_ready=ray_up.ready)
         except OSError as exc:
             raise UserError(str(exc)) from None
+        except JobMismatch as exc:
+            raise JobMismatch(f"{exc}. {_how_to_proceed(exc.job_id, args.config, embedded_state)}",
+                              job_id=exc.job_id) from None
         started.callback(svc.stop, grace=2.0)
         metrics_port = None
         if config.metrics_port is not None:
@@ -172,6 +176,14 @@ def _in_use(host: str, port: int) -> bool:
         except OSError as exc:
             return exc.errno == errno.EADDRINUSE
     return False
+
+
+def _how_to_proceed(job_id: str, config_path: str, state_dir: str | None) -> str:
+    """What to do about a job whose stored config differs: the command that starts it over,
+    or a new job id; and where the embedded default keeps it."""
+    where = f" (its state is in {state_dir})" if state_dir else ""
+    return (f"To start {job_id!r} over with this config{where}: `odb-pipeline job reset "
+            f"{job_id} --config {config_path}`; to keep it, give this config another job_id")
 
 
 def _stopped(started: ExitStack) -> int:

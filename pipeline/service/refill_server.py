@@ -75,7 +75,8 @@ def connect_refill_job(config: ServiceConfig, job: RefillJobConfig, replica_id: 
     state = RefillState.connect(config.redis_url, job.job_id,
                                 lease_seconds=job.refill.lease_seconds)
     registry.register_refill_job(state.client, job.job_id,
-                                 config_hash=registry.config_hash(job), seed=job.seed)
+                                 config_hash=registry.config_hash(job), seed=job.seed,
+                                 config=registry.config_record(job))
     return RefillJob(job, state, RefillProducer(job, state, holder=f"replica:{replica_id}"))
 
 

@@ -85,6 +85,58 @@ def test_a_source_that_cannot_be_read_is_refused_before_anything_starts(
     assert not (tmp_path / "state").exists()
 
 
+def test_a_changed_config_names_its_fields_and_job_reset_starts_the_job_over(tmp_path, capsys):
+    """#42: after an edit of token_budget, `serve` refused the job with two hashes and no way
+    forward. It names the field and both values, where the embedded default keeps the job and
+    the command that starts it over; `job reset` does (the next serve of the config takes the
+    job as its own), `job delete` forgets it."""
+    from pipeline.config import load_config
+    from pipeline.coordinator import RedisJobState, list_jobs
+    from pipeline.redis_client import connect
+    from pipeline.redis_server import LocalRedis
+
+    state = tmp_path / "state"
+    path = _config(tmp_path, batching={"token_budget": 1024})
+    with LocalRedis.durable(state) as r:  # as a serve of this config left it
+        RedisJobState.connect(r.url, load_config(path).jobs[0]).close()
+    cfg = json.loads(path.read_text())
+    cfg["jobs"][0]["batching"]["token_budget"] = 2048
+    path.write_text(json.dumps(cfg))
+    assert cli.main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "job 'sft' exists in Redis with another config: batching.token_budget (1024 in " \
+           "Redis, 2048 here)" in err, err
+    assert f"To start 'sft' over with this config (its state is in {state}): `odb-pipeline " \
+           f"job reset sft --config {path}`" in err, err
+
+    assert cli.main(["job", "reset", "sft", "--config", str(path)]) == 0
+    assert f"job sft: reset in the embedded state in {state}" in capsys.readouterr().out
+    with LocalRedis.durable(state) as r:
+        again = RedisJobState.connect(r.url, load_config(path).jobs[0])  # no refusal now
+        assert not again.created and again.published_through() == -1
+        again.close()
+    assert cli.main(["job", "delete", "sft", "--config", str(path)]) == 0
+    assert cli.main(["job", "delete", "sft", "--config", str(path)]) == 2
+    assert f"no job 'sft' in the embedded state in {state} (no jobs)" in capsys.readouterr().err
+    with LocalRedis.durable(state) as r:
+        assert list_jobs(connect(r.url)) == []
+
+
+def test_job_delete_on_a_redis_url_refuses_a_job_in_use(redis_url, redis_client, capsys):
+    from pipeline.config import parse_job
+    from pipeline.coordinator import RedisJobState, list_jobs
+
+    job = parse_job({"job_id": "sft", "world_size": 2, "source": {"paths": ["a.jsonl"]}})
+    st = RedisJobState.connect(redis_url, job)
+    st.claim_rank(1, "c1", 30.0)
+    assert cli.main(["job", "delete", "sft", "--redis-url", redis_url]) == 2
+    assert "job 'sft' in the Redis at" in capsys.readouterr().err
+    st.release_rank(1, "c1")
+    assert cli.main(["job", "delete", "sft", "--redis-url", redis_url]) == 0
+    assert list_jobs(redis_client) == []
+    st.close()
+
+
 def test_a_grpc_port_held_by_another_server_is_refused_before_any_state_is_touched(
         redis_url, redis_client):
     """gRPC turns SO_REUSEPORT on by default: a second replica would have shared the port with
