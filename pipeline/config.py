@@ -202,7 +202,8 @@ class EmbeddingConfig(_Model):
                               "(all-MiniLM-L6-v2) or a local sentence-transformers folder; "
                               "None with no column = all-MiniLM-L6-v2")
     column: str | None = Field(None, description="record field holding a precomputed vector")
-    cache_dir: str | None = Field(None, description="None = .odb-embeddings/ beside the dataset")
+    cache_dir: str | None = Field(None, description="None = embeddings/ in the cache dir "
+                                  "($XDG_CACHE_HOME/odb-pipeline, else ~/.cache/odb-pipeline)")
 
     @model_validator(mode="after")
     def _one_source(self) -> EmbeddingConfig:
@@ -499,6 +500,13 @@ def default_state_dir() -> str:
     ~/.local/state/odb-pipeline."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
                                                              "state")
+    return os.path.join(base, "odb-pipeline")
+
+
+def default_cache_dir() -> str:
+    """Where caches go unless configured (never beside the data: a checkout stays clean):
+    $XDG_CACHE_HOME/odb-pipeline, else ~/.cache/odb-pipeline."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "odb-pipeline")
 
 

@@ -155,7 +155,7 @@ def embed_dataset(job: TrainingJobConfig, *, limit: int | None = None,
     else:
         made_by, _ = resolve_model(cfg.model or DEFAULT_MODEL)  # fails fast, before Ray
     key = embedding_cache.content_key(files, made_by, TEXT_RECIPE, limit)
-    path = embedding_cache.table_path(embedding_cache.cache_dir(job, files), made_by, key)
+    path = embedding_cache.table_path(embedding_cache.cache_dir(job), made_by, key)
     table = embedding_cache.load_table(path)
     if table is not None:
         return Embeddings(table, path, cached=True)
