@@ -19,6 +19,7 @@ from pipeline.errors import (
     AckAheadOfPlan,
     AckNotDelivered,
     BadRequest,
+    JobFinished,
     OdbError,
     PositionUnavailable,
     ProducerFailed,
@@ -70,7 +71,7 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
 
 # Errors a client must not retry whatever their code (`FINAL_STATUS_KEY`): the job failed for
 # good, and every replica would answer the same until an operator acts.
-FINAL = (ProducerFailed,)
+FINAL = (ProducerFailed, JobFinished)
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -149,7 +150,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
             raise WrongJobMode(f"job {job_id!r} has mode 'refill': its consumers use the Refill "
                                "RPC (trainer_client.RefillStream), not Stream or Scale")
         if rt is None:
-            raise UnknownJob(f"unknown job {job_id!r}")
+            raise UnknownJob.named(job_id)
         problem = check_token(self.tokens.get(job_id), metadata, job_id)
         if problem is not None:
             raise Unauthenticated(problem)

@@ -36,7 +36,7 @@ import numpy as np
 
 from pipeline.config import RefillJobConfig, ServiceConfig
 from pipeline.coordinator.refill_state import RefillState, RequestPayload
-from pipeline.errors import StateUnavailable, UserError
+from pipeline.errors import StateUnavailable, UnknownJob, UserError
 from pipeline.modes import JobMode
 from pipeline.observability.job_status import ReplicaStatus
 from pipeline.observability.status_proto import to_proto
@@ -121,7 +121,7 @@ class RefillServicer:
         holding its token (an unauthenticated caller learns nothing about other jobs)."""
         rj = self.jobs.get(job_id)
         if rj is None and job_id not in self.other_jobs:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job_id!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, str(UnknownJob.named(job_id)))
         require_token(self.tokens.get(job_id), context, job_id)
         if rj is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
