@@ -420,10 +420,10 @@ class BatchStream:
                 now = time.monotonic()
                 if now - told >= self.wait_log_s and self._outage is None:
                     told = now  # (while reconnecting, the receiver says why it waits)
-                    log.warning("job %s rank %d: no batch from %s for %.0f s; waiting for step "
-                                "%d (the service is still preparing it: `odb-pipeline status` "
-                                "shows the job)", self.job, self.rank, self.endpoint,
-                                now - since, self._next_step)
+                    log.warning("job %s rank %d: no batch from %s for %.0f s; the stream is "
+                                "open and waits for the service to prepare the next one "
+                                "(`odb-pipeline status` shows the job)", self.job, self.rank,
+                                self.endpoint, now - since)
         if isinstance(item, StreamError):
             raise item
         with self._link.lock:

@@ -202,19 +202,20 @@ def _listen(server: LoopServer, cfg: GrpcConfig) -> tuple[str, int, bool]:
         port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
     except RuntimeError:  # grpc.aio: "Failed to bind to address ..."
         port = 0
-    if port == 0:
-        raise OSError(port_in_use(addr, "grpc.port", "--port"))
+    if port == 0:  # (gRPC does not say why)
+        raise OSError(port_in_use(addr, "grpc.port", "--port",
+                                  also=f", or {cfg.host} is no address of this machine"))
     return addr, port, creds is not None
 
 
-def port_in_use(addr: str, setting: str, flag: str | None = None) -> str:
+def port_in_use(addr: str, setting: str, flag: str | None = None, also: str = "") -> str:
     """What a port that cannot be bound means and what to do (another service holds it)."""
     port = addr.rsplit(":", 1)[-1]
     env = "ODB_" + setting.upper().replace(".", "__")
     how = f"{setting}{f' / {flag}' if flag else ''} / {env}"
     return (f"cannot listen on {addr}: the port is in use (another `odb-pipeline serve`, or "
-            f"another program: `ss -ltnp 'sport = :{port}'` shows which); stop it, or give "
-            f"this service another port ({how})")
+            f"another program: `ss -ltnp 'sport = :{port}'` shows which){also}; stop it, or "
+            f"give this service another port ({how})")
 
 
 def _jobs(config: ServiceConfig, job_states: Mapping[str, JobState],
