@@ -179,6 +179,11 @@ class BatchingConfig(_Model):
         "(TrainingJobConfig.max_sample_tokens); "
         "`alone` = a batch of its own, flagged; `quarantine` = set aside as over_budget")
     compute_balancing: ComputeBalancingConfig = ComputeBalancingConfig()
+    global_token_budget: int | None = Field(
+        None, gt=0, description="the tokens of one optimizer step, all ranks together "
+        "(>= token_budget): a step's samples then do not depend on the world size, and each "
+        "rank accumulates its micro-batches of up to token_budget (docs/global-steps.md); "
+        "None = a step is one batch of up to token_budget per rank")
 
     @model_validator(mode="after")
     def _valid_policy(self) -> BatchingConfig:
@@ -192,6 +197,7 @@ class BatchingConfig(_Model):
             attn_b=self.attn_b, max_visual_tokens=self.max_visual_tokens,
             lookahead_tokens=self.lookahead_tokens, max_window_samples=self.max_window_samples,
             over_budget=self.over_budget, ramp_up=self.ramp_up,
+            global_token_budget=self.global_token_budget,
         )
 
 
@@ -520,8 +526,10 @@ class ServiceConfig(_Model):
         False, description="wait until Redis fsynced each publication (WAITAOF: Redis >= 7.2 "
         "or Valkey with appendonly) so a step a rank saw survives a Redis crash")
     resume_grace_seconds: float = Field(
-        2.0, ge=0, description="how long an Open naming a step beyond the plan waits for a "
-        "restarting producer before OUT_OF_RANGE")
+        60.0, ge=0, description="an Open naming a step beyond the published plan (a Redis that "
+        "lost its last publications: the producer publishes them again) opens its stream and "
+        "waits for the step as long as the plan grows; this long with nothing new published, "
+        "it ends OUT_OF_RANGE (so does an END of its epoch published before it)")
     lease_seconds: float = Field(
         10.0, gt=0, description="a rank's lease lasts this long after the last sign of life "
         "from its client (an Open, an Ack or a Heartbeat; BatchStream sends one every 2 s)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -26,8 +27,20 @@ def test_help_lists_every_design_subcommand():
 
 
 def test_every_command_module_registers_arguments():
+    """Each command of the CLI has a module that registers its arguments (shown in its help)
+    and runs the parsed result."""
     parser = cli.build_parser(load_commands=True)
-    assert parser.prog == "odb-pipeline"
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(commands.choices) == set(cli.COMMANDS)
+    for name, sub in commands.choices.items():
+        options = [a for a in sub._actions if not isinstance(a, argparse._HelpAction)]
+        assert options, f"`{name}` registers no argument"
+        shown = sub.format_help()
+        assert all(a.dest in shown or any(o in shown for o in a.option_strings)
+                   for a in options), name
+        assert callable(cli._module(name).run), name
+    args = parser.parse_args(["plan", "--lengths", "lengths.txt"])
+    assert (args.command, args.lengths) == ("plan", "lengths.txt")
 
 
 def test_negative_budget_names_field_and_value():

@@ -56,6 +56,15 @@ only: the wait inside collectives (the all-reduce of a faster rank) is what bala
 `trainer_client.compute_clock.ComputeClock` times a DDP model's step without it (the framework
 adapters report with it by themselves).
 
+Global steps (docs/global-steps.md): a job with a global token budget sends this rank several
+batches per step, its micro-batches (`batch.info.micro_index` of `micro_count`), to accumulate
+into one optimizer step: `trainer_client.accumulate.optimizer_steps` does it right (no_sync on
+all but the last). A step counts as consumed once its last micro-batch was taken: `next_step`
+stays at a step until then, its ack goes out when the next batch (or END) is taken, and a
+resume restarts the step at its first micro-batch; a reconnection mid-step gets the rest of it
+(the micro-batches already received are not yielded twice). `report_compute` of each
+micro-batch is summed and sent once per step (what the service fits a rank's step on).
+
 Elastic worlds (docs/elastic.md): when the job's world is reconfigured, this rank gets its
 batches up to the boundary and then an END whose `reason` is "reconfigure" and whose
 `world_size` is the new world's (`stream.last_end`; `stream.done` stays False). The rank then
@@ -244,7 +253,11 @@ class BatchStream:
         self._epoch = 0
         self._epoch_first_step: int | None = 0
         self._done = False
-        self._last_yielded = -1
+        self._last_yielded = -1  # the last step whose batches were all yielded
+        # (step, micro_index) of the last yielded micro-batch while its step has more: a new
+        # receiver does not yield those again (None: at a step boundary).
+        self._partial: tuple[int, int] | None = None
+        self._step_compute: tuple[int, float] = (-1, 0.0)  # a step's micro-batches, summed
         # Until a state is loaded or a batch arrives, the service picks the position: the rank's
         # first unacknowledged step (a restarted trainer without a checkpoint goes on instead of
         # starting over, repeating at most the steps whose ack had not gone out).
@@ -279,6 +292,7 @@ class BatchStream:
                              f"this stream has job={self.job!r}")
         self._link.stop()
         self._unsent_compute.clear()  # of steps the restored position may not have reached
+        self._partial, self._step_compute = None, (-1, 0.0)
         self._next_step = int(state["next_step"])
         self._epoch = int(state["epoch"])
         self._done = bool(state.get("done", False))
@@ -300,7 +314,8 @@ class BatchStream:
 
     @property
     def next_step(self) -> int:
-        """The global step after the last yielded batch."""
+        """The global step after the last yielded batch (of a step with micro-batches left:
+        that step, which a resume restarts at its first)."""
         return self._next_step
 
     @property
@@ -349,10 +364,16 @@ class BatchStream:
                         if self._link.reqs is not None:
                             self._link.reqs.put(None)
                 return
-            if item.info.epoch > self._epoch:  # resumed at the cursor, in a later epoch
-                self._epoch, self._epoch_first_step = item.info.epoch, None
-            self._last_yielded = item.info.step
-            self._next_step = item.info.step + 1
+            info = item.info
+            if info.epoch > self._epoch:  # resumed at the cursor, in a later epoch
+                self._epoch, self._epoch_first_step = info.epoch, None
+            if info.last_micro:  # the step is consumed once its last micro-batch is taken
+                self._last_yielded = info.step
+                self._next_step = info.step + 1
+                self._partial = None
+            else:
+                self._next_step = info.step
+                self._partial = (info.step, info.micro_index)
             self._positioned = True
             yielded = True
             yield item
@@ -360,10 +381,19 @@ class BatchStream:
     def report_compute(self, batch: StreamBatch, seconds: float) -> None:
         """Report that `batch` took `seconds` of compute on this rank (forward + backward,
         without the wait inside collectives). Sent with the next Ack; a job that does not
-        balance by compute ignores it."""
+        balance by compute ignores it. Micro-batches of one step are summed and sent with its
+        last (a report of the last alone covers the step)."""
+        info = batch.info
+        seconds = float(seconds)
         with self._link.lock:
-            self._unsent_compute.append(pb.ComputeReport(step=batch.info.step,
-                                                         seconds=float(seconds)))
+            if info.micro_count > 1:
+                step, acc = self._step_compute
+                seconds += acc if step == info.step else 0.0
+                if not info.last_micro:
+                    self._step_compute = (info.step, seconds)
+                    return
+                self._step_compute = (-1, 0.0)
+            self._unsent_compute.append(pb.ComputeReport(step=info.step, seconds=seconds))
             del self._unsent_compute[:-_MAX_COMPUTE_HELD]
 
     @contextmanager
@@ -463,6 +493,9 @@ class BatchStream:
     def _receive(self) -> None:
         link = self._link
         pos = self._next_step if self._positioned else RESUME_FROM_CURSOR
+        # A step's micro-batches received (or yielded) so far: a resumed call restarts the step
+        # at its first, and those are not queued again.
+        received = self._partial
         epoch = self._epoch
         delay = self._backoff[0]
         outage_since: float | None = None  # the first failure of the current outage
@@ -491,7 +524,19 @@ class BatchStream:
                     delay = self._backoff[0]
                     item = reader.read(raw)
                     if isinstance(item, StreamBatch):
-                        pos = item.info.step + 1
+                        info = item.info
+                        if (received is not None and info.step == received[0]
+                                and info.micro_index <= received[1]):
+                            with link.lock:  # had it already: its credit goes straight back
+                                self._unsent_credits += 1
+                                self._unsent_credit_bytes += item.nbytes
+                                self._send_ack_locked()
+                            continue
+                        if info.last_micro:
+                            pos, received = info.step + 1, None
+                        else:
+                            pos = info.step
+                            received = (info.step, info.micro_index)
                         with link.lock:
                             self._queued_batches += 1
                             self._queued_bytes += item.nbytes

@@ -44,6 +44,7 @@ _JOB_FLAGS: dict[str, tuple[str, ...]] = {
     "attn_a": ("batching", "attn_a"),
     "attn_b": ("batching", "attn_b"),
     "pool_steps": ("batching", "pool_steps"),
+    "global_token_budget": ("batching", "global_token_budget"),
     "epochs": ("epochs",),
     "seed": ("seed",),
     # SDO (docs/sdo.md): the job's organization block.
@@ -107,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-budget", type=int, default=None, metavar="T",
         help="max token cost per batch (required unless --config)",
+    )
+    parser.add_argument(
+        "--global-token-budget", type=int, default=None, metavar="G",
+        help="tokens of one optimizer step, all ranks together (>= the budget): steps that "
+        "do not depend on the world size, each rank's share in micro-batches of up to the "
+        "budget (docs/global-steps.md); default: one batch per rank and step",
     )
     parser.add_argument("--mode", choices=[m.value for m in DGAP_MODES], default=None,
                         help="DGAP mode (default join)")

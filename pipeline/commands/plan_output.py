@@ -99,13 +99,16 @@ class PlanOutput:
 
 
 def step_json(step) -> str:
+    opt = step.info.optimizer_step
     return json.dumps(
         {
             "epoch": step.epoch,
             "step": step.step,
+            **({"optimizer_step": opt} if opt is not None else {}),
             "batches": [
                 {
                     "rank": b.rank,
+                    **({"micro": b.micro} if opt is not None else {}),
                     "samples": list(b.sample_ids),
                     "cost": b.cost,
                     **({"over_budget": True} if b.over_budget else {}),

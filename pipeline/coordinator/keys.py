@@ -60,6 +60,10 @@ class JobKeys:
         return self.base + "lease"
 
     @property
+    def lease_claim(self) -> str:  # hash: rank -> its claims (Opens) so far: the latest's number
+        return self.base + "lease_claim"
+
+    @property
     def lapsed(self) -> str:  # set: ranks whose lease lapsed and was then taken over
         return self.base + "lapsed"
 
@@ -128,7 +132,8 @@ class JobKeys:
         """Every job's keys except the per-step ones (those are found from meta's step range)
         and the SDO ones (`organization_keys`)."""
         return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
-                self.lease_exp, self.lease, self.lapsed, self.claimed, self.counters,
+                self.lease_exp, self.lease, self.lease_claim, self.lapsed, self.claimed,
+                self.counters,
                 self.quarantine_ids, self.quarantine, self.worlds, self.grants, self.draining,
                 self.world_times, self.pending_ends, self.fsyncs, self.compute,
                 self.compute_total, self.compute_fit]

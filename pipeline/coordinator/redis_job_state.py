@@ -394,8 +394,8 @@ class RedisJobState(JobState):
         h = step_codec.decode_header(raw[0])
         wanted = {r: blob for r, blob in zip(ranks, raw[1:], strict=True) if blob is not None}
         return Step(epoch=h["e"], step=h["n"], info=StepInfo(*h["i"]),
-                    batches=tuple(step_codec.decode_batch(wanted[r], r)
-                                  for r in h["r"] if r in wanted),
+                    batches=tuple(b for r in h["r"] if r in wanted
+                                  for b in step_codec.decode_rank(wanted[r], r)),
                     world=step_codec.header_world(h), compute=step_codec.header_compute(h))
 
     def _stamped(self, steps: list[Step | None]) -> list[Step | None]:
@@ -453,10 +453,16 @@ class RedisJobState(JobState):
         return self._run(scripts.producer_restart, [self.keys.meta], [actor_id, process]) == 1
 
     def producer_lease(self) -> ProducerLease | None:
-        gen, holder, exp = self._meta("producer_gen", "producer_holder", "producer_exp")
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)  # the lease and Redis's clock at once
+            pipe.hmget(self.keys.meta, ["producer_gen", "producer_holder", "producer_exp"])
+            pipe.time()
+            (gen, holder, exp), (sec, usec) = pipe.execute()
         if not gen or int(gen) == 0:
             return None
-        return ProducerLease(int(gen), (holder or b"").decode(), int(exp or 0) / 1000.0)
+        exp_ms, now_ms = int(exp or 0), int(sec) * 1000 + int(usec) // 1000
+        return ProducerLease(int(gen), (holder or b"").decode(), exp_ms / 1000.0,
+                             exp_ms > now_ms)
 
     def set_error(self, message: str, *, fence: int, cause: str = "internal",
                   transient: bool = False) -> None:
@@ -502,14 +508,14 @@ class RedisJobState(JobState):
 
     def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int) -> list:
         # The script checks the rank (current world for cursors, + draining ranks for leases).
-        return self._run(scripts.ack, self._ack_keys(),
+        return self._run(scripts.ack, [*self._ack_keys(), self.keys.lease_claim],
                          [self.keys.base, rank, client_id, _ms(lease_seconds), step], rank=rank)
 
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
         if not client_id:
             raise ValueError("client_id must be non-empty")
-        exp, _ = self._ack(rank, client_id, lease_seconds, -1)
-        return RankLease(rank, client_id, exp / 1000.0)
+        exp, _, claim = self._ack(rank, client_id, lease_seconds, -1)
+        return RankLease(rank, client_id, exp / 1000.0, int(claim))
 
     def ack(self, rank: int, step: int) -> None:
         if step < 0:
@@ -575,9 +581,10 @@ class RedisJobState(JobState):
             raw = self.client.get(self.keys.compute_fit)
         return None if raw is None else ComputeFitStatus.from_json(raw)
 
-    def release_rank(self, rank: int, client_id: str) -> None:
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
         self._check_rank(rank, self._lease_ranks())
-        self._run(scripts.release, [self.keys.lease, self.keys.lease_exp], [rank, client_id])
+        self._run(scripts.release, [self.keys.lease, self.keys.lease_exp, self.keys.lease_claim],
+                  [rank, client_id, "" if claim is None else claim])
 
     def acked(self, rank: int) -> int:
         with unavailable_as_error(self._where):
@@ -612,10 +619,12 @@ class RedisJobState(JobState):
             pipe = self.client.pipeline(transaction=True)
             pipe.hget(self.keys.lease, rank)
             pipe.zscore(self.keys.lease_exp, rank)
-            raw, exp = pipe.execute()
+            pipe.hget(self.keys.lease_claim, rank)
+            raw, exp, claim = pipe.execute()
         if raw is None or exp is None:
             return None
-        return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0)
+        return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0,
+                         int(claim or 0))
 
     # ------------------------------------------------------------- failures
     def _lapsed(self, older_than_seconds: float, absent: bool = False

@@ -37,6 +37,7 @@ class RankLease:
     rank: int
     client_id: str
     expires_at: float  # unix seconds (the state's clock)
+    claim: int = 0  # which claim of the rank (an Open) this is: they are counted per rank
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class ComputeFitStatus:
     warmup: int = 0
     stale: int = 0  # reports of an ended world, ignored
     drifts: int = 0
+    fit_failures: int = 0  # fits the arithmetic could not carry (the model in force stayed)
     imbalance: tuple[tuple[int, float], ...] = ()
     # The newest fully reported step: each rank's measured seconds and those predicted by the
     # model the step was balanced by (none for a step balanced by tokens).
@@ -128,11 +130,14 @@ class RankHealth:
 @dataclass(frozen=True)
 class ProducerLease:
     """Who may publish the job's plan. `generation` is the fencing token: it grows by one at
-    every change of holder, and a publish with an older generation is refused (`Fenced`)."""
+    every change of holder, and a publish with an older generation is refused (`Fenced`).
+    `live`: not expired when read, judged on the state's clock (as every lease is: a reader's
+    own clock may run ahead or behind)."""
 
     generation: int
     holder: str
     expires_at: float  # unix seconds (the state's clock)
+    live: bool
 
 
 @dataclass(frozen=True)
@@ -331,11 +336,14 @@ class JobState(ABC):
     # for a lease below the larger of the two world sizes.
     @abstractmethod
     def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
-        """Take or renew the rank's lease; `RankHeld` if another client's lease is live."""
+        """Take or renew the rank's lease (a stream's Open); `RankHeld` if another client's
+        lease is live. Each claim of the rank gets the next number (`RankLease.claim`)."""
 
     @abstractmethod
-    def release_rank(self, rank: int, client_id: str) -> None:
-        """Only the holder can release; releasing is not a lapse."""
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
+        """Only the holder can release; releasing is not a lapse. With `claim`, only while
+        that is still the rank's latest claim: a holder whose stream vanished from one replica
+        and that claimed the rank again (on any replica) is alive, and keeps its lease."""
 
     def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
         """Renew (or retake after a lapse); True if `client_id` holds the lease now, False if

@@ -77,6 +77,7 @@ class MemoryJobState(JobState):
         self._error: ProducerFailure | None = None  # permanent
         self._trouble: ProducerFailure | None = None  # transient (cleared by a publication)
         self._leases: dict[int, RankLease] = {}
+        self._claims: dict[int, int] = {}  # rank -> its claims so far (the latest's number)
         self._heartbeats: dict[int, float] = {}
         self._lapsed: set[int] = set()
         self._claimed: set[int] = set()  # ranks that ever held a lease
@@ -100,11 +101,11 @@ class MemoryJobState(JobState):
                          f"lease holder (current: {p.generation if p else None})")
 
     def _check_batches(self, step: Step) -> None:
-        ranks = [b.rank for b in step.batches]
+        ranks = [(b.rank, b.micro) for b in step.batches]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"job {self.job_id!r}: step {step.step}: a rank appears twice in "
-                             f"batches: {ranks}")
-        for r in ranks:
+                             f"batches (rank, micro-batch): {ranks}")
+        for r, _ in ranks:
             self._check_rank(r)
 
     def publish(self, publication: Publication, *, fence: int) -> int:
@@ -226,7 +227,8 @@ class MemoryJobState(JobState):
             if p is not None and p.holder != holder and p.expires_at > now:
                 return None
             self._generation += 1
-            self._producer = ProducerLease(self._generation, holder, now + lease_seconds)
+            self._producer = ProducerLease(self._generation, holder, now + lease_seconds,
+                                           lease_seconds > 0)
             return self._generation
 
     def renew_producer(self, generation: int, lease_seconds: float) -> None:
@@ -236,17 +238,20 @@ class MemoryJobState(JobState):
             if p is None or p.generation != generation:
                 raise Fenced(f"job {self.job_id!r}: producer generation {generation} was "
                              f"replaced by {p.generation if p else None}")
-            self._producer = ProducerLease(generation, p.holder, now + lease_seconds)
+            self._producer = ProducerLease(generation, p.holder, now + lease_seconds,
+                                           lease_seconds > 0)
 
     def release_producer(self, generation: int) -> None:
         with self._lock:
             p = self._producer
             if p is not None and p.generation == generation:
-                self._producer = ProducerLease(generation, p.holder, 0.0)
+                self._producer = ProducerLease(generation, p.holder, 0.0, False)
 
     def producer_lease(self) -> ProducerLease | None:
+        now = self._clock()
         with self._lock:
-            return self._producer
+            p = self._producer
+        return None if p is None else replace(p, live=p.expires_at > now)
 
     def claim_producer_restart(self, actor_id: str, process: int) -> bool:
         with self._lock:
@@ -312,7 +317,9 @@ class MemoryJobState(JobState):
         now = self._clock()
         with self._lock:
             self._check_holder(rank, client_id, now)
-            return self._take(rank, client_id, lease_seconds, now)
+            lease = self._take(rank, client_id, lease_seconds, now)
+            self._claims[rank] = claim = self._claims.get(rank, 0) + 1
+            return replace(lease, claim=claim)
 
     def _check_holder(self, rank: int, client_id: str, now: float) -> None:
         cur = self._leases.get(rank)
@@ -320,11 +327,12 @@ class MemoryJobState(JobState):
             raise RankHeld(f"job {self.job_id!r}: rank {rank} is held by client "
                            f"{cur.client_id!r} for {cur.expires_at - now:.1f}s more")
 
-    def release_rank(self, rank: int, client_id: str) -> None:
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
         self._check_lease_rank(rank)
         with self._lock:
             cur = self._leases.get(rank)
-            if cur is not None and cur.client_id == client_id:
+            if (cur is not None and cur.client_id == client_id
+                    and claim in (None, self._claims.get(rank))):
                 del self._leases[rank]
                 self._heartbeats.pop(rank, None)
 
@@ -547,9 +555,9 @@ class MemoryJobState(JobState):
         samples = tokens = 0
         for r, lr in enumerate(last):
             for k in range(lr + 1, self._through + 1):
-                b = self._steps[k].batch_for(r)
-                if b is not None and not b.filler:
-                    samples, tokens = samples + len(b.samples), tokens + b.num_tokens
+                for b in self._steps[k].micros_for(r):
+                    if not b.filler:
+                        samples, tokens = samples + len(b.samples), tokens + b.num_tokens
         return samples, tokens
 
     def _final_end(self, w: int) -> EpochEnd | None:

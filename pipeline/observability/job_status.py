@@ -44,7 +44,8 @@ class RankStatus:
     lapsed: bool | None = None
     lapsed_for_s: float | None = None
     heartbeat_age_s: float | None = None
-    # Consumed (acknowledged), summed from the plan: the same on every replica.
+    # Consumed (acknowledged), summed from the plan: the same on every replica. With global
+    # steps a batch is a micro-batch (a rank has several per step).
     batches_emitted: int | None = None
     samples_emitted: int | None = None
     tokens_emitted: int | None = None
@@ -123,7 +124,8 @@ class QuarantineStatus:
 
 @dataclass(frozen=True)
 class Totals:
-    """Every rank's consumption (acknowledged batches), summed from the plan."""
+    """Every rank's consumption (acknowledged batches, micro-batches of global steps each
+    counted), summed from the plan."""
 
     batches_emitted: int
     samples_emitted: int
@@ -211,10 +213,11 @@ class ComputeStatus:
     reports: int = 0  # the reports it was fitted on
     last_error: float | None = None  # the latest fit's, passed or not
     accepted: int = 0
-    rejected: int = 0  # nonsense reports (negative, NaN, infinite, absurd)
+    rejected: int = 0  # nonsense reports (not finite, under a microsecond, over an hour)
     warmup: int = 0  # reports of a world's first steps, left out
     stale: int = 0  # reports of an ended world, ignored
     drifts: int = 0  # refits because the model in force stopped predicting (trainer changed)
+    fit_failures: int = 0  # fits that could not be computed (the model in force stayed)
     # Per step, max/mean of the ranks' measured compute (1.0: balanced), over the newest steps
     # whose ranks all reported.
     imbalance_last: float | None = None
@@ -247,7 +250,8 @@ class JobStatus:
     samples_in: int | None = None
     planned: Planned | None = None
     collate: str | None = None
-    token_budget: int | None = None
+    token_budget: int | None = None  # per batch (a micro-batch, with global steps)
+    global_token_budget: int | None = None  # per step, all ranks (docs/global-steps.md)
     producer: ProducerStatus | None = None
     producer_trouble: ProducerTrouble | None = None
     uptime_s: float | None = None

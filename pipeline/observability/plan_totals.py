@@ -30,10 +30,13 @@ STALL_AFTER_S = 30.0  # a rank with waiting work and no ack progress this long i
 
 @dataclass(frozen=True, slots=True)
 class BatchFigures:
+    """A rank's batches of one step (its micro-batches of a global step: `batches` of them)."""
+
     samples: int
     tokens: int  # input tokens after truncation
     padded_tokens: int  # pad positions the collate adds (padded: B*Lmax - sum L; packed: 0)
     cost: int  # the planner's cost of the batch (what the token budget bounds)
+    batches: int = 1
 
 
 @dataclass
@@ -53,6 +56,13 @@ def batch_figures(batch: Batch, collate: str) -> BatchFigures:
     tokens = sum(lengths)
     padded = len(lengths) * max(lengths, default=0) - tokens if collate == "padded" else 0
     return BatchFigures(len(lengths), tokens, padded, batch.cost)
+
+
+def rank_figures(micros: tuple[Batch, ...], collate: str) -> BatchFigures:
+    """A rank's batches of one step, summed (one, or its micro-batches of a global step)."""
+    figs = [batch_figures(b, collate) for b in micros]
+    return BatchFigures(sum(f.samples for f in figs), sum(f.tokens for f in figs),
+                        sum(f.padded_tokens for f in figs), sum(f.cost for f in figs), len(figs))
 
 
 class PlanTotals:
@@ -123,9 +133,10 @@ class PlanTotals:
                 self.steps_missing += 1
                 continue
             self.published_samples += step.info.step_samples
-            self._pending[n] = {b.rank: batch_figures(b, self.collate) for b in step.batches}
-            for b in step.batches:
-                self._unacked.setdefault(b.rank, []).append(n)
+            ranks = step.ranks()
+            self._pending[n] = {r: rank_figures(step.micros_for(r), self.collate) for r in ranks}
+            for r in ranks:
+                self._unacked.setdefault(r, []).append(n)
 
     def _count_rank(self, rank: int, tot: RankTotals, acked: int) -> None:
         if acked <= tot.counted_through:
@@ -133,7 +144,7 @@ class PlanTotals:
         for n in sorted(k for k in self._pending if tot.counted_through < k <= acked):
             fig = self._pending[n].get(rank)
             if fig is not None:
-                tot.batches += 1
+                tot.batches += fig.batches
                 tot.samples += fig.samples
                 tot.tokens += fig.tokens
                 tot.padded_tokens += fig.padded_tokens

@@ -190,8 +190,9 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
         planned=Planned(counts.samples_planned, counts.tokens_planned),
         collate=job.batching.collate if job else None,
         token_budget=job.batching.token_budget if job else None,
+        global_token_budget=job.batching.global_token_budget if job else None,
         producer=None if lease is None else ProducerStatus(lease.generation, lease.holder,
-                                                           lease.expires_at > now),
+                                                           lease.live),
         producer_trouble=None if failure is None or failure.permanent else ProducerTrouble(
             failure.message, failure.cause, failure.attempts, failure.since),
         uptime_s=uptime, ranks=tuple(ranks), lapsed_ranks=tuple(sorted(lapsed)),
@@ -223,6 +224,7 @@ def compute_status(fit: ComputeFitStatus | None) -> ComputeStatus | None:
         error=fit.error if fit.gate_open else None, reports=fit.reports,
         last_error=None if fit.last_error < 0 else fit.last_error, accepted=fit.accepted,
         rejected=fit.rejected, warmup=fit.warmup, stale=fit.stale, drifts=fit.drifts,
+        fit_failures=fit.fit_failures,
         imbalance_last=fit.imbalance[-1][1] if fit.imbalance else None,
         imbalance_p50=pct(0.5), imbalance_p90=pct(0.9), imbalance_steps=len(ratios),
         last_step=None if fit.last_step < 0 else fit.last_step,

@@ -40,7 +40,7 @@ from pipeline.observability.status_view import training_job_status
 from pipeline.service import scaling
 from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
-from pipeline.service.liveness import LivenessPolicy, rank_failure
+from pipeline.service.liveness import LivenessPolicy, reported_failure
 from pipeline.service.rank_stream import RankStreams
 from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
@@ -114,10 +114,12 @@ def add_servicer(servicer: DataServicer, server: grpc.aio.Server) -> None:
 def job_status(rt: JobRuntime, replica_id: str, policy: LivenessPolicy, *, open_: bool
                ) -> pb.JobStatus:
     """GetJob's answer for a training job: the job's typed status (its state plus this
-    replica's connections), rendered as the proto."""
+    replica's connections), rendered as the proto. A read: it never acts on the failure policy
+    (`reported_failure`)."""
     return to_proto(training_job_status(
         rt.job.job_id, rt.state, job=rt.job, open=open_,
-        error=rt.error() or rank_failure(rt, policy), facts=rt.facts(), replica_id=replica_id,
+        error=rt.error() or reported_failure(rt, policy), facts=rt.facts(),
+        replica_id=replica_id,
         batch_size_notice=rt.batch_notice))
 
 
@@ -144,16 +146,19 @@ class DataServicer(pb_grpc.DataServiceServicer):
 
     def _lookup(self, job_id: str, metadata: Iterable[tuple[str, str | bytes]] | None
                 ) -> JobRuntime:
-        """The job's runtime, once the call carries its token."""
+        """The job's runtime, once the call carries its token. The token is checked before
+        anything about the job is told (a refill job's mode included), as in Refill: an
+        unauthenticated caller learns nothing."""
         rt = self.runtimes.get(job_id)
-        if rt is None and self.refill is not None and job_id in self.refill.jobs:
-            raise WrongJobMode(f"job {job_id!r} has mode 'refill': its consumers use the Refill "
-                               "RPC (trainer_client.RefillStream), not Stream or Scale")
-        if rt is None:
+        refill = rt is None and self.refill is not None and job_id in self.refill.jobs
+        if rt is None and not refill:
             raise UnknownJob.named(job_id)
         problem = check_token(self.tokens.get(job_id), metadata, job_id)
         if problem is not None:
             raise Unauthenticated(problem)
+        if rt is None:
+            raise WrongJobMode(f"job {job_id!r} has mode 'refill': its consumers use the Refill "
+                               "RPC (trainer_client.RefillStream), not Stream or Scale")
         return rt
 
     # --- unary (plain functions in the server's thread pool) ---

@@ -21,13 +21,14 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline.config import TrainingJobConfig
 from pipeline.jobstate.interface import JobState, ProducerFailure
 from pipeline.jobstate.worlds import PlanHead
 from pipeline.planner.types import Step
+from pipeline.preprocess.sample import ProcessedSample
 from pipeline.producer.hosting import ProducerHost
 from pipeline.service.batch_builder import build_batch
 from pipeline.service.chunk_framing import DEFAULT_CHUNK_BYTES, WireBatch
@@ -176,10 +177,14 @@ class JobRuntime:
         # A rank done with the whole job gets its final END again, never a silent stream.
         return nxt, min(epoch, self.job.epochs - 1)
 
-    def build_message(self, step: Step, rank: int) -> WireBatch:
-        """Rank's batch of `step` as the messages it is sent as."""
-        return build_batch(step, rank, self.payloads.fetch(step, rank), collate=self.collate,
-                           pad_id=self.pad_id, chunk_bytes=self.chunk_bytes)
+    def build_message(self, step: Step, rank: int, micro: int = 0,
+                      samples: Sequence[ProcessedSample] | None = None) -> WireBatch:
+        """Rank's batch (micro-batch `micro`) of `step` as the messages it is sent as, from
+        `samples` (the rank's payloads of the step, all micro-batches) or fetched now."""
+        if samples is None:
+            samples = self.payloads.fetch(step, rank)
+        return build_batch(step, rank, samples, collate=self.collate, pad_id=self.pad_id,
+                           chunk_bytes=self.chunk_bytes, micro=micro)
 
     def facts(self) -> ReplicaFacts:
         return ReplicaFacts(ranks={r: RankConnection(c.client_id, c.connected, c.delivered)

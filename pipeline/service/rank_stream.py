@@ -21,14 +21,16 @@ Leases (Guarantees 4, 8). A rank's lease is renewed only on evidence from its cl
 Open, its Acks and its Heartbeats (which a client sends from its gRPC request thread while it
 has nothing else to say, so a trainer busy in a long step keeps its lease and a frozen one does
 not); a stream that is merely connected renews nothing. Each renewal is checked: a stream whose
-rank another client took ends (`RankHeld`). A rank that got its final END releases its lease,
-as does a stream the server ends; a client whose stream goes away before that (killed, network
-gone, or closed early: the server cannot tell them apart, and each leaves its peers waiting)
-does not: its lease lapses `lease_seconds` after its last sign of life, and the job's
-`rank_failure_policy` (`liveness.py`) decides what the other ranks' streams do. A restarted
-client of a rank whose previous stream vanished from *this* replica takes the rank over at once
-instead of waiting out the lease; a client that fails over to another replica keeps its client
-id, so it re-claims at once.
+rank another client took ends (`RankHeld`). A rank that got its final END releases its lease.
+A stream that ends before that keeps it, whether its client went away (killed, network gone,
+or closed early: the server cannot tell them apart, and each leaves its peers waiting) or the
+server ended it with an error (its trainer may exit on it): the lease lapses `lease_seconds`
+after the client's last sign of life, and the job's `rank_failure_policy` (`liveness.py`)
+decides what the other ranks' streams do (a released rank would never be judged gone). A
+restarted client of a rank whose previous stream ended on *this* replica takes the rank over at
+once instead of waiting out the lease, unless the rank was claimed again since (on any replica:
+that holder is alive, and the new client gets `RankHeld`); a client that fails over to another
+replica keeps its client id, so it re-claims at once.
 
 Acks: a client acknowledges only steps it was sent (`AckNotDelivered` otherwise: the state's
 cursor never skips a step the rank did not get), with at most `MAX_CREDITS` credits at a time.
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -71,6 +72,7 @@ from pipeline.errors import (
     RankTimedOut,
     ReplicaUnavailable,
     StateUnavailable,
+    WireMismatch,
 )
 from pipeline.jobstate.interface import ProducerFailure, RankAck, RankCompute
 from pipeline.modes import JobMode
@@ -89,7 +91,8 @@ from pipeline.service.rank_cursor import (
     Send,
 )
 from pipeline.service.stream_io import JobIO
-from pipeline.service.world_open import MAX_CREDITS, StreamStart, resolve
+from pipeline.service.wire_codec import wire_version_problem
+from pipeline.service.world_open import MAX_CREDITS, StreamStart, beyond_the_plan, resolve
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 MAX_COMPUTE_REPORTS = 64  # per Ack (a client sends one per batch taken since its last Ack)
@@ -106,7 +109,7 @@ class StreamSettings:
 
     lease_seconds: float = 10.0  # a lease lasts this long after the client's sign of life
     prefetch_steps: int = 4  # the most credits a client gets (its Open may ask for fewer)
-    resume_grace_s: float = 2.0  # a resume position past the plan waits this long for it
+    resume_grace_s: float = 60.0  # a position past the plan: how long the plan may not grow
     state_timeout_seconds: float = 5.0  # the longest wait for the job's state: UNAVAILABLE
     payload_timeout_seconds: float = 10.0  # the longest wait for a batch's payloads
 
@@ -119,6 +122,7 @@ class StreamSession:
     client_id: str
     credits: CreditWindow
     cursor: RankCursor
+    claim: int = 0  # the number of this stream's claim of the rank (`RankLease.claim`)
     cancelled: bool = False
     client_closed: bool = False  # the client half-closed its side (after its final ack)
     error: OdbError | None = None  # set by the ack reader: the stream ends with it
@@ -128,6 +132,13 @@ class StreamSession:
     left: bool = False  # got END(reconfigure): its world ended, it left
     unreachable: bool = False  # ended because the job's state or payloads could not be reached
     renewed_at: float = field(default_factory=time.monotonic)  # the lease's last renewal
+    # A global step's payloads of this rank (all its micro-batches), fetched once for them all:
+    # (step, samples); (-1, None) when none is held.
+    payloads: tuple[int, list | None] = (-1, None)
+    # An Open's position past the published plan, until the plan reaches it; the plan's last
+    # step when the stream last saw it grow, and when.
+    awaited: int | None = None
+    awaited_plan: tuple[int, float] = (-1, 0.0)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def poke(self) -> None:
@@ -171,8 +182,9 @@ class RankStreams:
         self.settings = settings
         self.policy = policy
         self.executor = executor
-        # (job, rank) -> client id of a stream that vanished from this replica (not released).
-        self._vanished: dict[tuple[str, int], str] = {}
+        # (job, rank) -> (client id, claim) of a stream that ended on this replica before its
+        # final END (its lease not released).
+        self._vanished: dict[tuple[str, int], tuple[str, int]] = {}
         self._vanished_lock = threading.Lock()
         self._ios: dict[str, JobIO] = {}
 
@@ -186,41 +198,46 @@ class RankStreams:
                 payload_timeout=st.payload_timeout_seconds)
         return jio
 
-    def claim(self, rt: JobRuntime, rank: int, client_id: str) -> None:
-        """Claim the rank (`RankHeld` while another live client holds it); if its holder is a
-        stream that vanished from this replica, take over at once (release the dead holder's
-        lease first) rather than wait out the lease."""
+    def claim(self, rt: JobRuntime, rank: int, client_id: str) -> int:
+        """Claim the rank (`RankHeld` while another live client holds it); returns the claim's
+        number. If its holder is a stream that ended on this replica and no claim of the rank
+        came since (the holder did not claim it again elsewhere: it is dead), take over at once
+        (release that lease first) rather than wait out the lease."""
         key = (rt.job.job_id, rank)
         with self._vanished_lock:
             old = self._vanished.pop(key, None)
-        if old is not None and old != client_id:
-            try:
-                rt.state.release_rank(rank, old)  # a no-op unless `old` still holds it
+        if old is not None and old[0] != client_id:
+            try:  # a no-op unless that client still holds it by that very claim
+                rt.state.release_rank(rank, *old)
             except Exception:
-                log.debug("release of vanished client %s failed", old, exc_info=True)
+                log.debug("release of vanished client %s failed", old[0], exc_info=True)
         try:
-            rt.state.claim_rank(rank, client_id, self.settings.lease_seconds)
+            return rt.state.claim_rank(rank, client_id, self.settings.lease_seconds).claim
         except RankHeld as exc:
             raise RankHeld(f"{exc}; retry after the lease lapses") from None
 
-    def vanished(self, rt: JobRuntime, rank: int, client_id: str) -> None:
+    def vanished(self, rt: JobRuntime, rank: int, client_id: str, claim: int) -> None:
+        """`client_id`'s stream of `rank` (its claim `claim`) ended here without releasing."""
         with self._vanished_lock:
-            self._vanished[(rt.job.job_id, rank)] = client_id
+            self._vanished[(rt.job.job_id, rank)] = (client_id, claim)
 
     async def serve(self, rt: JobRuntime, op: pb.Open, client_id: str,
                     requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
         """Serve the rank of `op` until its END (or its world's END(reconfigure)), the client
         closes or goes away (cancellation), or the stream must end (a domain error)."""
+        if rt.job.batching.global_token_budget is not None:  # micro-batches: a newer client
+            problem = wire_version_problem(op, global_steps=True)
+            if problem:
+                raise WireMismatch(problem)
         jio = self.job_io(rt)
         prefetch = self.settings.prefetch_steps
         credits = CreditWindow.opened(max(1, min(op.credits or prefetch, prefetch)),
                                       op.prefetch_bytes, op.held_bytes)
-        grace = self.settings.resume_grace_s  # (a position past the plan waits this long)
-        start = await jio.run(functools.partial(resolve, resume_grace_s=grace), op, rt,
-                              waits_s=grace)
+        start = await jio.run(resolve, op, rt)
+        claim = 0
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
-            await jio.run(self.claim, rt, op.rank, client_id)
-        stream = RankStream(self, jio, op, client_id, start, credits)
+            claim = await jio.run(self.claim, rt, op.rank, client_id)
+        stream = RankStream(self, jio, op, client_id, start, credits, claim)
         await stream.run(requests, write)
 
 
@@ -228,7 +245,7 @@ class RankStream:
     """One stream: its session, the send loop and the ack reader."""
 
     def __init__(self, streams: RankStreams, jio: JobIO, op: pb.Open, client_id: str,
-                 start: StreamStart, credits: CreditWindow) -> None:
+                 start: StreamStart, credits: CreditWindow, claim: int) -> None:
         self.streams = streams
         self.settings = streams.settings
         self.jio = jio
@@ -237,8 +254,10 @@ class RankStream:
         cursor = RankCursor(op.rank, self.rt.job.epochs, pos=start.pos, epoch=start.epoch,
                             last_sent=start.pos - 1, world=start.world, limit=start.limit,
                             next_world_size=start.next_world_size)
-        self.s = StreamSession(op.rank, client_id, credits, cursor, leased=start.has_work,
-                               granted=start.pos - 1, window=credits.steps)
+        self.s = StreamSession(op.rank, client_id, credits, cursor, claim=claim,
+                               leased=start.has_work, granted=start.pos - 1,
+                               window=credits.steps,
+                               awaited=start.pos if start.beyond_plan else None)
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, start.pos, start.epoch, start.world,
                  start.world_size, extra={"job": op.job_id, "rank": op.rank,
@@ -287,17 +306,17 @@ class RankStream:
 
     async def _finish(self) -> None:
         s, rt = self.s, self.rt
-        # A client whose stream went away before its final END keeps its lease until it
-        # lapses: that is how the other ranks learn a peer is gone (Guarantee 4).
-        # (A client that half-closed early on purpose leaves them waiting just the same.)
-        vanished = ((s.cancelled or s.client_closed)
-                    and not (s.cursor.job_done or s.left) and s.leased)
-        if vanished:
-            self.streams.vanished(rt, s.rank, s.client_id)
-            log.info("job %s rank %d: client %s vanished; its lease lapses in <= %.1fs",
-                     self.job_id, s.rank, s.client_id, self.settings.lease_seconds,
-                     extra=self._log_extra())
-        elif s.leased and not s.unreachable:  # (else the lease lapses: the client is elsewhere)
+        # A stream that ends before its final END (its client went away, or the server ended
+        # it with an error its trainer may exit on) keeps its lease until it lapses: that is
+        # how the other ranks learn a peer is gone (Guarantee 4). (A client that half-closed
+        # early on purpose leaves them waiting just the same.)
+        if s.leased and not s.cursor.job_done:
+            self.streams.vanished(rt, s.rank, s.client_id, s.claim)
+            log.info("job %s rank %d: client %s %s; its lease lapses in <= %.1fs",
+                     self.job_id, s.rank, s.client_id,
+                     "vanished" if s.cancelled or s.client_closed else "was ended",
+                     self.settings.lease_seconds, extra=self._log_extra())
+        elif s.leased and not s.unreachable:  # (else it lapses: the client is elsewhere)
             try:
                 await self.jio.run(rt.state.release_rank, s.rank, s.client_id)
             except Exception:
@@ -458,6 +477,8 @@ class RankStream:
                 raise ReplicaUnavailable("server is shutting down; reconnect")
             await self._check_abort()
             action = await jio.next_action(s.cursor)
+            if s.awaited is not None:
+                await self._await_position(action)
             if isinstance(action, Finished):
                 return
             if isinstance(action, Boundary):  # the world ended: learn this rank's last step
@@ -484,16 +505,48 @@ class RankStream:
                 n = action.step.step
                 if n > s.granted and not await self._grant(n + s.window - 1, n):
                     continue  # its world ended before this step, or the state is behind
-                batch = await jio.build(action.step, s.rank)
+                micros = len(action.step.micros_for(s.rank))
+                held, samples = s.payloads
+                if micros > 1 and held != n:  # one fetch serves all the rank's micro-batches
+                    samples = await jio.fetch(action.step, s.rank)
+                    s.payloads = (n, samples)
+                batch = await jio.build(action.step, s.rank, action.micro,
+                                        samples if micros > 1 else None)
                 if not await self._await_credit(batch.nbytes):  # room in its byte window
                     return
                 s.credits.sent(batch.nbytes)
-                s.cursor.sent(action.step)
+                s.cursor.sent(action.step, action.micro)
+                if action.micro == micros - 1:
+                    s.payloads = (-1, None)
                 rt.ranks[s.rank].delivered = n
                 for msg in batch.messages():  # a chunk is copied into its message as it goes
                     yield msg
                 continue
             await jio.tick()  # Wait: nothing published for this rank yet
+
+    async def _await_position(self, action: object) -> None:
+        """The stream opened at a position past the published plan (the job's state lost
+        publications the client had received; the producer publishes them again after its
+        backoff and a replay from its checkpoint): it waits for the plan to get there as long
+        as the plan grows. OUT_OF_RANGE (`PositionUnavailable`) once the epoch's END is
+        published before the position, or `resume_grace_s` went by with nothing new
+        published."""
+        s = self.s
+        through = (await self.jio.head()).published_through
+        if s.awaited <= through + 1:
+            s.awaited = None  # the plan got there: an ordinary stream from now on
+            return
+        if isinstance(action, End) and action.end.last_step + 1 < s.awaited:
+            raise beyond_the_plan(self.job_id, s.awaited, through,
+                                  f" and epoch {action.end.epoch} ended at step "
+                                  f"{action.end.last_step}")
+        now = time.monotonic()
+        if through > s.awaited_plan[0]:
+            s.awaited_plan = (through, now)
+        elif now - s.awaited_plan[1] > self.settings.resume_grace_s:
+            raise beyond_the_plan(self.job_id, s.awaited, through,
+                                  f" and nothing new was published for "
+                                  f"{self.settings.resume_grace_s:g}s")
 
     async def _await_credit(self, nbytes: int) -> bool:
         """Until the client's credits let a batch of `nbytes` go (0: until a step credit is

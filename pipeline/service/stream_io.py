@@ -31,6 +31,7 @@ from pipeline.errors import ReplicaUnavailable
 from pipeline.jobstate.interface import RankAck, RankCompute
 from pipeline.jobstate.worlds import Grant, PlanHead
 from pipeline.planner.types import EpochEnd, Step
+from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.chunk_framing import WireBatch
 from pipeline.service.coalescer import AsyncCoalescer
 from pipeline.service.job_runtime import JobRuntime
@@ -104,16 +105,14 @@ class JobIO:
         self._pending_steps: dict[int, asyncio.Task] = {}  # by rank
         rt.add_waker(self._wake_from_any_thread)
 
-    async def run(self, fn: Callable[..., T], *args: Any, waits_s: float = 0.0) -> T:
-        """`fn(*args)`, a call to the job's state, in an I/O thread, bounded (`waits_s`: how
-        long `fn` may wait on purpose, on top of the bound)."""
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, a call to the job's state, in an I/O thread, bounded. (Nothing run here
+        waits on purpose: a wait belongs on the loop, not in one of the few I/O threads.)"""
         return await self._bounded(
-            self.loop.run_in_executor(self.executor, functools.partial(fn, *args)),
-            extra_s=waits_s)
+            self.loop.run_in_executor(self.executor, functools.partial(fn, *args)))
 
-    async def _bounded(self, call: Awaitable[T], payloads: bool = False,
-                       extra_s: float = 0.0) -> T:
-        limit = (2 * self.payload_timeout if payloads else self.state_timeout) + extra_s
+    async def _bounded(self, call: Awaitable[T], payloads: bool = False) -> T:
+        limit = 2 * self.payload_timeout if payloads else self.state_timeout
         try:
             async with asyncio.timeout(limit):
                 return await call
@@ -226,12 +225,21 @@ class JobIO:
         return [None] * len(timeouts)
 
     # --- payloads ---
-    async def build(self, step: Step, rank: int) -> WireBatch:
-        """The rank's batch as its messages; built on the loop unless its payloads need I/O."""
+    async def build(self, step: Step, rank: int, micro: int = 0,
+                    samples: Sequence[ProcessedSample] | None = None) -> WireBatch:
+        """The rank's batch (micro-batch `micro`) as its messages, from `samples` (its payloads
+        of the step) or fetched now; built on the loop unless its payloads need I/O."""
         if self.rt.payloads.blocking:
             return await self._bounded(self.loop.run_in_executor(
-                self.executor, self.rt.build_message, step, rank), payloads=True)
-        return self.rt.build_message(step, rank)
+                self.executor, self.rt.build_message, step, rank, micro, samples), payloads=True)
+        return self.rt.build_message(step, rank, micro, samples)
+
+    async def fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
+        """The rank's payloads of the step (all its micro-batches), bounded like `build`."""
+        if self.rt.payloads.blocking:
+            return await self._bounded(self.loop.run_in_executor(
+                self.executor, self.rt.payloads.fetch, step, rank), payloads=True)
+        return self.rt.payloads.fetch(step, rank)
 
 
 def _resolve(fut: asyncio.Future) -> None:

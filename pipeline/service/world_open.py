@@ -20,7 +20,6 @@ runtime; the only write is the implicit reconfiguration.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 from pipeline.errors import BadRequest, PositionUnavailable, RanksLive, ScaleInProgress
@@ -41,7 +40,9 @@ MAX_CLIENT_ID = 256  # characters
 @dataclass(frozen=True)
 class StreamStart:
     """Where a stream starts: its world and position, and for a rank of an ended world its
-    last step and the next world's size."""
+    last step and the next world's size. `beyond_plan`: the position is past the published
+    plan (the state lost publications the client had received): the stream waits for the
+    producer to publish it again (`rank_stream`)."""
 
     world: int
     world_size: int
@@ -49,6 +50,7 @@ class StreamStart:
     epoch: int
     limit: int | None = None
     next_world_size: int = 0
+    beyond_plan: bool = False
 
     @property
     def has_work(self) -> bool:
@@ -56,12 +58,18 @@ class StreamStart:
         return self.limit is None or self.pos <= self.limit
 
 
+def beyond_the_plan(job_id: str, step: int, through: int, why: str = "") -> PositionUnavailable:
+    return PositionUnavailable(
+        f"resume_step {step} is beyond the plan of job {job_id!r}: its last published step is "
+        f"{through}{why}, so step {step} was never delivered")
+
+
 def _epoch_first(ends: list[EpochEnd], epoch: int) -> int:
     """The first step an epoch can have: after the last step of every earlier epoch."""
     return max((e.last_step for e in ends if e.epoch < epoch), default=-1) + 1
 
 
-def resolve(op: pb.Open, rt: JobRuntime, *, resume_grace_s: float) -> StreamStart:
+def resolve(op: pb.Open, rt: JobRuntime) -> StreamStart:
     if not 0 <= op.credits <= MAX_CREDITS:
         raise BadRequest(f"credits must be in [0, {MAX_CREDITS}], got {op.credits}")
     if len(op.client_id) > MAX_CLIENT_ID:
@@ -89,7 +97,7 @@ def resolve(op: pb.Open, rt: JobRuntime, *, resume_grace_s: float) -> StreamStar
     if not 0 <= op.rank < head.world_size:
         raise BadRequest(f"rank {op.rank} is outside [0, {head.world_size}) for job "
                          f"{rt.job.job_id!r}")
-    return _current_start(op, rt, head, resume_grace_s)
+    return _current_start(op, rt, head)
 
 
 def _map_position(rt: JobRuntime, head: PlanHead, step: int, epoch: int) -> int:
@@ -170,8 +178,7 @@ def _drain_start(op: pb.Open, rt: JobRuntime, prev: World, head: PlanHead) -> St
                        limit=last, next_world_size=head.world_size)
 
 
-def _current_start(op: pb.Open, rt: JobRuntime, head: PlanHead, resume_grace_s: float
-                   ) -> StreamStart:
+def _current_start(op: pb.Open, rt: JobRuntime, head: PlanHead) -> StreamStart:
     job = rt.job
     if op.resume_step == RESUME_FROM_CURSOR:
         pos, epoch = rt.resume_position(op.rank, head)
@@ -179,18 +186,16 @@ def _current_start(op: pb.Open, rt: JobRuntime, head: PlanHead, resume_grace_s: 
     if not 0 <= op.resume_epoch <= job.epochs:
         raise BadRequest(f"resume_epoch {op.resume_epoch} is outside [0, {job.epochs}]")
     step = _map_position(rt, head, op.resume_step, op.resume_epoch)
-    # A step can only have been delivered once published; while a producer restarts the plan
-    # may lag, so wait briefly before calling the request impossible.
-    deadline = time.monotonic() + resume_grace_s
-    while step > rt.plan.published_through() + 1:
-        if rt.state.is_done() or time.monotonic() >= deadline or rt.error():
-            through = rt.plan.fresh_published_through()
-            if step <= through + 1:
-                break  # the cache lagged
-            raise PositionUnavailable(
-                f"resume_step {step} is beyond the plan of job {job.job_id!r}: its last "
-                f"published step is {through}, so step {step} was never delivered")
-        rt.wait(0.05)
+    # A step can only have been delivered once published. A position past the plan is one
+    # the state lost (a Redis restarted without the last publications): the producer publishes
+    # it again, and the stream waits for it; unless no step will ever be published again.
+    if step > rt.plan.published_through() + 1:
+        through = rt.plan.fresh_published_through()
+        if step > through + 1:
+            if rt.state.is_done() or rt.error():
+                raise beyond_the_plan(job.job_id, step, through)
+            return StreamStart(head.generation, head.world_size, step, op.resume_epoch,
+                               beyond_plan=True)
     trimmed = rt.state.trimmed_through()
     if step <= trimmed:
         raise PositionUnavailable(

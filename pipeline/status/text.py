@@ -67,9 +67,12 @@ def _ranks(job: JobStatus) -> list[str]:
                      f"{t.samples_per_s:.1f} samples/s  {t.tokens_per_s:.0f} tokens/s  "
                      f"{t.batches_per_s:.2f} batches/s{extra}")
     if job.totals:
+        budget = (f"token budget {_v(job.token_budget)}" if job.global_token_budget is None
+                  else f"token budget {_v(job.token_budget)} per micro-batch, global token "
+                  f"budget {job.global_token_budget} per step; "
+                  f"{_v(job.totals.batches_emitted)} micro-batches consumed")
         lines.append(f"  padding efficiency {_pct(job.padding_efficiency)}  "
-                     f"budget utilisation {_pct(job.budget_utilisation)}  "
-                     f"(token budget {_v(job.token_budget)})")
+                     f"budget utilisation {_pct(job.budget_utilisation)}  ({budget})")
     prod = job.producer
     if prod:
         lines.append(f"  producer generation {prod.generation} "
@@ -157,7 +160,8 @@ def _compute(c: ComputeStatus) -> list[str]:
     else:
         head = f"  compute balancing: by tokens until the fit passes its gate ({fit})"
     lines = [head + f"; reports accepted {c.accepted}, rejected {c.rejected}, warm-up "
-             f"{c.warmup}, stale {c.stale}; refits after drift {c.drifts}"]
+             f"{c.warmup}, stale {c.stale}; refits after drift {c.drifts}"
+             + (f"; fits failed {c.fit_failures}" if c.fit_failures else "")]
     if c.coefficients:
         lines.append("    seconds per unit: " + "  ".join(
             f"{k}={v:.3g}" for k, v in c.coefficients.items() if v))

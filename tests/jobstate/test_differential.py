@@ -55,7 +55,8 @@ ack_calls = st.one_of(
 )
 rank_calls = st.fixed_dictionaries({
     "call": st.sampled_from(["claim_rank", "heartbeat", "release_rank"]),
-    "rank": st.integers(0, W - 1), "client": st.sampled_from(["c", "d"])})
+    "rank": st.integers(0, W - 1), "client": st.sampled_from(["c", "d"]),
+    "claim": st.one_of(st.none(), st.integers(1, 3))})
 _weighted = [publish_calls] * 6 + [ack_calls] * 2 + [rank_calls, producer_calls]
 calls = st.lists(st.integers(0, len(_weighted) - 1).flatmap(lambda i: _weighted[i]),
                  min_size=5, max_size=30)
@@ -117,11 +118,12 @@ class Caller:
                     (g,) = s.grant([(0, c["rank"], s.published_through() + c["through"])])
                     return type(g).__name__ if isinstance(g, Exception) else g
                 case "claim_rank":
-                    return s.claim_rank(c["rank"], c["client"], 600).client_id
+                    lease = s.claim_rank(c["rank"], c["client"], 600)
+                    return lease.client_id, lease.claim
                 case "heartbeat":
                     return s.heartbeat(c["rank"], c["client"], 600)
                 case "release_rank":
-                    return s.release_rank(c["rank"], c["client"])
+                    return s.release_rank(c["rank"], c["client"], c["claim"])
         except Exception as exc:  # compared by class: both must refuse alike
             return type(exc).__name__
 

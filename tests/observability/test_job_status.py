@@ -176,3 +176,17 @@ def test_a_producer_retrying_is_trouble_not_a_failure() -> None:
     st.set_error("no such file", fence=gen, cause="source_missing")
     job = training_job_status("j", st)
     assert (job.state, job.error, job.producer_trouble) == ("failed", "no such file", None)
+
+
+def test_a_job_with_global_steps_shows_its_budgets_and_micro_batches() -> None:
+    """docs/global-steps.md: both budgets and the micro-batches consumed, in every rendering
+    that carries them (JSON and back; the text report)."""
+    from pipeline.status.report import StatusReport
+    from pipeline.status.text import render
+
+    job = dataclasses.replace(TRAINING, global_token_budget=8192)
+    assert job_from_dict(json.loads(json.dumps(job_to_dict(job)))) == job
+    text = render(StatusReport(0.0, {}, (job,)))
+    assert ("token budget 1024 per micro-batch, global token budget 8192 per step; 7 "
+            "micro-batches consumed") in text
+    assert "per micro-batch" not in render(StatusReport(0.0, {}, (TRAINING,)))

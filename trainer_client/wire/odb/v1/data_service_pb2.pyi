@@ -137,7 +137,7 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("step_samples", "step_tokens", "rank_samples", "rank_tokens", "step_loss_tokens", "rank_loss_tokens", "world_size")
+    __slots__ = ("step_samples", "step_tokens", "rank_samples", "rank_tokens", "step_loss_tokens", "rank_loss_tokens", "world_size", "micro_index", "micro_count", "optimizer_step")
     STEP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANK_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,9 @@ class StepInfo(_message.Message):
     STEP_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANK_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MICRO_COUNT_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     step_samples: int
     step_tokens: int
     rank_samples: int
@@ -152,7 +155,10 @@ class StepInfo(_message.Message):
     step_loss_tokens: int
     rank_loss_tokens: int
     world_size: int
-    def __init__(self, step_samples: _Optional[int] = ..., step_tokens: _Optional[int] = ..., rank_samples: _Optional[int] = ..., rank_tokens: _Optional[int] = ..., step_loss_tokens: _Optional[int] = ..., rank_loss_tokens: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    micro_index: int
+    micro_count: int
+    optimizer_step: int
+    def __init__(self, step_samples: _Optional[int] = ..., step_tokens: _Optional[int] = ..., rank_samples: _Optional[int] = ..., rank_tokens: _Optional[int] = ..., step_loss_tokens: _Optional[int] = ..., rank_loss_tokens: _Optional[int] = ..., world_size: _Optional[int] = ..., micro_index: _Optional[int] = ..., micro_count: _Optional[int] = ..., optimizer_step: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("step", "epoch", "rank", "sample_ids", "info", "collate", "over_budget", "tensors", "pixel_norm", "filler")
