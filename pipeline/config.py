@@ -599,16 +599,18 @@ class ServiceConfig(_Model):
                 f"period (BatchStream heartbeat_s {DEFAULT_HEARTBEAT_S:g} s): a rank busy in a "
                 "long step would lose its lease between two heartbeats; set it above "
                 f"{DEFAULT_HEARTBEAT_S:g} (default 10)")
+        # A replica cut off from the state ends a stream UNAVAILABLE after state_timeout_seconds:
+        # a call that failed only after the clients' detection bound looks like a working
+        # connection to their outage clock. (resume_grace_seconds waits on an open stream and
+        # ends it OUT_OF_RANGE, which clients do not retry: it is no part of this.)
         bound = DEFAULT_KEEPALIVE_TIME_S + DEFAULT_KEEPALIVE_TIMEOUT_S
-        wait = self.state_timeout_seconds + self.resume_grace_seconds
-        if wait >= bound:
+        if self.state_timeout_seconds >= bound:
             out.append(
-                f"state_timeout_seconds + resume_grace_seconds = {wait:g} is not below the "
+                f"state_timeout_seconds = {self.state_timeout_seconds:g} is not below the "
                 "trainers' detection bound (BatchStream keepalive_time_s + keepalive_timeout_s "
-                f"= {bound:g} s): a stream that waits that long before it fails looks like a "
-                "working connection to the client, which would then reconnect without end "
-                f"instead of giving up after its reconnect_timeout; keep the sum below "
-                f"{bound:g} (defaults 5 + 2)")
+                f"= {bound:g} s): a stream that fails only after that long looks like a working "
+                "connection to the client, which would then reconnect without end instead of "
+                f"giving up after its reconnect_timeout; set it below {bound:g} (default 5)")
         return out
 
     def status_token(self, environ: Mapping[str, str] | None = None) -> str | None:

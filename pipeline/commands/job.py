@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("delete", "reset"),
-                        help="delete: forget the job; reset: delete it, then register it anew "
-                             "from the config (the next serve starts it from its first step)")
+                        help="the action: delete forgets the job; reset deletes it, then "
+                             "registers it anew from the config (the next serve starts it "
+                             "from its first step)")
     parser.add_argument("job", metavar="ID")
     parser.add_argument("--config", metavar="FILE",
                         help="the service config (its redis_url or state_dir; reset: the job)")

@@ -136,9 +136,10 @@ def check_sources(cfg: SourceConfig) -> None:
     """What `serve` checks before it starts: every configured path exists (a relative one is
     named as resolved against the working directory), and the first file of each is readable
     and its first row parses (a JSON line, a Parquet row). A `UserError` says which and why."""
+    expand_sources(cfg)  # every path (and no file twice)
     checked: set[str] = set()
     for entry in cfg.paths:
-        first = expand_sources(SourceConfig(paths=[entry], format=cfg.format))[0]
+        first = expand_sources(cfg.model_copy(update={"paths": [entry]}))[0]
         if first.path in checked:
             continue
         checked.add(first.path)

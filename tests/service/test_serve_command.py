@@ -170,8 +170,7 @@ def test_a_grpc_port_held_by_another_server_is_refused_before_any_state_is_touch
     ({"grpc": {"port": 0, "min_client_ping_interval_s": 5.0}}, "grpc.min_client_ping_interval_s",
      "at most 4"),
     ({"lease_seconds": 2.0}, "lease_seconds", "above 2"),
-    ({"state_timeout_seconds": 6.0, "resume_grace_seconds": 2.0},
-     "state_timeout_seconds + resume_grace_seconds", "below 8"),
+    ({"state_timeout_seconds": 8.0}, "state_timeout_seconds = 8", "below 8"),
 ])
 def test_settings_the_trainers_clients_cannot_work_with_are_refused_at_start(
         tmp_path, capsys, settings, named, fix):
