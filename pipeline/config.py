@@ -179,6 +179,12 @@ class BatchingConfig(_Model):
         "(TrainingJobConfig.max_sample_tokens); "
         "`alone` = a batch of its own, flagged; `quarantine` = set aside as over_budget")
     compute_balancing: ComputeBalancingConfig = ComputeBalancingConfig()
+    pad_to_multiple: int | None = Field(
+        None, ge=1, description="pad every sequence to a multiple of this, with no loss tokens "
+        "on the padding (context parallelism needs 2 x CP, sequence parallelism TP, FP8 "
+        "kernels 8 or 16; docs/trainer-client.md); the budget caps the padded lengths. "
+        "None = no padding. A job served to model-parallel groups (BatchStream(group_size=k), "
+        "k > 1) must set it, to 1 when its layout needs no multiple")
     global_token_budget: int | None = Field(
         None, gt=0, description="the tokens of one optimizer step, all ranks together "
         "(>= token_budget): a step's samples then do not depend on the world size, and each "
@@ -197,6 +203,7 @@ class BatchingConfig(_Model):
             attn_b=self.attn_b, max_visual_tokens=self.max_visual_tokens,
             lookahead_tokens=self.lookahead_tokens, max_window_samples=self.max_window_samples,
             over_budget=self.over_budget, ramp_up=self.ramp_up,
+            pad_to_multiple=self.pad_to_multiple,
             global_token_budget=self.global_token_budget,
         )
 
@@ -352,10 +359,12 @@ class TrainingJobConfig(_JobOptions):
         sample fits a batch alone, the planner never cuts one and the loss tokens measured in
         preprocessing stay exact. Otherwise preprocess.max_seq_len (the planner then applies
         `alone` / `quarantine` to samples over the budget). A sample's cost alone is its token
-        count under both collates, so fitting the budget alone means num_tokens <= token_budget.
+        count under both collates (rounded up to `batching.pad_to_multiple`), so fitting the
+        budget alone means num_tokens <= token_budget (with a multiple: the largest multiple
+        within the budget, `BatchingPolicy.max_alone_tokens`).
         """
         if self.batching.over_budget is OverBudgetPolicy.TRUNCATE:
-            return min(self.preprocess.max_seq_len, self.batching.token_budget)
+            return min(self.preprocess.max_seq_len, self.batching.policy().max_alone_tokens)
         return self.preprocess.max_seq_len
 
     def max_sample_visual_tokens(self) -> int | None:
@@ -368,20 +377,25 @@ class TrainingJobConfig(_JobOptions):
     def sample_limit_text(self) -> str:
         """Where `max_sample_tokens()` (and the visual cap) come from, for messages."""
         if self.batching.over_budget is OverBudgetPolicy.TRUNCATE:
+            m = self.batching.pad_to_multiple
             text = (f"limit {self.max_sample_tokens()} = min(preprocess.max_seq_len "
                     f"{self.preprocess.max_seq_len}, batching.token_budget "
-                    f"{self.batching.token_budget})")
+                    f"{self.batching.token_budget}"
+                    + (f" rounded down to batching.pad_to_multiple {m}" if m else "") + ")")
         else:
             text = f"limit preprocess.max_seq_len {self.preprocess.max_seq_len}"
         cap = self.max_sample_visual_tokens()
         return text + (f", batching.max_visual_tokens {cap}" if cap is not None else "")
 
     def sample_cost(self, num_tokens: int) -> int:
-        """A sample's cost alone: its tokens (padded or packed), or a*L + b*L^2 when b > 0."""
+        """A sample's cost alone: its tokens (padded or packed), or a*L + b*L^2 when b > 0;
+        on its length as sent (rounded up to `batching.pad_to_multiple`)."""
         b = self.batching
+        m = b.pad_to_multiple or 1
+        n = -(-num_tokens // m) * m
         if b.attn_b > 0:
-            return math.ceil(b.attn_a * num_tokens + b.attn_b * num_tokens**2)
-        return num_tokens
+            return math.ceil(b.attn_a * n + b.attn_b * n**2)
+        return n
 
 
 class RefillJobConfig(_JobOptions):

@@ -125,6 +125,13 @@ class RankHeld(StateError):
     """Another live client holds this rank's lease."""
 
 
+class GroupRefused(StateError):
+    """A model-parallel group the job cannot serve as asked (`Member`): two clients of one rank
+    disagree on its group size, or the job does not say how its sequences are padded
+    (`batching.pad_to_multiple`: its message starts with `GROUP_REFUSED_PREFIX`, which the
+    client does not retry)."""
+
+
 class Fenced(StateError):
     """A producer tried to act with a lease generation that is no longer the job's current one
     (another producer took over): it must stop, it can never publish again."""

@@ -56,6 +56,16 @@ only: the wait inside collectives (the all-reduce of a faster rank) is what bala
 `trainer_client.compute_clock.ComputeClock` times a DDP model's step without it (the framework
 adapters report with it by themselves).
 
+Model-parallel groups (docs/trainer-client.md): the tensor/context/pipeline-parallel members of
+one data-parallel rank each open `BatchStream(endpoint, job, dp_rank, dp_size, group_size=k,
+group_rank=j)` and all receive that rank's batches, byte-identical; the group holds the rank's
+one lease and its acks count once (the rank moves with its slowest member, so a member that
+restarts without a state gets the group's position); a lost member is a lost rank to the job's
+`rank_failure_policy`. Any member's `state_dict()` restores any member. A group size another
+live member disagrees with is refused (FAILED_PRECONDITION naming both): retried like a held
+rank (a previous launch's member lapses) and raised after `reconnect_timeout`; a job that
+cannot serve groups (no `batching.pad_to_multiple`) is raised at once.
+
 Global steps (docs/global-steps.md): a job with a global token budget sends this rank several
 batches per step, its micro-batches (`batch.info.micro_index` of `micro_count`), to accumulate
 into one optimizer step: `trainer_client.accumulate.optimizer_steps` does it right (no_sync on
@@ -100,6 +110,8 @@ from trainer_client.wire_format import (
     DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_PREFETCH_BYTES,
     FINAL_STATUS_KEY,
+    GROUP_REFUSED_PREFIX,
+    MAX_GROUP_SIZE,
     MISMATCH_PREFIX,
     WIRE_VERSION,
 )
@@ -211,8 +223,13 @@ class BatchStream:
         keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S,
         keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
-        wait_log_s: float = 5.0,
+        group_size: int = 1, group_rank: int = 0, wait_log_s: float = 5.0,
     ) -> None:
+        if not 1 <= group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}], got {group_size}")
+        if not 0 <= group_rank < group_size:
+            raise ValueError(f"group_rank must be in [0, group_size={group_size}), got "
+                             f"{group_rank}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if prefetch_bytes < 0:
@@ -221,9 +238,11 @@ class BatchStream:
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self.endpoint, self.job, self.rank, self.world_size = endpoint, job, rank, world_size
+        self.group_size, self.group_rank = group_size, group_rank
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
-        self.client_id = client_id or f"{job}/{rank}/{uuid.uuid4().hex[:12]}"
+        member = f".{group_rank}" if group_size > 1 else ""
+        self.client_id = client_id or f"{job}/{rank}{member}/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
         self.heartbeat_s = heartbeat_s
         # A call that stayed up this long was a working connection: its failure starts a new
@@ -513,7 +532,8 @@ class BatchStream:
                     job_id=self.job, rank=self.rank, world_size=self.world_size,
                     resume_step=pos, resume_epoch=epoch, client_id=self.client_id,
                     credits=credits, wire_version=WIRE_VERSION,
-                    prefetch_bytes=self.prefetch_bytes, held_bytes=self._queued_bytes)))
+                    prefetch_bytes=self.prefetch_bytes, held_bytes=self._queued_bytes,
+                    group_size=self.group_size, group_rank=self.group_rank)))
                 link.reqs = reqs
                 link.call = call = self._stream(_requests(reqs, self.heartbeat_s),
                                                 metadata=self._metadata)
@@ -573,7 +593,7 @@ class BatchStream:
             if link.closing:
                 return
             retry = (code in _RETRYABLE and not final
-                     and not details.startswith(MISMATCH_PREFIX))
+                     and not details.startswith((MISMATCH_PREFIX, GROUP_REFUSED_PREFIX)))
             now = time.monotonic()
             if outage_since is None or now - started > self._live_bound:
                 outage_since = now

@@ -48,6 +48,10 @@ MISMATCH_PREFIX = "wire version mismatch"
 # for good (its producer's permanent failure) or has nothing left to give. A client ends at
 # once with it instead of reconnecting until its reconnect_timeout.
 FINAL_STATUS_KEY = "odb-final"
+# A model-parallel group the job cannot serve (no batching.pad_to_multiple): configuration, not
+# a passing state, so the client does not retry it.
+GROUP_REFUSED_PREFIX = "group refused"
+MAX_GROUP_SIZE = 1024  # clients of one rank's group (Open.group_size)
 
 # A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
 # tells what a job's largest batch means against it.

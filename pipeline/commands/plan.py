@@ -44,6 +44,7 @@ _JOB_FLAGS: dict[str, tuple[str, ...]] = {
     "attn_a": ("batching", "attn_a"),
     "attn_b": ("batching", "attn_b"),
     "pool_steps": ("batching", "pool_steps"),
+    "pad_to_multiple": ("batching", "pad_to_multiple"),
     "global_token_budget": ("batching", "global_token_budget"),
     "epochs": ("epochs",),
     "seed": ("seed",),
@@ -149,6 +150,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="P",
         help="steps' worth of batches pooled for rank balancing (default: ~256 batches)",
+    )
+    parser.add_argument(
+        "--pad-to-multiple", type=int, default=None, metavar="M",
+        help="pad every sequence to a multiple of M (context parallelism: 2 x CP); the budget "
+        "caps the padded lengths (default: no padding)",
     )
     parser.add_argument(
         "--epochs", type=int, default=None, metavar="E",

@@ -11,6 +11,7 @@ out of step; the producer's fencing token is checked inside the same script.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from redis.exceptions import NoScriptError
 
 from pipeline.coordinator import keys, registry, scripts, step_codec
 from pipeline.coordinator.connection import open_client, unavailable_as_error
+from pipeline.coordinator.redis_groups import RedisGroups
 from pipeline.errors import (
     AckAheadOfPlan,
     AckNotDelivered,
@@ -39,8 +41,10 @@ from pipeline.errors import (
 from pipeline.jobstate.interface import (
     COMPUTE_REPORTS_KEPT,
     ComputeFitStatus,
+    GroupHealth,
     JobCounters,
     JobState,
+    Member,
     PlannerCheckpoint,
     ProducerFailure,
     ProducerLease,
@@ -50,6 +54,7 @@ from pipeline.jobstate.interface import (
     RankCompute,
     RankHealth,
     RankLease,
+    grouped,
 )
 from pipeline.jobstate.worlds import (
     Grant,
@@ -115,6 +120,11 @@ class RedisJobState(JobState):
             self.created = registry.register_job(
                 self.client, job_id, config_hash=config_hash, world_size=world_size,
                 mode=self.mode, seed=seed, config=config)
+
+    @functools.cached_property
+    def _groups(self) -> RedisGroups:
+        """The job's model-parallel groups (members' seats: redis_groups.py)."""
+        return RedisGroups(self)
 
     def _waitaof(self) -> None:
         timeout_ms = self._waitaof_ms
@@ -511,10 +521,21 @@ class RedisJobState(JobState):
         return self._run(scripts.ack, [*self._ack_keys(), self.keys.lease_claim],
                          [self.keys.base, rank, client_id, _ms(lease_seconds), step], rank=rank)
 
-    def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
+    def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
+                   member: Member | None = None) -> RankLease:
         if not client_id:
             raise ValueError("client_id must be non-empty")
-        exp, _, claim = self._ack(rank, client_id, lease_seconds, -1)
+        if grouped(member):
+            (res,) = self._groups.acks([RankAck(rank, client_id, member=member)],
+                                       _ms(lease_seconds), claims=True)
+            if isinstance(res, Exception):
+                raise res
+            exp, claim = res
+            return RankLease(rank, client_id, exp / 1000.0, claim)
+        try:
+            exp, _, claim = self._ack(rank, client_id, lease_seconds, -1)
+        except RankHeld as exc:
+            raise self._groups.plain_refusal(exc, rank, client_id) from None
         return RankLease(rank, client_id, exp / 1000.0, int(claim))
 
     def ack(self, rank: int, step: int) -> None:
@@ -525,14 +546,20 @@ class RedisJobState(JobState):
 
     def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
         out: list[Exception | None] = [None] * len(acks)
-        todo = []
+        todo, members = [], []
         args: list[Any] = [self.keys.base, _ms(lease_seconds)]
         for i, a in enumerate(acks):
             if not a.client_id:
                 out[i] = ValueError("client_id must be non-empty")
-                continue
-            todo.append(i)  # the script checks the rank, the lease, the plan and the grant
-            args += [a.rank, a.client_id, a.step, "1" if a.renew else "0"]
+            elif grouped(a.member):  # a seat of a group: the members' script
+                members.append(i)
+            else:
+                todo.append(i)  # the script checks the rank, the lease, the plan and the grant
+                args += [a.rank, a.client_id, a.step, "1" if a.renew else "0"]
+        if members:
+            got = self._groups.acks([acks[i] for i in members], _ms(lease_seconds))
+            for i, res in zip(members, got, strict=True):
+                out[i] = res if isinstance(res, Exception) else None
         if not todo:
             return out
         try:
@@ -545,6 +572,8 @@ class RedisJobState(JobState):
             elif res:
                 msg = res.decode() if isinstance(res, bytes) else str(res)
                 out[i] = self._error_for(msg, acks[i].rank) or RuntimeError(msg)
+                if isinstance(out[i], RankHeld):
+                    out[i] = self._groups.plain_refusal(out[i], acks[i].rank, acks[i].client_id)
         return out
 
     def record_compute(self, reports: Sequence[RankCompute]) -> list[None]:
@@ -581,10 +610,17 @@ class RedisJobState(JobState):
             raw = self.client.get(self.keys.compute_fit)
         return None if raw is None else ComputeFitStatus.from_json(raw)
 
-    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None, *,
+                     member: Member | None = None) -> None:
         self._check_rank(rank, self._lease_ranks())
+        if grouped(member):
+            self._groups.release(rank, client_id, member, claim=claim)
+            return
         self._run(scripts.release, [self.keys.lease, self.keys.lease_exp, self.keys.lease_claim],
                   [rank, client_id, "" if claim is None else claim])
+
+    def group_health(self) -> list[GroupHealth]:
+        return self._groups.health()
 
     def acked(self, rank: int) -> int:
         with unavailable_as_error(self._where):
@@ -737,7 +773,11 @@ class RedisJobState(JobState):
         return ScaleResult(True, step_codec.decode_world(res[2]),
                            step_codec.decode_world(res[1]))
 
-    def rank_left(self, generation: int, rank: int, client_id: str) -> None:
+    def rank_left(self, generation: int, rank: int, client_id: str, *,
+                  member: Member | None = None) -> None:
+        if grouped(member):
+            self._groups.release(rank, client_id, member, generation)
+            return
         k = self.keys
         self._call(scripts.left, [k.lease, k.lease_exp, k.draining, k.world_times, k.meta],
                    [generation, rank, client_id])

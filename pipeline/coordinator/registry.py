@@ -47,6 +47,7 @@ _NOT_HASHED = {"token_env", "allow_unauthenticated"}
 _ADDED_LATER: dict[tuple[str, str], object] = {
     ("preprocess", "task_output_mb"): 64,
     ("batching", "compute_balancing"): ComputeBalancingConfig().model_dump(mode="json"),
+    ("batching", "pad_to_multiple"): None,
     ("batching", "global_token_budget"): None,
 }
 

@@ -31,6 +31,21 @@ class RankOnReplica:
 
 
 @dataclass(frozen=True)
+class MemberStatus:
+    """One seat of a rank's model-parallel group (`RankStatus.members`): its client, its own
+    position and its lag behind the group's most advanced member; `replica` as for a rank."""
+
+    member: int
+    client_id: str | None = None  # None: nobody took the seat yet, or its member released it
+    acked_step: int = -1
+    lag_steps: int = 0  # steps behind the group's most advanced member
+    lapsed_for_s: float | None = None  # > 0: a lost member
+    heartbeat_age_s: float | None = None
+    released: bool = False
+    replica: RankOnReplica | None = None
+
+
+@dataclass(frozen=True)
 class RankStatus:
     """One rank: its job-wide position (the job's state) and what the answering replica sees
     of its stream (`connected`, `delivered_step`, `samples_fetched`: None elsewhere)."""
@@ -52,6 +67,7 @@ class RankStatus:
     padded_tokens: int | None = None
     batch_cost: int | None = None
     replica: RankOnReplica | None = None
+    members: tuple[MemberStatus, ...] | None = None  # a rank served to a group: every seat
 
 
 @dataclass(frozen=True)

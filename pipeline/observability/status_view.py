@@ -23,6 +23,7 @@ from pipeline.observability.job_status import (
     ComputeStatus,
     EpochEndStatus,
     JobStatus,
+    MemberStatus,
     Planned,
     ProducerStatus,
     ProducerTrouble,
@@ -45,7 +46,7 @@ from pipeline.planner.compute_fit import FEATURES
 if TYPE_CHECKING:
     from pipeline.config import TrainingJobConfig
     from pipeline.coordinator.refill_state import RefillCounts
-    from pipeline.jobstate.interface import ComputeFitStatus, JobState
+    from pipeline.jobstate.interface import ComputeFitStatus, GroupHealth, JobState
     from pipeline.service.job_runtime import JobRuntime, ReplicaFacts
     from pipeline.service.refill_server import RefillJob
     from pipeline.service.server import RunningService
@@ -125,6 +126,23 @@ def _records(entries: Sequence[Any]) -> tuple[QuarantineRecord, ...]:
                  for q in entries)
 
 
+def _members(group: GroupHealth, facts: ReplicaFacts | None) -> tuple[MemberStatus, ...]:
+    """A group's seats with their lag behind its most advanced member (and this replica's
+    stream of each, with `facts`)."""
+    ahead = max(m.acked for m in group.members)
+    out = []
+    for m in group.members:
+        replica = None
+        if facts is not None:
+            conn = facts.members.get((group.rank, m.index))
+            live = conn is not None and conn.client_id == m.client_id
+            replica = RankOnReplica(bool(live and conn.connected),
+                                    conn.delivered if live else -1)
+        out.append(MemberStatus(m.index, m.client_id, m.acked, ahead - m.acked, m.lapsed_for,
+                                m.heartbeat_age, m.released, replica))
+    return tuple(out)
+
+
 def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig | None = None,
                         open: bool | None = None, error: str | None = None,
                         tracker: PlanTotals | None = None, facts: ReplicaFacts | None = None,
@@ -143,6 +161,7 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
         published = state.published_through()
     now = time.time()
     lapsed = set(state.lapsed_ranks())
+    groups = {g.rank: g for g in state.group_health()}
     ranks = []
     for h in health:
         row: dict[str, Any] = {"rank": h.rank, "acked_step": h.acked,
@@ -160,6 +179,15 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
             row["replica"] = RankOnReplica(bool(conn and conn.connected),
                                            conn.delivered if conn else -1,
                                            facts.fetched_by_rank.get(h.rank, 0))
+        if h.rank in groups:
+            row["members"] = _members(groups[h.rank], facts)
+            if facts is not None:  # the group's streams here: connected if one is
+                seen = [m.replica for m in row["members"] if m.replica.delivered_step >= 0
+                        or m.replica.connected]
+                row["replica"] = RankOnReplica(
+                    any(r.connected for r in seen),
+                    max((r.delivered_step for r in seen), default=-1),
+                    facts.fetched_by_rank.get(h.rank, 0))
         ranks.append(RankStatus(**row))
     counts = state.counters()
     done = state.is_done()
@@ -290,7 +318,8 @@ class ServiceView:
         with self._lock:
             pt = self._totals.get(rt.job.job_id)
             if pt is None or pt.state is not rt.state:
-                pt = self._totals[rt.job.job_id] = PlanTotals(rt.state, rt.collate)
+                pt = self._totals[rt.job.job_id] = PlanTotals(rt.state, rt.collate,
+                                                               rt.job.batching.pad_to_multiple or 1)
             return pt
 
     def job_ids(self) -> list[str]:

@@ -203,7 +203,9 @@ class StepPlanner:
         self.world = WorldStamp(generation, world_size)  # stamped on every Step and EpochEnd
         self.seed = int(seed)
         self._cm = policy.cost_model
+        self._sent = self._cm.sent_length  # a length as the collate sends it (pad_to_multiple)
         self._budget = policy.token_budget
+        self._max_alone = policy.max_alone_tokens  # n fits alone iff n <= this (padded)
         self._vcap = policy.max_visual_tokens
         self._pool_target = pool_size(world_size, pool_steps)  # at full size
         self._pool_now = self._pool_target  # while ramping up: smaller (see `_ramp`)
@@ -233,7 +235,7 @@ class StepPlanner:
         n = sample.num_tokens
         v = sample.num_visual_tokens
         pooled = len(self._pool)
-        if 0 < n <= self._budget and v >= 0 and (self._vcap is None or v <= self._vcap):
+        if 0 < n <= self._max_alone and v >= 0 and (self._vcap is None or v <= self._vcap):
             # Fast path (nearly every sample): in budget, straight into the window.
             cut = self._former.add(sample)
             if cut:
@@ -459,7 +461,7 @@ class StepPlanner:
                                       f"num_tokens={n}, num_visual_tokens={v}"))
             return
         vis_over = self._vcap is not None and v > self._vcap
-        tok_over = n > self._budget
+        tok_over = n > self._max_alone
         if not (vis_over or tok_over):
             for b in self._former.add(s):
                 self._pool.append(PendingBatch(tuple(b)))
@@ -476,11 +478,14 @@ class StepPlanner:
                 events.append(Quarantined(s, QuarantineReason.OVER_VISUAL_CAP, why))
             return
         why = f"num_tokens={n} exceeds token_budget={self._budget}"
+        if self._sent(n) != n:
+            why = f"num_tokens={n} (padded to {self._sent(n)}) exceeds token_budget={self._budget}"
+        keep = self._max_alone  # (a multiple of pad_to_multiple)
         if pol is OverBudgetPolicy.ALONE:
             self._pool.append(PendingBatch((s,), over_budget=True))
-        elif pol is OverBudgetPolicy.TRUNCATE and v <= self._budget:
+        elif pol is OverBudgetPolicy.TRUNCATE and v <= keep:
             self._pool.append(
-                PendingBatch((s,), over_budget=True, truncated_to=((s.sample_id, self._budget),))
+                PendingBatch((s,), over_budget=True, truncated_to=((s.sample_id, keep),))
             )
         else:
             if pol is OverBudgetPolicy.TRUNCATE:  # the image tokens alone exceed the budget

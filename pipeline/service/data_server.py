@@ -19,6 +19,7 @@ from pipeline.errors import (
     AckAheadOfPlan,
     AckNotDelivered,
     BadRequest,
+    GroupRefused,
     JobFinished,
     OdbError,
     PositionUnavailable,
@@ -59,6 +60,7 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     WrongJobMode: grpc.StatusCode.FAILED_PRECONDITION,
     WireMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     RankHeld: grpc.StatusCode.FAILED_PRECONDITION,
+    GroupRefused: grpc.StatusCode.FAILED_PRECONDITION,
     ScaleRefused: grpc.StatusCode.FAILED_PRECONDITION,
     RankTimedOut: grpc.StatusCode.ABORTED,
     ProducerFailed: grpc.StatusCode.INTERNAL,  # a bug

@@ -83,15 +83,25 @@ def _ranks(job: JobStatus) -> list[str]:
                      f"far): {trouble.message}")
     header = ("rank", "delivered*", "acked", "lag", "connected*", "heartbeat", "stalled",
               "lapsed", "client")
-    rows = [header] + [(
-        str(r.rank), _step(r.replica.delivered_step if r.replica else None),
-        _step(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
-        _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
-    ) for r in job.ranks or ()]
+    rows = [header]
+    for r in job.ranks or ():
+        rows.append((
+            str(r.rank), _step(r.replica.delivered_step if r.replica else None),
+            _step(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
+            _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
+        ))
+        rows += [(  # a rank served to a model-parallel group: every member under it
+            f"{r.rank}.{m.member}", _step(m.replica.delivered_step if m.replica else None),
+            _step(m.acked_step), _v(m.lag_steps), _v(m.replica.connected if m.replica else None),
+            _v(m.heartbeat_age_s, "{:.1f}s"), "", _v(bool(m.lapsed_for_s)),
+            m.client_id or ("(released)" if m.released else "-"),
+        ) for m in r.members or ()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
-    lines.append(f"  * as seen by replica {job.replica.id if job.replica else '-'}")
+    lines.append(f"  * as seen by replica {job.replica.id if job.replica else '-'}"
+                 + ("; r.m: member m of rank r's group, its lag behind the group's most "
+                    "advanced member" if any(r.members for r in job.ranks or ()) else ""))
     return lines
 
 

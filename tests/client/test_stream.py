@@ -205,6 +205,63 @@ def test_a_rerun_on_a_finished_job_says_the_job_has_finished(caplog):
     assert "job j rank 0: the job has finished" in said and "job reset j" in said
 
 
+# --- model-parallel groups ----------------------------------------------------------------
+
+def test_the_members_of_a_group_get_the_same_batches_and_getjob_shows_them():
+    with served(pad_to_multiple=8) as svc:
+        members = [BatchStream(svc.address, "j", 0, 1, group_size=2, group_rank=j)
+                   for j in range(2)]
+        its = [iter(m) for m in members]
+        got: list[list] = [[], []]
+        while True:
+            pair = [next(it, None) for it in its]
+            if pair[0] is None:
+                assert pair[1] is None
+                break
+            assert pair[0].digest() == pair[1].digest() and pair[0]["input_ids"].shape[1] % 8 == 0
+            for mine, b in zip(got, pair, strict=True):
+                mine.append(b)
+            if len(got[0]) == 2:  # mid-epoch: GetJob lists both members under rank 0
+                (rank,) = members[0].job_status().ranks
+                assert rank.client_id == "group:2"
+                assert [(m.member, m.client_id) for m in rank.members] == [
+                    (j, members[j].client_id) for j in range(2)]
+        assert ids_of(got[0]) == ALL_IDS and ids_of(got[1]) == ALL_IDS
+        for m in members:
+            m.close()
+
+
+def test_a_group_on_a_job_without_pad_to_multiple_fails_at_once():
+    with served() as svc, BatchStream(svc.address, "j", 0, 1, group_size=2,
+                                      reconnect_timeout=60) as s:
+        t0 = time.monotonic()
+        with pytest.raises(StreamError, match=r"group refused.*pad_to_multiple") as err:
+            next(iter(s))
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert time.monotonic() - t0 < 10 and s.reconnects == 0
+    with pytest.raises(ValueError, match="group_rank must be in"):
+        BatchStream("127.0.0.1:1", "j", 0, 1, group_size=2, group_rank=2)
+
+
+def test_a_group_size_mismatch_is_retried_then_raised_naming_both():
+    """A member of another group size is refused while the rank's group holds a live seat;
+    the client retries (the other may be a previous launch's, whose lease lapses) and raises
+    the refusal after its reconnect_timeout."""
+    with served(pad_to_multiple=8) as svc:
+        holder = BatchStream(svc.address, "j", 0, 1, group_size=2, client_id="tp-a")
+        next(iter(holder))
+        other = BatchStream(svc.address, "j", 0, 1, group_size=3, client_id="tp-b",
+                            reconnect_timeout=1.0)
+        with pytest.raises(StreamError, match="group_size mismatch") as err:
+            next(iter(other))
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "member 0 (client 'tp-a')" in err.value.details
+        assert "client 'tp-b' opened it with group_size 3" in err.value.details
+        assert other.reconnects >= 1
+        other.close()
+        holder.close()
+
+
 # --- StreamLoader: torchdata StatefulDataLoader conventions -------------------------------
 
 def test_loader_state_before_iteration_and_an_empty_load_change_nothing():
