@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import redis
 
     from pipeline.config import ServiceConfig
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("delete", "reset"),
@@ -93,33 +94,26 @@ def _state(args: argparse.Namespace, config: ServiceConfig
     from pipeline.redis_client import connect, redact
     from pipeline.redis_server import LocalRedis
 
-    url = args.redis_url or config.redis_url
-    if url:
+    with ExitStack() as stack:
+        url = args.redis_url or config.redis_url
+        where = f"the Redis at {redact(url)}" if url else ""
+        if not url:
+            state_dir = config.state_dir
+            running = local_services.running(state_dir)
+            serving = [s for s in running if args.job in s.token_envs]
+            if serving:
+                raise UserError(f"job {args.job!r} is served by {serving[0].describe()}, whose "
+                                f"state is in {state_dir}: stop it first (Ctrl-C), then run "
+                                "this again")
+            if running:
+                url = running[0].redis_url
+                where = f"the embedded Redis of {running[0].describe()} (state in {state_dir})"
+            elif (Path(state_dir) / "redis").is_dir():
+                url = stack.enter_context(LocalRedis.durable(state_dir)).url
+                where = f"the embedded state in {state_dir}"
+            else:
+                raise UserError(f"no state in {state_dir} (the embedded default's state_dir; "
+                                "give --config, ODB_STATE_DIR or --redis-url for the job's)")
         client = connect(url)
-        try:
-            yield client, f"the Redis at {redact(url)}"
-        finally:
-            client.close()
-        return
-    state_dir = config.state_dir
-    running = local_services.running(state_dir)
-    serving = [s for s in running if args.job in s.token_envs]
-    if serving:
-        raise UserError(f"job {args.job!r} is served by {serving[0].describe()}, whose state is "
-                        f"in {state_dir}: stop it first (Ctrl-C), then run this again")
-    if running:
-        client = connect(running[0].redis_url)
-        try:
-            yield client, f"the embedded Redis of {running[0].describe()} (state in {state_dir})"
-        finally:
-            client.close()
-        return
-    if not (Path(state_dir) / "redis").is_dir():
-        raise UserError(f"no state in {state_dir} (the embedded default's state_dir; give "
-                        "--config, ODB_STATE_DIR or --redis-url for the job's)")
-    with LocalRedis.durable(state_dir) as server:
-        client = connect(server.url)
-        try:
-            yield client, f"the embedded state in {state_dir}"
-        finally:
-            client.close()
+        stack.callback(client.close)
+        yield client, where

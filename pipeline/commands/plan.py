@@ -2,9 +2,11 @@
 
 `--lengths FILE` plans recorded token counts. `--data FILE...` runs the real preprocessing
 (private local Ray, as `inspect` does) and plans each sample's measured size, epoch by epoch
-(augmentation seeded per epoch); the JSON adds `quarantined_records`, `preprocess_epochs` and
-`rows`. `--config FILE [--job ID]` takes the job's settings as defaults; explicit flags win;
-without it the defaults are the job config's own (pipeline/config.py), the ones `serve` uses.
+(augmentation seeded per epoch); the JSON adds `quarantined_records`, `preprocess_epochs`,
+`rows` and `preprocess_seconds` (Ray's start included, `ray_start_seconds`: `planning_seconds`
+is the planner's alone). `--config FILE [--job ID]` takes the job's settings as defaults (and,
+without --lengths or --data, its source); explicit flags win; without it the defaults are the
+job config's own (pipeline/config.py), the ones `serve` uses.
 Prints a summary (or one JSON object with --json) of the plan the service would make: steps,
 padding efficiency, budget violations, over-budget handling, per-rank steps, rank balance,
 carry-over, quota mode's filler batches. `--emit-plan OUT.jsonl` writes the plan itself, one
