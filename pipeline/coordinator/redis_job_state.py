@@ -101,7 +101,7 @@ class RedisJobState(JobState):
 
     def __init__(self, client_or_url: redis.Redis | str, job_id: str, *, config_hash: str,
                  world_size: int, mode: JobMode | str = JobMode.JOIN, seed: int = 0,
-                 retries: int = 5,
+                 config: str | None = None, retries: int = 5,
                  socket_timeout: float = 5.0, fsync_publish: bool = False,
                  max_connections: int | None = None, pool_timeout: float = 30.0) -> None:
         self.client, self._where = open_client(client_or_url, retries=retries,
@@ -119,7 +119,7 @@ class RedisJobState(JobState):
                 self._waitaof()  # fail at start, not at the first publish
             self.created = registry.register_job(
                 self.client, job_id, config_hash=config_hash, world_size=world_size,
-                mode=self.mode, seed=seed)
+                mode=self.mode, seed=seed, config=config)
 
     @functools.cached_property
     def _groups(self) -> RedisGroups:
@@ -148,7 +148,8 @@ class RedisJobState(JobState):
         if max_connections is None:
             max_connections = pool_size_for(job.world_size_cap())
         return cls(client_or_url, job.job_id, config_hash=registry.config_hash(job),
-                   world_size=job.world_size, mode=job.mode, seed=job.seed, retries=retries,
+                   world_size=job.world_size, mode=job.mode, seed=job.seed,
+                   config=registry.config_record(job), retries=retries,
                    socket_timeout=socket_timeout, fsync_publish=fsync_publish,
                    max_connections=max_connections, pool_timeout=pool_timeout)
 
