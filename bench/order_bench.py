@@ -12,11 +12,11 @@ Part `shares` (the real planner, synthetic lengths): two sources interleaved at 
 the order, fed to `StepPlanner`; per tenth of the epoch the worst deviation of a source's share
 of the samples, per window of 10 steps the worst deviation of its share of the loss tokens,
 and padding efficiency against the GMT oracle. What the window does to shares before any
-control, and with the planner's share control when it is wired (`pipeline/planner/
-source_shares.py`).
+control, and with the planner's share control (`pipeline/planner/source_shares.py`).
 
 Run:  .venv/bin/python bench/order_bench.py [--quick] [--parts quality,shares]
-Writes bench/results/order/order_bench{,_quick}.json and prints Markdown tables.
+Writes order_bench{,_quick}.json (`--out bench/results/order` for the committed figures) and
+prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_dir import add_out_argument, out_dir  # noqa: E402
+
 from pipeline.order.epoch_order import EpochOrder, OrderSettings, Segment  # noqa: E402
 from pipeline.order.read_units import make_layout  # noqa: E402
 from pipeline.planner.oracle import gmt_batches  # noqa: E402
@@ -43,7 +45,6 @@ from pipeline.planner.step_planner import StepPlanner  # noqa: E402
 from pipeline.planner.types import MeasuredSample, Step  # noqa: E402
 from pipeline.preprocess.sources import SourceFile  # noqa: E402
 
-OUT_DIR = ROOT / "bench" / "results" / "order"
 ROW_BYTES = 1000  # a chat's JSONL line, about
 
 
@@ -194,9 +195,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", default="quality,shares")
+    add_out_argument(ap, "order")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    path = OUT_DIR / f"order_bench{'_quick' if args.quick else ''}.json"
+    path = out_dir(args, "order") / f"order_bench{'_quick' if args.quick else ''}.json"
     # a run of some parts keeps the others' last figures
     result: dict = json.loads(path.read_text()) if path.exists() else {}
     result.update({"machine": platform.node(), "cpus": os.cpu_count(), "quick": args.quick})
@@ -204,7 +206,6 @@ def main() -> int:
         result["quality"] = quality(args.quick)
     if "shares" in parts:
         result["shares"] = shares(args.quick)
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     for part in ("quality", "shares"):
         rows = result.get(part) if part in parts else None
@@ -213,7 +214,7 @@ def main() -> int:
             print(f"\n| {' | '.join(keys)} |\n|{'---|' * len(keys)}")
             for r in rows:
                 print("| " + " | ".join(str(r[k]) for k in keys) + " |")
-    print(f"\nwritten {path.relative_to(ROOT)}")
+    print(f"\nwritten {path}")
     return 0
 
 

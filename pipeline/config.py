@@ -15,7 +15,9 @@ for one, is `batching.pool_steps` and nothing else.
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -288,7 +290,8 @@ class EmbeddingConfig(_Model):
                               "(all-MiniLM-L6-v2) or a local sentence-transformers folder; "
                               "None with no column = all-MiniLM-L6-v2")
     column: str | None = Field(None, description="record field holding a precomputed vector")
-    cache_dir: str | None = Field(None, description="None = .odb-embeddings/ beside the dataset")
+    cache_dir: str | None = Field(None, description="None = embeddings/ in the cache dir "
+                                  "($XDG_CACHE_HOME/odb-pipeline, else ~/.cache/odb-pipeline)")
 
     @model_validator(mode="after")
     def _one_source(self) -> EmbeddingConfig:
@@ -609,6 +612,13 @@ def default_state_dir() -> str:
     return os.path.join(base, "odb-pipeline")
 
 
+def default_cache_dir() -> str:
+    """Where caches go unless configured (never beside the data: a checkout stays clean):
+    $XDG_CACHE_HOME/odb-pipeline, else ~/.cache/odb-pipeline."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "odb-pipeline")
+
+
 class ServiceConfig(_Model):
     redis_url: str | None = Field(
         None, description="None = the embedded default: a private Redis with its AOF in "
@@ -667,6 +677,45 @@ class ServiceConfig(_Model):
             seen.add(job.job_id)
         return self
 
+    def client_problems(self) -> list[str]:
+        """What in these settings cannot work with the trainers' clients at their defaults
+        (`trainer_client.wire_format`): each problem names the fields and the fix. `serve`
+        refuses such a config (Guarantee 7); tests that tune their clients may start a service
+        with tighter settings in-process."""
+        from trainer_client.wire_format import (
+            DEFAULT_HEARTBEAT_S,
+            DEFAULT_KEEPALIVE_TIME_S,
+            DEFAULT_KEEPALIVE_TIMEOUT_S,
+        )
+
+        out = []
+        ping = self.grpc.min_client_ping_interval_s
+        if ping > DEFAULT_KEEPALIVE_TIME_S:
+            out.append(
+                f"grpc.min_client_ping_interval_s = {ping:g} is above the trainers' keepalive "
+                f"interval (BatchStream keepalive_time_s {DEFAULT_KEEPALIVE_TIME_S:g} s): the "
+                "service would answer their pings with GOAWAY \"too_many_pings\" and they would "
+                f"stop noticing a dead replica; set it to at most {DEFAULT_KEEPALIVE_TIME_S:g}")
+        if self.lease_seconds <= DEFAULT_HEARTBEAT_S:
+            out.append(
+                f"lease_seconds = {self.lease_seconds:g} is not above the trainers' heartbeat "
+                f"period (BatchStream heartbeat_s {DEFAULT_HEARTBEAT_S:g} s): a rank busy in a "
+                "long step would lose its lease between two heartbeats; set it above "
+                f"{DEFAULT_HEARTBEAT_S:g} (default 10)")
+        # A replica cut off from the state ends a stream UNAVAILABLE after state_timeout_seconds:
+        # a call that failed only after the clients' detection bound looks like a working
+        # connection to their outage clock. (resume_grace_seconds waits on an open stream and
+        # ends it OUT_OF_RANGE, which clients do not retry: it is no part of this.)
+        bound = DEFAULT_KEEPALIVE_TIME_S + DEFAULT_KEEPALIVE_TIMEOUT_S
+        if self.state_timeout_seconds >= bound:
+            out.append(
+                f"state_timeout_seconds = {self.state_timeout_seconds:g} is not below the "
+                "trainers' detection bound (BatchStream keepalive_time_s + keepalive_timeout_s "
+                f"= {bound:g} s): a stream that fails only after that long looks like a working "
+                "connection to the client, which would then reconnect without end instead of "
+                f"giving up after its reconnect_timeout; set it below {bound:g} (default 5)")
+        return out
+
     def status_token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The status pages' bearer token, read from `status_token_env` at use (None: unset)."""
         if self.status_token_env is None:
@@ -709,6 +758,43 @@ def _env_overrides(environ: Mapping[str, str], model: type[BaseModel], prefix: s
             # Empty string means "unset" (None) for optional fields, as in k8s env blocks.
             out[name] = None if raw == "" else raw
     return out
+
+
+def _spelling(name: str) -> str:
+    return name.upper().replace("_", "")
+
+
+def _misspelt(name: str, setting: str) -> bool:
+    """`name` is `setting` with its separators wrong or a letter or two off (not another name
+    that merely resembles it, such as a token variable `ODB_STATUS_TOKEN`)."""
+    a, b = _spelling(name), _spelling(setting)
+    return a == b or (abs(len(a) - len(b)) <= 2
+                      and difflib.SequenceMatcher(None, a, b).ratio() >= 0.9)
+
+
+def check_env_names(environ: Mapping[str, str], config: ServiceConfig) -> None:
+    """An `ODB_*` variable that names no setting (nor a token the config names) would be
+    ignored: one that looks like a misspelt setting (`ODB_GRPC_PORT` for `ODB_GRPC__PORT`) is
+    refused, any other is warned about; both name the closest setting."""
+    settings = env_var_names()
+    tokens = {j.token_env for j in config.jobs} | {config.status_token_env}
+    typos = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in settings or name in tokens:
+            continue
+        near = difflib.get_close_matches(name, settings, n=1, cutoff=0.6)
+        closest = next((s for s in settings if _spelling(s) == _spelling(name)),
+                       near[0] if near else None)
+        if closest is not None and _misspelt(name, closest):
+            typos.append(f"{name} (did you mean {closest}?)")
+        else:
+            logging.getLogger(__name__).warning(
+                "environment variable %s names no setting and is ignored%s", name,
+                f" (the closest setting is {closest})" if closest else "")
+    if typos:
+        raise ConfigError(f"environment variables that name no setting: {', '.join(typos)}; "
+                          "a nested setting joins its path with two underscores "
+                          "(ODB_GRPC__PORT is grpc.port): rename or unset them")
 
 
 def deep_merge(base: dict, top: Mapping) -> dict:
@@ -763,11 +849,13 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
 ) -> ServiceConfig:
     """File, then ODB_* environment, then explicit overrides (CLI flags); validated once."""
+    environ = os.environ if environ is None else environ
     data = read_config_file(path) if path is not None else {}
-    data = deep_merge(data, _env_overrides(os.environ if environ is None else environ,
-                                           ServiceConfig, ENV_PREFIX))
+    data = deep_merge(data, _env_overrides(environ, ServiceConfig, ENV_PREFIX))
     data = deep_merge(data, overrides or {})
     try:
-        return ServiceConfig.model_validate(data)
+        config = ServiceConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+    check_env_names(environ, config)
+    return config

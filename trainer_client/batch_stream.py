@@ -86,6 +86,7 @@ again raises `Reconfigured`.
 from __future__ import annotations
 
 import gc
+import logging
 import queue
 import threading
 import time
@@ -104,7 +105,11 @@ from trainer_client.decode import StreamBatch, TensorKind, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 from trainer_client.wire_format import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_KEEPALIVE_TIME_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_PREFETCH_BYTES,
+    FINAL_STATUS_KEY,
     GROUP_REFUSED_PREFIX,
     MAX_GROUP_SIZE,
     MISMATCH_PREFIX,
@@ -120,6 +125,7 @@ RESUME_FROM_CURSOR = -1  # Open.resume_step: where the service's cursor says the
 _STATE_VERSION = 2  # 2 adds epoch_first_step; version 1 states still load
 _MAX_COMPUTE_PER_ACK = 64  # the service's bound per Ack; more wait for the next one
 _MAX_COMPUTE_HELD = 1024  # reports not yet sent (a stream not acking): the oldest are dropped
+log = logging.getLogger(__name__)
 
 
 class StreamError(RuntimeError):
@@ -214,9 +220,10 @@ class BatchStream:
         certificate_chain: bytes | None = None, max_message_mb: int = 256,
         reconnect_timeout: float = 60.0, backoff: tuple[float, float] = (0.05, 2.0),
         load_balancing: str = "pick_first", tensors: TensorKind = "auto",
-        keepalive_time_s: float = 4.0, keepalive_timeout_s: float = 4.0,
-        heartbeat_s: float = 2.0, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
-        group_size: int = 1, group_rank: int = 0,
+        keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S,
+        keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        group_size: int = 1, group_rank: int = 0, wait_log_s: float = 5.0,
     ) -> None:
         if not 1 <= group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}], got {group_size}")
@@ -243,6 +250,8 @@ class BatchStream:
         self._live_bound = keepalive_time_s + keepalive_timeout_s
         self.tensors = resolve_tensor_kind(tensors)
         self._backoff = backoff
+        self.wait_log_s = wait_log_s  # how often a stream that waits says what for (a warning)
+        self._outage: str | None = None  # why the stream is reconnecting (None: it is not)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._target = endpoint  # (a list of addresses: rotated at each reconnection)
         self._opts = channel_options(max_message_mb=max_message_mb,
@@ -347,6 +356,7 @@ class BatchStream:
         if self._reconfigured:
             raise Reconfigured(self.job, self.rank, self._reconfigured)
         self._ensure_receiver()
+        yielded = False
         while True:
             item = self._take()
             if isinstance(item, EpochEndInfo) and item.reason == "reconfigure":
@@ -358,6 +368,11 @@ class BatchStream:
                         self._link.reqs.put(None)
                 return
             if isinstance(item, EpochEndInfo):
+                if item.job_done and not yielded:
+                    log.warning("job %s rank %d: the job has finished: every step was already "
+                                "delivered and acknowledged, nothing is left to train (a new "
+                                "job_id starts a new run; `odb-pipeline job reset %s` starts "
+                                "this one over)", self.job, self.rank, self.job)
                 first = self.epoch_first_step
                 self.last_end = replace(item, first_step=first)
                 self._epoch = item.epoch + 1
@@ -379,6 +394,7 @@ class BatchStream:
                 self._next_step = info.step
                 self._partial = (info.step, info.micro_index)
             self._positioned = True
+            yielded = True
             yield item
 
     def report_compute(self, batch: StreamBatch, seconds: float) -> None:
@@ -439,6 +455,8 @@ class BatchStream:
 
     # --- internals ---
     def _take(self) -> StreamBatch | EpochEndInfo:
+        since = time.monotonic()
+        told = since
         while True:
             try:
                 item = self._items.get(timeout=1.0)
@@ -448,6 +466,13 @@ class BatchStream:
                 if thread is None or not thread.is_alive():
                     raise StreamError(grpc.StatusCode.UNAVAILABLE,
                                       "stream receiver stopped") from None
+                now = time.monotonic()
+                if now - told >= self.wait_log_s and self._outage is None:
+                    told = now  # (while reconnecting, the receiver says why it waits)
+                    log.warning("job %s rank %d: no batch from %s for %.0f s; the stream is "
+                                "open and waits for the service to prepare the next one "
+                                "(`odb-pipeline status` shows the job)", self.job, self.rank,
+                                self.endpoint, now - since)
         if isinstance(item, StreamError):
             raise item
         with self._link.lock:
@@ -476,6 +501,7 @@ class BatchStream:
         link = self._link
         if link.thread is None or not link.thread.is_alive():
             link.closing = False
+            self._outage = None
             self._items = queue.Queue()
             self._queued_batches = self._queued_bytes = 0
             self._unsent_credits = self._unsent_credit_bytes = 0
@@ -492,6 +518,7 @@ class BatchStream:
         epoch = self._epoch
         delay = self._backoff[0]
         outage_since: float | None = None  # the first failure of the current outage
+        told = 0.0  # when the current outage was last logged
         job_done = False  # (or this world ended: the server closes, nothing to resume)
         while not link.closing:
             started = time.monotonic()
@@ -513,7 +540,7 @@ class BatchStream:
             reader = StreamReader(self.tensors)  # a batch cut off with its call is dropped
             try:
                 for raw in call:
-                    outage_since = None
+                    outage_since = self._outage = None
                     delay = self._backoff[0]
                     item = reader.read(raw)
                     if isinstance(item, StreamBatch):
@@ -547,6 +574,7 @@ class BatchStream:
                 if job_done:  # the server closes after our final ack (see __iter__)
                     return
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without END"
+                final = False
             except ChunkError as exc:  # the service sent a batch that does not add up
                 call.cancel()
                 self._items.put(StreamError(grpc.StatusCode.INTERNAL, str(exc)))
@@ -558,19 +586,27 @@ class BatchStream:
                 # in this frame makes a cycle that only the interpreter's final GC frees, whose
                 # grpc __del__ can then deadlock on a lock of a frozen daemon thread.
                 code, details = exc.code(), exc.details() or ""
+                final = _final(exc)
             finally:
                 reqs.put(None)  # ends the request iterator of this call
             del call
             if link.closing:
                 return
-            retry = code in _RETRYABLE and not details.startswith(
-                (MISMATCH_PREFIX, GROUP_REFUSED_PREFIX))
+            retry = (code in _RETRYABLE and not final
+                     and not details.startswith((MISMATCH_PREFIX, GROUP_REFUSED_PREFIX)))
             now = time.monotonic()
             if outage_since is None or now - started > self._live_bound:
                 outage_since = now
             if not retry or now - outage_since > self.reconnect_timeout:
                 self._items.put(StreamError(code, details))
                 return
+            if self._outage is None or now - told >= self.wait_log_s:
+                told = now
+                log.warning("job %s rank %d: waiting for the service at %s for %.0f s (giving "
+                            "up after reconnect_timeout %g s); it says %s: %s", self.job,
+                            self.rank, self.endpoint, now - outage_since,
+                            self.reconnect_timeout, code.name, details)
+            self._outage = f"{code.name}: {details}"
             self.reconnects += 1
             self._next_address_first()
             time.sleep(delay)
@@ -591,6 +627,14 @@ class BatchStream:
             self._stub = pb_grpc.DataServiceStub(channel)
             self._stream = _raw_stream(channel)
         old.close()
+
+
+def _final(exc: grpc.RpcError) -> bool:
+    """The service says not to retry (`FINAL_STATUS_KEY`): the job failed for good."""
+    try:
+        return any(k == FINAL_STATUS_KEY for k, _ in exc.trailing_metadata() or ())
+    except Exception:  # an error raised before the call had trailers
+        return False
 
 
 def _raw_stream(channel: grpc.Channel) -> Any:

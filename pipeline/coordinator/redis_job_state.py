@@ -105,7 +105,7 @@ class RedisJobState(JobState):
 
     def __init__(self, client_or_url: redis.Redis | str, job_id: str, *, config_hash: str,
                  world_size: int, mode: JobMode | str = JobMode.JOIN, seed: int = 0,
-                 retries: int = 5,
+                 config: str | None = None, retries: int = 5,
                  socket_timeout: float = 5.0, fsync_publish: bool = False,
                  max_connections: int | None = None, pool_timeout: float = 30.0,
                  earlier_hash: str | None = None) -> None:
@@ -132,7 +132,7 @@ class RedisJobState(JobState):
                 config_hash, self.registered_in_file_order = earlier_hash, True
             self.created = registry.register_job(
                 self.client, job_id, config_hash=config_hash, world_size=world_size,
-                mode=self.mode, seed=seed)
+                mode=self.mode, seed=seed, config=config)
 
     @functools.cached_property
     def _groups(self) -> RedisGroups:
@@ -161,7 +161,8 @@ class RedisJobState(JobState):
         if max_connections is None:
             max_connections = pool_size_for(job.world_size_cap())
         return cls(client_or_url, job.job_id, config_hash=registry.config_hash(job),
-                   world_size=job.world_size, mode=job.mode, seed=job.seed, retries=retries,
+                   world_size=job.world_size, mode=job.mode, seed=job.seed,
+                   config=registry.config_record(job), retries=retries,
                    socket_timeout=socket_timeout, fsync_publish=fsync_publish,
                    max_connections=max_connections, pool_timeout=pool_timeout,
                    earlier_hash=registry.earlier_hash(job))

@@ -277,8 +277,9 @@ class MixtureStatus:
 
 @dataclass(frozen=True)
 class JobStatus:
-    """One job. `state`: training jobs waiting (nothing published) | running | draining
-    (planning over, ranks still consuming) | finished (every rank acked its last step) | failed;
+    """One job. `state`: training jobs waiting (nothing published) | waiting for ranks (steps
+    published, no rank acked one or holds a lease yet) | running | draining (planning over,
+    ranks still consuming) | finished (every rank acked its last step) | failed;
     refill jobs serving | done. `open`: served without a credential."""
 
     job_id: str

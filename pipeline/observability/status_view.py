@@ -63,17 +63,22 @@ MAX_RECORDS = 1000  # quarantine records listed per job (the count is always exa
 
 
 def training_state(*, error: str | None, done: bool, published_through: int,
-                   final_steps: Sequence[int] | None, acked: Sequence[int]) -> str:
-    """failed | finished (every rank acked its last step) | draining (planning over, ranks still
-    consuming) | running | waiting (nothing published yet)."""
+                   final_steps: Sequence[int] | None, acked: Sequence[int],
+                   holders: Sequence[str | None] = ()) -> str:
+    """failed | finished (every rank acked its last step) | waiting for ranks (steps are
+    published, no rank has acked one or holds a lease yet) | draining (planning over, ranks
+    still consuming) | running | waiting (nothing published yet). `holders`: each rank's lease
+    holder (None or "": none)."""
     if error:
         return "failed"
-    if done:
-        if final_steps is not None and all(a >= f for a, f in zip(acked, final_steps,
-                                                                  strict=False)):
-            return "finished"
-        return "draining"
-    return "running" if published_through >= 0 else "waiting"
+    if done and final_steps is not None and all(a >= f for a, f in zip(acked, final_steps,
+                                                                       strict=False)):
+        return "finished"
+    if published_through < 0:
+        return "waiting"
+    if all(a < 0 for a in acked) and not any(holders):
+        return "waiting for ranks"
+    return "draining" if done else "running"
 
 
 def refill_state(done: bool) -> str:
@@ -213,7 +218,8 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
     return JobStatus(
         job_id=job_id, mode=state.mode,
         state=training_state(error=error, done=done, published_through=published,
-                             final_steps=finals, acked=acked),
+                             final_steps=finals, acked=acked,
+                             holders=[h.client_id for h in health]),
         done=done, error=error, open=open, world_size=state.head().world_size,
         epochs=job.epochs if job else None, published_through=published,
         samples_in=counts.samples_in,

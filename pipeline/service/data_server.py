@@ -20,6 +20,7 @@ from pipeline.errors import (
     AckNotDelivered,
     BadRequest,
     GroupRefused,
+    JobFinished,
     MixRefused,
     OdbError,
     PositionUnavailable,
@@ -47,6 +48,7 @@ from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import FINAL_STATUS_KEY
 
 # The one table from the domain's errors to status codes (the most specific class wins).
 STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
@@ -69,6 +71,11 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     ReplicaUnavailable: grpc.StatusCode.UNAVAILABLE,
     StateUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+# Errors a client must not retry whatever their code (`FINAL_STATUS_KEY`): the job failed for
+# good, and every replica would answer the same until an operator acts.
+FINAL = (ProducerFailed, JobFinished)
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -152,7 +159,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
         rt = self.runtimes.get(job_id)
         refill = rt is None and self.refill is not None and job_id in self.refill.jobs
         if rt is None and not refill:
-            raise UnknownJob(f"unknown job {job_id!r}")
+            raise UnknownJob.named(job_id)
         problem = check_token(self.tokens.get(job_id), metadata, job_id)
         if problem is not None:
             raise Unauthenticated(problem)
@@ -212,4 +219,5 @@ class DataServicer(pb_grpc.DataServiceServicer):
             await self.streams.serve(rt, op, op.client_id or context.peer(),
                                      _client_messages(requests), context.write)
         except OdbError as exc:
-            await context.abort(status_of(exc), str(exc))
+            final = ((FINAL_STATUS_KEY, "1"),) if isinstance(exc, FINAL) else ()
+            await context.abort(status_of(exc), str(exc), trailing_metadata=final)

@@ -33,6 +33,7 @@ from pipeline.jobstate.interface import GROUP_HOLDER_PREFIX, MAX_GROUP_SIZE, Mem
 from pipeline.jobstate.worlds import PlanHead, ScaleReason, ScaleRequest, World
 from pipeline.planner.types import EpochEnd
 from pipeline.service.job_runtime import JobRuntime
+from pipeline.service.scaling import refuse_finished
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire_format import GROUP_REFUSED_PREFIX
 
@@ -119,11 +120,13 @@ def resolve(op: pb.Open, rt: JobRuntime) -> StreamStart:
             return _drain_start(op, rt, prev, head)
         if not rt.job.elastic:
             history = " -> ".join(str(w.world_size) for w in worlds)
+            job_id = rt.job.job_id
             raise BadRequest(
-                f"world_size {op.world_size} does not match job {rt.job.job_id!r}'s world size "
-                f"{head.world_size}" + (f" (world sizes so far: {history})" if prev else "")
-                + "; reconfigure it with `odb-pipeline scale` (or the Scale call), or set "
-                "`elastic: true` on the job so an Open with a new world size does")
+                f"job {job_id!r} runs {head.world_size} ranks, this rank opened with world_size "
+                f"{op.world_size}" + (f" (world sizes so far: {history})" if prev else "")
+                + f": start {head.world_size} ranks, or move the job onto {op.world_size} "
+                f"first (`odb-pipeline scale --job {job_id} --world-size {op.world_size}`, or "
+                "`elastic: true` on the job so an Open with a new world size does)")
         head = _elastic_switch(op, rt, head, worlds)
     if not 0 <= op.rank < head.world_size:
         raise BadRequest(f"rank {op.rank} is outside [0, {head.world_size}) for job "
@@ -165,6 +168,7 @@ def _elastic_switch(op: pb.Open, rt: JobRuntime, head: PlanHead, worlds: list[Wo
     if not 1 <= op.world_size <= job.world_size_cap():
         raise BadRequest(f"world_size {op.world_size} is outside [1, {job.world_size_cap()}] "
                          f"(job {job.job_id!r}'s max_world_size)")
+    refuse_finished(rt)
     position = None
     if op.resume_step >= 0:
         position = _map_position(rt, head, op.resume_step, op.resume_epoch)

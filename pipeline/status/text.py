@@ -23,6 +23,11 @@ def _v(x: Any, fmt: str = "{}") -> str:
     return fmt.format(x)
 
 
+def _step(x: int | None) -> str:
+    """A step number; "-" for none yet (None, or the -1 the sources use for it)."""
+    return "-" if x is None or x < 0 else str(x)
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -87,13 +92,13 @@ def _ranks(job: JobStatus) -> list[str]:
     rows = [header]
     for r in job.ranks or ():
         rows.append((
-            str(r.rank), _v(r.replica.delivered_step if r.replica else None),
-            _v(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
+            str(r.rank), _step(r.replica.delivered_step if r.replica else None),
+            _step(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
             _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
         ))
         rows += [(  # a rank served to a model-parallel group: every member under it
-            f"{r.rank}.{m.member}", _v(m.replica.delivered_step if m.replica else None),
-            _v(m.acked_step), _v(m.lag_steps), _v(m.replica.connected if m.replica else None),
+            f"{r.rank}.{m.member}", _step(m.replica.delivered_step if m.replica else None),
+            _step(m.acked_step), _v(m.lag_steps), _v(m.replica.connected if m.replica else None),
             _v(m.heartbeat_age_s, "{:.1f}s"), "", _v(bool(m.lapsed_for_s)),
             m.client_id or ("(released)" if m.released else "-"),
         ) for m in r.members or ()]
@@ -109,7 +114,7 @@ def _ranks(job: JobStatus) -> list[str]:
 def _job(job: JobStatus, show_records: bool) -> list[str]:
     where = ("" if job.refill is not None else
              f"  world_size={_v(job.world_size)}  published_through="
-             f"{_v(job.published_through)}")
+             f"{_step(job.published_through)}")
     lines = [f"job {job.job_id}  state={job.state}  mode={job.mode}{where}  "
              f"samples_in={_v(job.samples_in)}"
              + ("  OPEN (served without a credential)" if job.open else "")]
@@ -143,7 +148,7 @@ def _job(job: JobStatus, show_records: bool) -> list[str]:
     if job.coordinator is not None:
         c = job.coordinator
         lines.append(f"  redis: state={c.state}  retained_steps={c.retained_steps}  "
-                     f"min_acked={c.min_acked}")
+                     f"min_acked={_step(c.min_acked)}")
     return lines
 
 

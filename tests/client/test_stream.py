@@ -178,6 +178,33 @@ def test_a_client_of_another_version_fails_at_once_instead_of_retrying(monkeypat
         assert time.monotonic() - t0 < 10 and s.reconnects == 0
 
 
+def test_a_client_waiting_for_the_service_says_what_it_waits_for_every_few_seconds(caplog):
+    """#42: a trainer started with no service up was silent until its reconnect_timeout ran
+    out. It says at once, and every `wait_log_s`, where it connects and what it hears."""
+    port = free_port()  # nothing listens there
+    with caplog.at_level("WARNING", logger="trainer_client.batch_stream"), \
+            BatchStream(f"127.0.0.1:{port}", "j", 0, 1, reconnect_timeout=2.5,
+                        wait_log_s=1.0) as s, pytest.raises(StreamError) as err:
+        list(s)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) >= 2, said  # at the first failure, then again while it waits
+    for line in said:
+        assert f"job j rank 0: waiting for the service at 127.0.0.1:{port} for " in line, line
+        assert "giving up after reconnect_timeout 2.5 s); it says UNAVAILABLE: " in line, line
+
+
+def test_a_rerun_on_a_finished_job_says_the_job_has_finished(caplog):
+    with served() as svc:
+        with BatchStream(svc.address, "j", 0, 1) as stream:
+            assert ids_of(list(stream)) == ALL_IDS and stream.done
+        with caplog.at_level("WARNING", logger="trainer_client.batch_stream"), \
+                BatchStream(svc.address, "j", 0, 1) as again:
+            assert list(again) == [] and again.done
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "job j rank 0: the job has finished" in said and "job reset j" in said
+
+
 # --- model-parallel groups ----------------------------------------------------------------
 
 def test_the_members_of_a_group_get_the_same_batches_and_getjob_shows_them():
