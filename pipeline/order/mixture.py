@@ -78,10 +78,6 @@ class Mixture:
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.sources)
 
-    @property
-    def by_tokens(self) -> bool:
-        return self.mix_by == "loss_tokens"
-
     def check(self, where: str = "mixture") -> None:
         """Every rule a mixture's config must keep (row counts aside: `epoch_counts`)."""
         if not self.sources:

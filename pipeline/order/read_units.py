@@ -33,8 +33,7 @@ class SourceLayout:
 
     Unit u is rows [first[u], first[u] + rows[u]) of file `file[u]` and reads `nbytes[u]`
     raw bytes from `offset[u]` (JSONL: the byte offset of its first row; Parquet: its row
-    group's index; -1: not known, read through the file's index); the units of file f are
-    [file_start[f], file_start[f + 1])."""
+    group's index; -1: not known, read through the file's index)."""
 
     name: str
     files: tuple[SourceFile, ...]
@@ -43,7 +42,6 @@ class SourceLayout:
     rows: np.ndarray  # int64 [units]
     nbytes: np.ndarray  # int64 [units]
     offset: np.ndarray  # int64 [units]
-    file_start: np.ndarray  # int64 [files + 1]
 
     @property
     def num_rows(self) -> int:
@@ -58,9 +56,6 @@ class SourceLayout:
         """Mean raw bytes per row (0 for an empty source)."""
         n = self.num_rows
         return float(self.nbytes.sum()) / n if n else 0.0
-
-    def file_units(self, f: int) -> np.ndarray:
-        return np.arange(self.file_start[f], self.file_start[f + 1], dtype=np.int64)
 
 
 def jsonl_units(rows: int, anchors: np.ndarray, unit_rows: int
@@ -111,8 +106,7 @@ def make_layout(name: str, files: Sequence[SourceFile],
         name=name, files=tuple(files),
         file=np.repeat(np.arange(len(files), dtype=np.int64), counts),
         first=arr[:, 0].copy(), rows=arr[:, 1].copy(), nbytes=arr[:, 2].copy(),
-        offset=arr[:, 3].copy(),
-        file_start=np.concatenate(([0], np.cumsum(counts))).astype(np.int64))
+        offset=arr[:, 3].copy())
 
 
 def layout(name: str, files: Sequence[SourceFile], unit_rows: int) -> SourceLayout:

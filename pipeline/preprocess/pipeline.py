@@ -229,9 +229,11 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
     ctx.target_max_block_size = task_bytes(job)  # a task's parts, gathered into blocks
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    # Reading is I/O: little CPU, and two blocks at most (one being processed, the next).
+    # Reading is I/O: little CPU, and two blocks at most (one being processed, the next; an
+    # epoch of one block: one, or Ray Data warns the pool is larger than its input).
     ds = ds.map_batches(_read_blocks, batch_size=1, batch_format="pyarrow",
-                        num_cpus=READ_TASK_CPUS, compute=ray.data.TaskPoolStrategy(size=2))
+                        num_cpus=READ_TASK_CPUS,
+                        compute=ray.data.TaskPoolStrategy(size=min(2, len(tasks))))
     ds = ds.repartition(target_num_rows_per_block=1)  # one chunk, one processing task
     common = {"batch_size": 1,  # one chunk per call: it is already sized for one task
               "batch_format": "pyarrow", "num_cpus": 1}

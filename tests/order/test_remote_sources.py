@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -36,7 +37,7 @@ def _chat(tag: str, i: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def s3():
+def s3(tmp_path_factory):
     """An S3-protocol server (moto) in a process of its own on a free loopback port (in this
     process it would share the interpreter with the Ray driver's threads), a bucket with two
     JSONL files and a Parquet file of row groups of 50 rows."""
@@ -45,9 +46,12 @@ def s3():
     from pipeline.redis_server import free_port
 
     port = free_port()
+    # (its request log in the test's tmp dir: moto writes it into the working directory)
+    log = tmp_path_factory.mktemp("moto") / "recording"
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
                                "-p", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+                              stderr=subprocess.DEVNULL,
+                              env={**os.environ, "MOTO_RECORDER_FILEPATH": str(log)})
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _answers(requests, endpoint), 30, "the S3 server to answer")
