@@ -192,7 +192,7 @@ def shares(quick: bool) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", default="quality,shares")
     add_out_argument(ap, "order")
