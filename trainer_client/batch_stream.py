@@ -84,7 +84,12 @@ from trainer_client.channel import channel_options, open_channel, rotated
 from trainer_client.decode import StreamBatch, TensorKind, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client.wire_format import DEFAULT_PREFETCH_BYTES, MISMATCH_PREFIX, WIRE_VERSION
+from trainer_client.wire_format import (
+    DEFAULT_PREFETCH_BYTES,
+    MISMATCH_PREFIX,
+    STREAM_ACCEPTED,
+    WIRE_VERSION,
+)
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
@@ -188,7 +193,7 @@ class BatchStream:
         root_certificates: bytes | None = None, private_key: bytes | None = None,
         certificate_chain: bytes | None = None, max_message_mb: int = 256,
         reconnect_timeout: float = 60.0, backoff: tuple[float, float] = (0.05, 2.0),
-        load_balancing: str = "pick_first", tensors: TensorKind = "auto",
+        load_balancing: str = "round_robin", tensors: TensorKind = "auto",
         keepalive_time_s: float = 4.0, keepalive_timeout_s: float = 4.0,
         heartbeat_s: float = 2.0, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
     ) -> None:
@@ -205,13 +210,11 @@ class BatchStream:
         self.client_id = client_id or f"{job}/{rank}/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
         self.heartbeat_s = heartbeat_s
-        # A call that stayed up this long was a working connection: its failure starts a new
-        # outage (keepalive would have dropped a dead one sooner).
-        self._live_bound = keepalive_time_s + keepalive_timeout_s
         self.tensors = resolve_tensor_kind(tensors)
         self._backoff = backoff
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._target = endpoint  # (a list of addresses: rotated at each reconnection)
+        self._target = endpoint  # (pick_first over a list of addresses: rotated at reconnects)
+        self._load_balancing = load_balancing
         self._opts = channel_options(max_message_mb=max_message_mb,
                                      load_balancing=load_balancing,
                                      keepalive_time_s=keepalive_time_s,
@@ -437,7 +440,6 @@ class BatchStream:
         outage_since: float | None = None  # the first failure of the current outage
         job_done = False  # (or this world ended: the server closes, nothing to resume)
         while not link.closing:
-            started = time.monotonic()
             reqs: queue.SimpleQueue = queue.SimpleQueue()
             with link.lock:
                 credits = max(1, self.prefetch - self._queued_batches)
@@ -454,6 +456,9 @@ class BatchStream:
                                                 metadata=self._metadata)
             reader = StreamReader(self.tensors)  # a batch cut off with its call is dropped
             try:
+                if _accepted(call):  # the call works: the outage, if any, is over
+                    outage_since = None
+                    delay = self._backoff[0]
                 for raw in call:
                     outage_since = None
                     delay = self._backoff[0]
@@ -494,14 +499,18 @@ class BatchStream:
             if link.closing:
                 return
             retry = code in _RETRYABLE and not details.startswith(MISMATCH_PREFIX)
+            # The outage runs from its first failed call: a call that failed (however long it
+            # took: a replica cut from the state answers only after its state timeout) never
+            # restarts it; only an accepted call or a message does.
             now = time.monotonic()
-            if outage_since is None or now - started > self._live_bound:
+            if outage_since is None:
                 outage_since = now
             if not retry or now - outage_since > self.reconnect_timeout:
                 self._items.put(StreamError(code, details))
                 return
             self.reconnects += 1
-            self._next_address_first()
+            if self._load_balancing == "pick_first":
+                self._next_address_first()
             time.sleep(delay)
             delay = min(delay * 2, self._backoff[1])
 
@@ -520,6 +529,15 @@ class BatchStream:
             self._stub = pb_grpc.DataServiceStub(channel)
             self._stream = _raw_stream(channel)
         old.close()
+
+
+def _accepted(call: Any) -> bool:
+    """Whether the replica accepted the call's Open (its initial metadata, sent once the rank
+    is claimed; waits for it, the first message or the call's end)."""
+    try:
+        return STREAM_ACCEPTED in tuple(call.initial_metadata() or ())
+    except grpc.RpcError:
+        return False
 
 
 def _raw_stream(channel: grpc.Channel) -> Any:

@@ -110,7 +110,7 @@ class RefillStream:
     def __init__(self, endpoint: str, job: str, *, token: str | None = None,
                  consumer_id: str | None = None, root_certificates: bytes | None = None,
                  max_message_mb: int = 256, reconnect_timeout: float = 30.0,
-                 load_balancing: str = "pick_first", keepalive_time_s: float = 4.0,
+                 load_balancing: str = "round_robin", keepalive_time_s: float = 4.0,
                  keepalive_timeout_s: float = 4.0, tensors: TensorKind = "numpy") -> None:
         """`keepalive_time_s`, `keepalive_timeout_s`: a silent replica is dropped within their
         sum and the consumer fails over (`trainer_client.channel`). `tensors`: how a request's

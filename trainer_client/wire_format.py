@@ -37,6 +37,11 @@ WIRE_DTYPES: dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
 
 MISMATCH_PREFIX = "wire version mismatch"
 
+# The initial metadata a replica sends on a Stream call once it accepted the Open (the rank is
+# claimed): the call works, so the client's outage (if any) is over, even before a batch comes.
+# (A server that does not send it: the outage ends with the first message.)
+STREAM_ACCEPTED = ("odb-stream", "accepted")
+
 # A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
 # tells what a job's largest batch means against it.
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024

@@ -45,6 +45,7 @@ from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import STREAM_ACCEPTED
 
 # The one table from the domain's errors to status codes (the most specific class wins).
 STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
@@ -190,7 +191,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
             if problem:
                 raise WireMismatch(problem)
             rt = self._lookup(op.job_id, context.invocation_metadata())
-            await self.streams.serve(rt, op, op.client_id or context.peer(),
-                                     _client_messages(requests), context.write)
+            await self.streams.serve(
+                rt, op, op.client_id or context.peer(), _client_messages(requests),
+                context.write, accepted=lambda: context.send_initial_metadata((STREAM_ACCEPTED,)))
         except OdbError as exc:
             await context.abort(status_of(exc), str(exc))

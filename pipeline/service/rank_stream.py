@@ -208,9 +208,11 @@ class RankStreams:
             self._vanished[(rt.job.job_id, rank)] = client_id
 
     async def serve(self, rt: JobRuntime, op: pb.Open, client_id: str,
-                    requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
+                    requests: AsyncIterator[pb.ClientMessage], write: Write,
+                    accepted: Callable[[], Awaitable[None]] | None = None) -> None:
         """Serve the rank of `op` until its END (or its world's END(reconfigure)), the client
-        closes or goes away (cancellation), or the stream must end (a domain error)."""
+        closes or goes away (cancellation), or the stream must end (a domain error).
+        `accepted` runs once the Open is (the position resolved, the rank claimed)."""
         jio = self.job_io(rt)
         prefetch = self.settings.prefetch_steps
         credits = CreditWindow.opened(max(1, min(op.credits or prefetch, prefetch)),
@@ -220,6 +222,8 @@ class RankStreams:
                               waits_s=grace)
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
             await jio.run(self.claim, rt, op.rank, client_id)
+        if accepted is not None:
+            await accepted()
         stream = RankStream(self, jio, op, client_id, start, credits)
         await stream.run(requests, write)
 

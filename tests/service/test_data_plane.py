@@ -11,8 +11,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_helpers import (
+    RawStream,
     consume_all,
     job_dict,
+    open_msg,
     service_config,
     serving,
     uneven_samples,
@@ -23,6 +25,7 @@ from pipeline.preprocess.array_source import synthetic_samples
 from trainer_client import BatchStream, EpochEndInfo, loss_scale
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import STREAM_ACCEPTED
 
 
 def batches(items):
@@ -195,6 +198,49 @@ def test_health_reflection_and_job_status():
         assert [r.acked_step for r in st.ranks] == [r.delivered_step for r in st.ranks]
         assert st.epoch_ends[0].steps == st.published_through + 1
         ch.close()
+
+
+def test_health_watchers_hold_no_handler_thread_and_see_not_serving():
+    """Every trainer channel watches its replicas' health (round_robin's health checking):
+    more watchers than the replica has handler threads (16) must leave GetJob answering, each
+    must see a drain's NOT_SERVING, and the replica must stop with none left behind."""
+    samples = synthetic_samples(40, max_len=100)
+    cfg = service_config(job_dict())
+    with serving(cfg, {"j": samples}) as svc:
+        channels = [grpc.insecure_channel(svc.address) for _ in range(24)]
+        watches = [health_pb2_grpc.HealthStub(ch).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=30) for ch in channels]
+        try:
+            assert {next(w).status for w in watches} == {health_pb2.HealthCheckResponse.SERVING}
+            st = pb_grpc.DataServiceStub(channels[0]).GetJob(pb.GetJobRequest(job_id="j"),
+                                                             timeout=5)
+            assert st.job_id == "j"
+            svc.health.enter_graceful_shutdown()
+            assert {next(w).status for w in watches} == {
+                health_pb2.HealthCheckResponse.NOT_SERVING}
+        finally:
+            for ch in channels:
+                ch.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("odb_")]
+
+
+def test_an_accepted_stream_says_so_before_its_first_batch_and_a_refused_one_does_not():
+    """The initial metadata a client ends its outage on (`STREAM_ACCEPTED`): sent once the
+    Open is accepted, before any batch (a rank waiting for its step has a working call); never
+    on a call the replica refuses."""
+    samples = synthetic_samples(40, max_len=100)
+    with serving(service_config(job_dict()), {"j": samples}) as svc:
+        ok = RawStream(svc.address, open_msg(credits=1))
+        refused = RawStream(svc.address, open_msg(job="nope"))
+        try:
+            assert STREAM_ACCEPTED in tuple(ok.call.initial_metadata())
+            with pytest.raises(grpc.RpcError) as err:
+                refused.next()
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert STREAM_ACCEPTED not in tuple(refused.call.initial_metadata() or ())
+        finally:
+            ok.close()
+            refused.close()
 
 
 def test_server_restart_continues_the_plan_from_its_checkpoint():
