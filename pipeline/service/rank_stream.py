@@ -265,12 +265,13 @@ class RankStream:
                 writing = asyncio.ensure_future(write(msg))
             if writing is not None:
                 await writing
-            # After the final END, wait (bounded) for the client's final ack and half-close so
-            # the last step is recorded as consumed. (After END(reconfigure) there is nothing to
-            # record: end at once, the rank is about to open its stream in the new world.)
-            deadline = time.monotonic() + (0.0 if s.left else self.settings.lease_seconds)
-            while not (s.client_closed or s.cancelled):
-                if time.monotonic() >= deadline:
+            # After the final END, wait for the client's final ack and half-close so the last
+            # step is recorded as consumed: while the client shows signs of life (a trainer
+            # still working through the batches it holds keeps its heartbeats), and a lease
+            # after its last one. (After END(reconfigure) there is nothing to record: end at
+            # once, the rank is about to open its stream in the new world.)
+            while not (s.client_closed or s.cancelled or s.left or rt.stopping):
+                if time.monotonic() - s.renewed_at >= self.settings.lease_seconds:
                     break
                 await s.wait(0.1)
         except asyncio.CancelledError:  # the client went away (or the server stops)

@@ -19,6 +19,7 @@ from service_helpers import (
     serving,
     uneven_samples,
 )
+from support.waiting import wait_for
 
 from pipeline.jobstate import MemoryJobState
 from pipeline.preprocess.array_source import synthetic_samples
@@ -241,6 +242,27 @@ def test_an_accepted_stream_says_so_before_its_first_batch_and_a_refused_one_doe
         finally:
             ok.close()
             refused.close()
+
+
+def test_a_trainer_slower_than_a_lease_through_its_last_batches_still_acks_them_all():
+    """The final END arrives with the last prefetched batches; a trainer that takes longer than
+    `lease_seconds` to train through them (a long step, on real hosts: a DDP step on a loaded
+    machine) keeps its stream with its heartbeats, and its acks through the last step are
+    recorded. (Found on the multi-host suite: the replica ended the call a lease after the
+    END, and the last acks were lost: acked 7 of 11.)"""
+    samples = uneven_samples(12, 2048)
+    cfg = service_config(job_dict("j", 1, batching={"token_budget": 2048})).model_copy(
+        update={"lease_seconds": 1.0})
+    with serving(cfg, {"j": samples}) as svc:
+        with BatchStream(svc.address, "j", 0, 1, prefetch=4, heartbeat_s=0.2) as stream:
+            taken = 0
+            for _ in stream:
+                time.sleep(0.6)  # 4 batches held: 2.4 s > the lease
+                taken += 1
+        state = svc.runtimes["j"].state
+        assert taken == 12 and stream.done
+        wait_for(lambda: [h.acked for h in state.rank_health()] == [11], 5.0,
+                 "the acks through the last step")
 
 
 def test_server_restart_continues_the_plan_from_its_checkpoint():
