@@ -10,7 +10,7 @@ plain functions run in the server's thread pool.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
@@ -129,12 +129,17 @@ async def _client_messages(requests: AsyncIterator[pb.ClientMessage]
 class DataServicer(pb_grpc.DataServiceServicer):
     def __init__(self, runtimes: dict[str, JobRuntime], tokens: dict[str, str | None], *,
                  streams: RankStreams, replica_id: str = "",
-                 refill: RefillServicer | None = None) -> None:
+                 refill: RefillServicer | None = None,
+                 state_reachable: Callable[[], bool] = lambda: True) -> None:
+        """`state_reachable`: False while the replica knows it cannot reach its jobs' state
+        (`readiness.StateWatch`): a new stream is then refused at once (UNAVAILABLE), its client
+        reconnects elsewhere instead of waiting out the state timeout here."""
         self.runtimes = runtimes
         self.tokens = tokens
         self.streams = streams
         self.replica_id = replica_id
         self.refill = refill  # the `mode: refill` jobs (refill_server.py), if any
+        self.state_reachable = state_reachable
 
     def _lookup(self, job_id: str, metadata: Iterable[tuple[str, str | bytes]] | None
                 ) -> JobRuntime:
@@ -191,6 +196,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
             if problem:
                 raise WireMismatch(problem)
             rt = self._lookup(op.job_id, context.invocation_metadata())
+            if not self.state_reachable():
+                raise ReplicaUnavailable(f"job {op.job_id!r}: this replica cannot reach the "
+                                         "job's state (NOT_SERVING); reconnect")
             await self.streams.serve(
                 rt, op, op.client_id or context.peer(), _client_messages(requests),
                 context.write, accepted=lambda: context.send_initial_metadata((STREAM_ACCEPTED,)))

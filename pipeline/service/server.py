@@ -184,10 +184,14 @@ def start_service(
         payload_timeout_seconds=config.payload_timeout_seconds)
     streams = RankStreams(settings, policy_named(config.rank_failure_policy,
                                                  config.rank_timeout_seconds), server.io)
-    servicer = DataServicer(runtimes, toks, streams=streams, replica_id=replica_id,
-                            refill=_refill_servicer(refill_jobs, toks, runtimes))
-    add_servicer(servicer, server)
     replica_health = ReplicaHealth(server, services=("", SERVICE_NAME))
+    # NOT_SERVING while a job's state cannot be reached (/healthz follows: readiness).
+    watch = StateWatch(replica_health, {j: rt.state for j, rt in runtimes.items()},
+                       timeout_s=config.state_timeout_seconds)
+    servicer = DataServicer(runtimes, toks, streams=streams, replica_id=replica_id,
+                            refill=_refill_servicer(refill_jobs, toks, runtimes),
+                            state_reachable=lambda: watch.serving)
+    add_servicer(servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     addr = f"{config.grpc.host}:{config.grpc.port}"
@@ -199,10 +203,7 @@ def start_service(
     replica_health.set(serving=True)
     for rt in runtimes.values():
         rt.start()
-    # NOT_SERVING while a job's state cannot be reached (/healthz follows: readiness).
-    watch = StateWatch(replica_health, {j: rt.state for j, rt in runtimes.items()},
-                       timeout_s=config.state_timeout_seconds).start()
-    on_stop = [watch.stop]
+    on_stop = [watch.start().stop]
     if servicer.refill is not None:
         servicer.refill.start()
         on_stop.append(servicer.refill.stop)
