@@ -74,7 +74,7 @@ class ReplicaHealth:
 
 class StateWatch:
     def __init__(self, health: ReplicaHealth, states: Mapping[str, JobState], *,
-                 timeout_s: float, period_s: float = 1.0) -> None:
+                 timeout_s: float, period_s: float = 0.5) -> None:
         """`states`: job id -> its state."""
         self.health = health
         self.states = dict(states)

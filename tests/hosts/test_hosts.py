@@ -58,7 +58,7 @@ RANK_TIMEOUT_S = 8.0  # cluster.SETTINGS
 SLACK_S = 4.0  # reconnecting, re-claiming, a first batch on 2 loaded cores
 EPOCH_S = 120.0  # the rest of an epoch, however slow the machine: only a hang exceeds it
 PROBE_PERIOD_S = 5.0  # the readiness probe of k8s/base/odb-pipeline.yaml
-PAYLOAD_TIMEOUT_S = 10.0  # payload_timeout_seconds, the default
+PAYLOAD_TIMEOUT_S, RESUME_GRACE_S = 10.0, 2.0  # payload_timeout_seconds, resume_grace_seconds
 SLOW_RATE = "1mbit"
 # The producer's node declared dead by Ray (its checks run late on a loaded machine: 35 s were
 # seen for 15 of them), the actor re-created and holding the lease (a frozen producer's
@@ -258,10 +258,10 @@ def test_a_replica_cut_from_the_state_and_head_goes_not_serving_and_its_ranks_mo
         hosts, tmp_path):
     """#40 item 2 on real hosts and real DNS: the replica serving rank 0 loses its link to
     Redis and the Ray head (its trainers' link is fine). Its ranks move to the other replica
-    within its state timeout though their connections to it stay up, it reports NOT_SERVING
-    (/healthz 503) and the kubelet's readiness probe fails (three in a row take it out of the
-    headless name). Healed (before Ray would declare its node dead), it serves again; the epoch
-    ends exactly once."""
+    within two state timeouts and the resume grace (plus the payload bound when the job's
+    producer was behind the same cut) though their connections to it stay up; it reports
+    NOT_SERVING (/healthz 503) and the kubelet's readiness probe fails (three in a row take it
+    out of the headless name). Healed, it serves again; the epoch ends exactly once."""
     hosts.whole_again()
     c, job = hosts.cluster, "state-cut"
     ranks = hosts.ranks(tmp_path, job, sleep=0.25)
@@ -270,11 +270,12 @@ def test_a_replica_cut_from_the_state_and_head_goes_not_serving_and_its_ranks_mo
         victim = on[0]
         moved = [r for r in ranks if on.get(r.rank) == victim]
         # Its streams end within the state timeout; a reconnection may meet it once more
-        # before its NOT_SERVING (a ping's state timeout, then 1 s) is out. When the job's
-        # producer runs on its Ray node, behind the same cut, the other replica's first
-        # batches wait for the payload bound (Ray's, then a rebuild by id).
+        # before its NOT_SERVING is out (an Open there fails after the state timeout and the
+        # resume grace). When the job's producer runs on its Ray node, behind the same cut,
+        # the other replica's first batches wait for the payload bound (Ray's, then a rebuild
+        # by id).
         behind = c.host_of(hosts.probe.producer(job)["node_ip"]) == victim
-        bound = (STATE_TIMEOUT_S + 1.0 + FAILOVER_BOUND_S + SLACK_S
+        bound = (2 * STATE_TIMEOUT_S + RESUME_GRACE_S + SLACK_S
                  + (2 * PAYLOAD_TIMEOUT_S if behind else 0.0))
         with c.net.cut_off(victim, "back"):
             began = time.time()
