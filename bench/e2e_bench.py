@@ -42,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from e2e import align, common, scaling, stall, throughput  # noqa: E402
 from e2e.serve import ServiceProcess  # noqa: E402
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 from pipeline.planner.oracle import gmt_batches  # noqa: E402
 
@@ -490,7 +491,7 @@ def report(res: dict, out: Path, suffix: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: < 5 minutes")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e"))
+    add_out_argument(ap, "e2e")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
     ap.add_argument("--from-json", help="only re-render tables and plots from a results JSON")
     args = ap.parse_args(argv)
@@ -504,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown parts {sorted(bad)}")
     cfg = dict(QUICK if args.quick else FULL)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args, "e2e")
     suffix = "_quick" if args.quick else ""
     import torch
 

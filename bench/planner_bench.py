@@ -18,12 +18,19 @@ budget 16384, padded collate. Methods:
   (look-ahead 128 budgets of tokens), and at W=8 with half that look-ahead and without the
   epoch's ramp-up.
 
+Global steps (`batching.global_token_budget` G = 8 budgets, docs/global-steps.md): ours at
+every W from 1 to 8, whose steps are the same at every W (the micro-batches are the planner's
+batches, split only where a step has fewer of them than ranks), against the GMT oracle's
+batches cut into global steps the same way (formation order, until the next would pass G):
+steps, micro-batches and padding against the oracle, micro-batches per rank and step, and the
+ranks' balance (max/mean cost of their micro-batches in a step).
+
 Epoch sizes: the heavy set cut to epochs of 1,000 to 50,000 chats, ours against the oracle at
 every W, with and without the ramp-up and with a window as big as the epoch (what the epoch's
 end cuts): where steps over the oracle's come from. Deterministic counts.
 
 Run:  .venv/bin/python bench/planner_bench.py [--quick]   (needs the `bench` extra)
-Writes bench/results/planner/planner_bench{,_quick}.json and .png, prints Markdown tables.
+Writes planner_bench{,_quick}.json and .png, prints Markdown tables.
 `--export-heavy-lengths FILE --heavy-samples N` writes the heavy set's lengths instead
 (tests/planner/data/heavy_tailed_chats.txt is N=6600).
 """
@@ -44,6 +51,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_dir import add_out_argument, out_dir  # noqa: E402
+
 from pipeline.planner.epochs import plan_epoch  # noqa: E402
 from pipeline.planner.oracle import gmt_batches  # noqa: E402
 from pipeline.planner.plan_report import PlanReport  # noqa: E402
@@ -57,8 +66,9 @@ WORKLOADS = [
     ("cv0.48_mean1400", 0.48, 1400),
     ("cv1.00_mean1000", 1.0, 1000),
 ]
-OUT_DIR = ROOT / "bench" / "results" / "planner"
 WORLD_SIZES = (1, 2, 4, 8)
+GLOBAL_BUDGETS = 8  # the global steps' G, in token budgets
+GLOBAL_WORLD_SIZES = tuple(range(1, 9))
 # Epoch sizes of the heavy set for the epoch-size experiment (prefixes of the set): from an
 # epoch the window holds ~8x over to one 8x the window.
 EPOCH_SIZES = (1000, 2000, 4000, 6600, 12000, 25000, 50000)
@@ -268,7 +278,12 @@ def ours(samples: list[MeasuredSample], world: int, repeats: int, **policy: int)
     for e in events:
         rep.observe(e)
     d = rep.to_dict()
+    extra = {}
+    if pol.global_steps:
+        extra = {"micro_batches_per_rank_step_p50": d["micro_batches_per_rank_step_p50"],
+                 "micro_batches_per_rank_step_max": d["micro_batches_per_rank_step_max"]}
     return {
+        **extra,
         "world_size": world,
         "batches": d["batches"],
         "steps": d["steps"],
@@ -281,6 +296,49 @@ def ours(samples: list[MeasuredSample], world: int, repeats: int, **policy: int)
         "samples_per_s": len(samples) / best,
         "lookahead_tokens": pol.lookahead_tokens,
     }
+
+
+def global_steps_of(costs: list[int], g: int) -> int:
+    """Steps of batches (their costs, in order) cut as the planner cuts global steps: each takes
+    batches until the next would pass `g` (at least one)."""
+    steps, acc = 0, None
+    for c in costs:
+        if acc is None or acc + c > g:
+            steps, acc = steps + 1, c
+        else:
+            acc += c
+    return steps
+
+
+def global_rows(samples: list[MeasuredSample], gmt_rows: list[list[int]], repeats: int
+                ) -> dict[str, dict]:
+    """Ours with global steps at every W, each against the oracle's batches in global steps."""
+    g = GLOBAL_BUDGETS * BUDGET
+    gmt_steps = global_steps_of([len(b) * max(b) for b in gmt_rows], g)
+    out = {}
+    for w in GLOBAL_WORLD_SIZES:
+        r = ours(samples, w, repeats, global_token_budget=g)
+        out[f"ours global G={GLOBAL_BUDGETS}B W={w}"] = {**r, "gmt_steps": gmt_steps}
+    return out
+
+
+def global_table(results: dict) -> str:
+    lines = ["| workload | W | steps | GMT steps | steps vs GMT | micro-batches vs GMT batches "
+             "| pad eff vs GMT | micro-batches per rank and step p50 / max | balance p50/p95 "
+             "| samples/s |", "|" + "---|" * 10]
+    for name, w in results.items():
+        for r in w["rows"].values():
+            if "gmt_steps" not in r:
+                continue
+            bal = ("-" if r["rank_balance_p50"] is None
+                   else f"{r['rank_balance_p50']:.3f} / {r['rank_balance_p95']:.3f}")
+            lines.append(
+                f"| {name} | {r['world_size']} | {r['steps']} | {r['gmt_steps']} "
+                f"| {r['steps_vs_gmt']:.3f} | {r['batches_vs_gmt']:.3f} "
+                f"| {r['pad_eff_vs_gmt']:+.4f} | {r['micro_batches_per_rank_step_p50']} / "
+                f"{r['micro_batches_per_rank_step_max']} | {bal} "
+                f"| {fmt(r['samples_per_s'], ',.0f')} |")
+    return "\n".join(lines)
 
 
 def best_peer(lengths: list[int], buffers: list[int], window_tokens: int) -> dict | None:
@@ -381,11 +439,13 @@ def run(n: int, n_heavy: int, peer_buffers: list[int],
         # The service's default ramps each epoch up (a fast first step); without it the plan is
         # at full size from the first step: what the ramp costs.
         rows["ours W=8 (no ramp-up)"] = ours(samples, 8, repeats, ramp_up=False)
+        rows.update(global_rows(samples, gmt_batches(lengths, BUDGET), repeats))
         g = rows["GMT oracle"]["batches"]
         for r in rows.values():
             r["batches_vs_gmt"] = r["batches"] / g
-            # What training time follows: steps against the oracle's steps at the same W.
-            r["steps_vs_gmt"] = r["steps"] / math.ceil(g / r["world_size"])
+            # What training time follows: steps against the oracle's steps at the same W (of
+            # global steps: the oracle's batches in global steps, the same at every W).
+            r["steps_vs_gmt"] = r["steps"] / r.get("gmt_steps", math.ceil(g / r["world_size"]))
             r["pad_eff_vs_gmt"] = r["padding_efficiency"] - rows["GMT oracle"]["padding_efficiency"]
         results[name] = {**about, "n": len(samples), "lengths": length_stats(lengths),
                          "peer": peer_grid, "rows": rows}
@@ -405,6 +465,8 @@ def table(results: dict) -> str:
     lines = [head, "|" + "---|" * 12]
     for name, w in results.items():
         for method, r in w["rows"].items():
+            if "gmt_steps" in r:  # global steps: their own table
+                continue
             bal = (
                 "-"
                 if r["rank_balance_p50"] is None
@@ -428,7 +490,7 @@ def plot(results: dict, by_epoch: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    methods = list(next(iter(results.values()))["rows"])
+    methods = [m for m, r in next(iter(results.values()))["rows"].items() if "gmt_steps" not in r]
     fig, all_axes = plt.subplots(1, 3, figsize=(21, 5.8), width_ratios=(3, 3, 2))
     axes, ex = all_axes[:2], all_axes[2]
     width = 0.8 / len(methods)
@@ -488,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export-heavy-lengths", metavar="FILE", default=None,
                     help="only write the heavy-tailed set's lengths, one per line (a lengths "
                     "file for `odb-pipeline plan --lengths` and the planner tests), and exit")
+    add_out_argument(ap, "planner")
     args = ap.parse_args(argv)
     n = args.samples or (4000 if args.quick else 20000)
     n_heavy = args.heavy_samples or (12000 if args.quick else 50000)
@@ -500,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     results, by_epoch = run(n, n_heavy, PEER_BUFFERS, repeats)
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "planner")
     stem = "planner_bench_quick" if args.quick else "planner_bench"
     meta = {
         "command": "bench/planner_bench.py" + (" --quick" if args.quick else ""),
@@ -508,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples_per_workload": n,
         "heavy_tailed_samples": n_heavy,
         "lookahead_tokens": BatchingPolicy(BUDGET).lookahead_tokens,
+        "global_token_budget": GLOBAL_BUDGETS * BUDGET,
         "peer_buffers": PEER_BUFFERS,
         "throughput": f"planning only, CPU time of one core (process_time), best of {repeats}",
         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
@@ -515,12 +579,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "wall_seconds": round(time.perf_counter() - t0, 1),
     }
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps(
+    (out_path / f"{stem}.json").write_text(json.dumps(
         {"meta": meta, "results": results, "epoch_sizes": by_epoch}, indent=1))
-    plot(results, by_epoch, OUT_DIR / f"{stem}.png")
+    plot(results, by_epoch, out_path / f"{stem}.png")
     print(table(results))
+    print(f"\nglobal steps (G = {GLOBAL_BUDGETS} budgets; the same steps at every W):\n"
+          + global_table(results))
     print("\nheavy-tailed chats by epoch size (deterministic counts):\n" + epoch_table(by_epoch))
-    print(f"\nwrote {OUT_DIR / (stem + '.json')} and .png ({meta['wall_seconds']} s, load average "
+    print(f"\nwrote {out_path / (stem + '.json')} and .png ({meta['wall_seconds']} s, load average "
           f"{meta['load_average_before_after'][0]} -> {meta['load_average_before_after'][1]})")
     return 0
 

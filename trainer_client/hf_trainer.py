@@ -17,8 +17,14 @@ number of optimizer steps (see trainer_client.loader).
 Exact loss: `compute_loss` is this rank's token-sum cross-entropy * world_size /
 step_loss_tokens (`causal_lm_loss`), from the step info every batch carries: after DDP's average
 the gradient is that of the mean over all loss tokens of the step, with no extra collective.
-That needs one batch per optimizer step (`gradient_accumulation_steps=1`; raise the service's
-token budget instead). The model must return `.logits` of a causal LM.
+The model must return `.logits` of a causal LM.
+
+Gradient accumulation comes from the stream, not from `gradient_accumulation_steps` (leave it
+at 1): with the job's `batching.global_token_budget` (docs/global-steps.md) each optimizer step
+is one global step, whose micro-batches this rank may have more or fewer of than another. The
+dataloader yields each step's micro-batches as one item (`accumulate.MicroBatches`) and
+`training_step` runs them in order, all but the last under the accelerator's `no_sync`, so
+DDP's all-reduce runs once per step on every rank; `max_steps` counts global steps.
 
 Compute balancing (docs/compute-balancing.md): each real step's compute (from the model's forward
 to the end of this rank's backward, without the wait in DDP's gradient all-reduce; see
@@ -34,15 +40,29 @@ imported only when `StreamingTrainer` is first used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
+from trainer_client.accumulate import MicroBatches, group_steps
 from trainer_client.batch_stream import BatchStream
 from trainer_client.loader import StreamLoader
 from trainer_client.loss import causal_lm_loss
 
 STATE_FILE = "odb_stream_rank{rank}.json"
+
+
+class _Steps:
+    """The Trainer's dataloader: one item per optimizer step (a batch, or a global step's
+    micro-batches as one `MicroBatches`), one pass per epoch of the loader."""
+
+    def __init__(self, loader: StreamLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return group_steps(self.loader)
 
 
 def _make_trainer_class() -> type:
@@ -59,8 +79,11 @@ def _make_trainer_class() -> type:
                 raise ValueError("StreamingTrainer needs TrainingArguments.max_steps > 0: "
                                  "a stream has no length")
             if self.args.gradient_accumulation_steps != 1:
-                raise ValueError("StreamingTrainer needs gradient_accumulation_steps=1 (exact "
-                                 "loss scaling is per step); raise the job's token budget")
+                raise ValueError(
+                    "StreamingTrainer takes gradient accumulation from the stream: leave "
+                    "gradient_accumulation_steps at 1 and give the job a "
+                    "batching.global_token_budget (each optimizer step is then one global step, "
+                    "accumulated over this rank's micro-batches; docs/global-steps.md)")
             self.stream = stream
             self.loader = StreamLoader(stream, align=True)
             self.compute_clock = ComputeClock(stream.report_compute) if report_compute else None
@@ -72,21 +95,35 @@ def _make_trainer_class() -> type:
             self.model_accepts_loss_kwargs = False
             self.loss_is_scaled_for_ga = True
 
-        def get_train_dataloader(self) -> StreamLoader:  # type: ignore[override]
-            return self.loader
+        def get_train_dataloader(self) -> _Steps:  # type: ignore[override]
+            return _Steps(self.loader)
 
         def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             clock = self.compute_clock
             if clock is None or inputs.info.filler:
-                return super().training_step(model, inputs, *args, **kwargs)
+                return self._accumulated(model, inputs, *args, **kwargs)
             clock.attach(model)  # the model as wrapped (DDP), known from the first step on
             clock.start(inputs)
-            loss = super().training_step(model, inputs, *args, **kwargs)
+            loss = self._accumulated(model, inputs, *args, **kwargs)
             clock.stop()  # reported now: it rides on the ack of the next batch taken
             return loss
 
+        def _accumulated(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            """One optimizer step: a batch, or a global step's micro-batches in order with the
+            gradient all-reduce on the last only."""
+            if not isinstance(inputs, MicroBatches):
+                return super().training_step(model, inputs, *args, **kwargs)
+            total = None
+            for i, micro in enumerate(inputs):
+                sync = i == len(inputs) - 1
+                with (contextlib.nullcontext() if sync else self.accelerator.no_sync(model)):
+                    loss = super().training_step(model, micro, *args, **kwargs)
+                total = loss if total is None else total + loss
+            return total
+
         def _prepare_inputs(self, inputs: Any) -> Any:
-            self._trained_state = inputs.loader_state  # the position to checkpoint
+            if inputs.info.last_micro:  # (a step's last micro-batch: its position is a step's)
+                self._trained_state = inputs.loader_state  # the position to checkpoint
             dtype = getattr(self.model, "dtype", None)
             if not inputs.info.filler:
                 self.samples_seen += inputs.info.rank_samples

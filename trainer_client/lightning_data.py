@@ -11,6 +11,23 @@ rank's stream, aligned for join mode, checkpointed with the stream's position.
         logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         return causal_lm_loss(logits, labels, batch)     # exact cross-rank scaling
 
+Global steps (a job with `batching.global_token_budget`, docs/global-steps.md): each item the
+data module yields is one optimizer step, this rank's micro-batches of a global step
+(`accumulate.MicroBatches` of `ModelInputs`; a rank may have more than another). Lightning's
+own `accumulate_grad_batches` counts batches and cannot follow that, so leave it at 1 and let
+`accumulate_loss` run them in training_step: the gradient of each but the last micro-batch is
+taken there (no all-reduce, nothing left in `.grad` for Lightning's zero_grad to clear) and
+carried into the last one's loss, whose one backward by Lightning adds them all up and runs
+DDP's one all-reduce of the step (automatic optimization, clipping and schedulers as usual):
+
+    def training_step(self, batch, batch_idx):
+        def loss(inputs):
+            logits = self.model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+            return causal_lm_loss(logits, inputs["labels"], inputs)
+        return accumulate_loss(self, batch, loss)          # a plain batch: loss(batch)
+
+The same training_step serves a job without global steps (a batch is then passed to `loss`).
+
 Lightning has no Join, and every rank must run the same number of steps (its own collectives,
 DDP's all-reduce): the loader is aligned, so a rank that reached its END runs filler steps of
 zero gradient until the epoch's last step (see trainer_client.loader). One Lightning epoch is
@@ -37,9 +54,10 @@ so the rank-0 checkpoint restores all ranks exactly once. Imports `lightning.pyt
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from trainer_client.accumulate import MicroBatches, group_steps
 from trainer_client.batch_stream import BatchStream
 from trainer_client.loader import StreamLoader
 
@@ -65,10 +83,38 @@ class _Epochs:
 
     def __iter__(self) -> Iterator[Any]:
         if self.clock is None:
-            return iter(self.loader)
+            return group_steps(self.loader)
         from trainer_client.compute_clock import stopping_before_each
 
-        return stopping_before_each(self.loader, self.clock)
+        return group_steps(stopping_before_each(self.loader, self.clock))
+
+
+def accumulate_loss(module: Any, batch: Any, loss: Callable[[Any], Any]) -> Any:
+    """The loss `training_step` returns for `batch` (a LightningModule's, under automatic
+    optimization): `loss(batch)`, or for a global step's micro-batches (`MicroBatches`) the last
+    one's loss plus a term worth 0 whose gradient is the sum of the earlier ones' gradients
+    (each taken here with `torch.autograd.grad` as it comes, its graph freed at once), so
+    Lightning's one backward leaves the step's accumulated gradient, all-reduced once. Its
+    value is the sum of all their losses. (Under 16-bit mixed precision the earlier gradients
+    are taken unscaled: prefer bf16 or full precision.)"""
+    if not isinstance(batch, MicroBatches):
+        return loss(batch)
+    import torch
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    carried: list[Any] = [None] * len(params)
+    earlier = None
+    for micro in batch[:-1]:
+        value = loss(micro)
+        grads = torch.autograd.grad(value, params, allow_unused=True)
+        carried = [g if c is None else c if g is None else c + g
+                   for c, g in zip(carried, grads, strict=True)]
+        earlier = value.detach() if earlier is None else earlier + value.detach()
+    last = loss(batch[-1])
+    if earlier is None:
+        return last
+    carry = sum((p * g).sum() for p, g in zip(params, carried, strict=True) if g is not None)
+    return last + (carry - carry.detach()) + earlier
 
 
 def _make_datamodule_class() -> type:
@@ -94,6 +140,10 @@ def _make_datamodule_class() -> type:
             if clock is not None and not batch.info.filler and self.trainer is not None:
                 clock.attach(self.trainer.strategy.model)  # wrapped (DDP) by now
                 clock.start(batch)
+            if isinstance(batch, MicroBatches):  # a global step: its micro-batches, in order
+                out = MicroBatches(b.to_model_inputs(device, self.dtype) for b in batch)
+                out.info, out.loader_state = batch.info, batch.loader_state
+                return out
             return batch.to_model_inputs(device, self.dtype)
 
         def teardown(self, stage: str) -> None:
@@ -112,7 +162,8 @@ def _make_datamodule_class() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    """`StreamDataModule` is built on first access (Lightning is imported then)."""
+    """`StreamDataModule` is built on first access (Lightning is imported then);
+    `accumulate_loss` imports nothing."""
     if name == "StreamDataModule":
         cls = _make_datamodule_class()
         globals()[name] = cls

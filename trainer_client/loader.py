@@ -48,7 +48,8 @@ _DATASET_STATE = "dataset_state"
 # The pass's place in the plan, the same on every rank of an aligned loader.
 _EPOCH = "odb_epoch"
 _FIRST_STEP = "odb_epoch_first_step"
-_NEXT_STEP = "odb_next_step"  # the global step the pass yields next (real or filler)
+_NEXT_STEP = "odb_next_step"  # the global step the pass yields next (real or filler; of a
+# global step with micro-batches left, that step: a resume restarts it at its first)
 _LAST_STEP = "odb_epoch_last_step"  # known once this rank saw the epoch's END
 _JOB_DONE = "odb_job_done"
 _COLLATE = "odb_collate"
@@ -177,7 +178,8 @@ class StreamLoader:
             seen = s.last_end
             for batch in s:
                 self._num_yielded += 1
-                self._next_step = batch.info.step + 1
+                # (a step with micro-batches left stays next: a resume restarts it)
+                self._next_step = batch.info.step + (1 if batch.info.last_micro else 0)
                 self._collate = batch.info.collate
                 batch.loader_state = self._snapshot()
                 yield batch

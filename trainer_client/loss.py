@@ -10,6 +10,11 @@ makes the averaged gradient that of the mean over *all* loss tokens of the step:
 Without scaling, a rank with 10 loss tokens weighs as much as one with 10,000.
 A joined rank (torch Join) or a filler step contributes zero gradients and still counts in W,
 which is what the formula assumes.
+
+Global steps (docs/global-steps.md): a rank runs several micro-batches per step, each carrying
+the totals of the whole step, so each is scaled the same way; the rank's accumulated gradient is
+the sum over its micro-batches, and DDP's average over W gives the mean over every loss token of
+the step, at any world size and however the step was split.
 """
 
 from __future__ import annotations

@@ -1,16 +1,23 @@
 """The job the one-shot CLI commands (`inspect`, `plan --data`) preprocess with: the job config
 (training or refill) of `--config FILE [--job ID]` (or defaults) with the sources replaced by
-the command's data and optional overrides (explicit CLI flags) on top.
+the command's data and optional overrides (explicit CLI flags) on top; and their progress lines
+(on stderr: stdout keeps what `--json` prints).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from pipeline.config import ConfigError, JobConfig, deep_merge, parse_job, read_config_file
 from pipeline.errors import UserError
 from pipeline.modes import JobMode
+
+
+def progress(command: str, text: str) -> None:
+    """One progress line of a one-shot command (Ray's start and preprocessing take seconds)."""
+    print(f"odb-pipeline {command}: {text}", file=sys.stderr, flush=True)
 
 
 def job_config(config: str | None, job_id: str | None, paths: list[str] | None, *,

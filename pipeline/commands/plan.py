@@ -2,9 +2,11 @@
 
 `--lengths FILE` plans recorded token counts. `--data FILE...` runs the real preprocessing
 (private local Ray, as `inspect` does) and plans each sample's measured size, epoch by epoch
-(augmentation seeded per epoch); the JSON adds `quarantined_records`, `preprocess_epochs` and
-`rows`. `--config FILE [--job ID]` takes the job's settings as defaults; explicit flags win;
-without it the defaults are the job config's own (pipeline/config.py), the ones `serve` uses.
+(augmentation seeded per epoch); the JSON adds `quarantined_records`, `preprocess_epochs`,
+`rows` and `preprocess_seconds` (Ray's start included, `ray_start_seconds`: `planning_seconds`
+is the planner's alone). `--config FILE [--job ID]` takes the job's settings as defaults (and,
+without --lengths or --data, its source); explicit flags win; without it the defaults are the
+job config's own (pipeline/config.py), the ones `serve` uses.
 Prints a summary (or one JSON object with --json) of the plan the service would make: steps,
 padding efficiency, budget violations, over-budget handling, per-rank steps, rank balance,
 carry-over, quota mode's filler batches. `--emit-plan OUT.jsonl` writes the plan itself, one
@@ -44,6 +46,8 @@ _JOB_FLAGS: dict[str, tuple[str, ...]] = {
     "attn_a": ("batching", "attn_a"),
     "attn_b": ("batching", "attn_b"),
     "pool_steps": ("batching", "pool_steps"),
+    "pad_to_multiple": ("batching", "pad_to_multiple"),
+    "global_token_budget": ("batching", "global_token_budget"),
     "epochs": ("epochs",),
     "seed": ("seed",),
     # SDO (docs/sdo.md): the job's organization block.
@@ -108,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-budget", type=int, default=None, metavar="T",
         help="max token cost per batch (required unless --config)",
     )
+    parser.add_argument(
+        "--global-token-budget", type=int, default=None, metavar="G",
+        help="tokens of one optimizer step, all ranks together (>= the budget): steps that "
+        "do not depend on the world size, each rank's share in micro-batches of up to the "
+        "budget (docs/global-steps.md); default: one batch per rank and step",
+    )
     parser.add_argument("--mode", choices=[m.value for m in DGAP_MODES], default=None,
                         help="DGAP mode (default join)")
     parser.add_argument(
@@ -142,6 +152,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="P",
         help="steps' worth of batches pooled for rank balancing (default: ~256 batches)",
+    )
+    parser.add_argument(
+        "--pad-to-multiple", type=int, default=None, metavar="M",
+        help="pad every sequence to a multiple of M (context parallelism: 2 x CP); the budget "
+        "caps the padded lengths (default: no padding)",
     )
     parser.add_argument(
         "--epochs", type=int, default=None, metavar="E",
@@ -184,8 +199,9 @@ def _require(args: argparse.Namespace) -> None:
 def _check_input(args: argparse.Namespace) -> None:
     if args.lengths is not None and args.data:
         raise UserError("--lengths and --data are mutually exclusive: give one")
-    if args.lengths is None and not args.data:
-        raise UserError("one of --lengths FILE or --data FILE is required")
+    if args.lengths is None and not args.data and not args.config:
+        raise UserError("one of --lengths FILE, --data FILE or --config FILE (its job's "
+                        "source) is required")
     if args.lengths is not None:
         for flag, value in (("--limit", args.limit), ("--export-lengths", args.export_lengths)):
             if value is not None:
@@ -246,10 +262,11 @@ def run(args: argparse.Namespace) -> int:
     job = _resolve(args)
     policy = job.batching.policy()
     planner = StepPlanner(policy, job.world_size, job.mode, job.seed, job.batching.pool_steps)
-    if not args.data and job.organization.kind == "sdo":
+    preprocess = args.lengths is None  # --data, or the --config job's own source
+    if not preprocess and job.organization.kind == "sdo":
         raise UserError("--organization sdo needs --data (embeddings come from the records); "
                         "plan lengths with --organization none")
-    if args.data:
+    if preprocess:
         from pipeline.preprocess.sources import expand_sources
 
         expand_sources(job.source)  # missing input: fail in one line before starting Ray
@@ -264,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with PlanOutput(PlanReport(policy, job.world_size), args.emit_plan) as out, source:
         for epoch in range(job.epochs):
+            source.announce(epoch, job.epochs)
             counted = _Counted(epoch_order(source.epoch(epoch), epoch, seed=job.seed,
                                            shuffle=args.shuffle))
             events = plan_epoch(planner, counted, last=epoch == job.epochs - 1)
@@ -289,6 +307,7 @@ class _LengthsSource:
     """--lengths: the same samples every epoch."""
 
     preprocesses = False
+    seconds = 0.0  # (nothing preprocessed)
 
     def __init__(self, path: str) -> None:
         from pipeline.planner.lengths_file import LengthsFileError, read_lengths
@@ -305,6 +324,9 @@ class _LengthsSource:
     def __exit__(self, *exc: object) -> None:
         pass
 
+    def announce(self, epoch: int, epochs: int) -> None:
+        pass
+
     def epoch(self, epoch: int):
         return self.samples
 
@@ -314,7 +336,8 @@ class _LengthsSource:
 
 class _DataSource:
     """--data: each epoch preprocessed for real (Ray Data, augmentation seeded by epoch); the
-    planner sees `ProcessedSample.measured()`, quarantined records are counted by reason."""
+    planner sees `ProcessedSample.measured()`, quarantined records are counted by reason.
+    `seconds`: the time spent starting Ray and producing samples (not planning them)."""
 
     preprocesses = True
 
@@ -333,6 +356,8 @@ class _DataSource:
         self._shown: set[str] = set()
         self._first: dict = {}  # sample_id -> num_tokens in epoch 0 (augmentation effect)
         self._export = None
+        self.seconds = 0.0
+        self.ray_start_seconds = 0.0
 
     def __enter__(self) -> _DataSource:
         if self.export_path:
@@ -342,8 +367,14 @@ class _DataSource:
                 raise UserError(
                     f"cannot write --export-lengths {self.export_path}: {exc.strerror}"
                 ) from None
+        from pipeline.commands.cli_job import progress
+
+        progress("plan", "starting a private Ray (a few seconds)")
+        t0 = time.perf_counter()
         try:
             self.ray.__enter__()
+            self.ray_start_seconds = time.perf_counter() - t0
+            self.seconds += self.ray_start_seconds
         except BaseException:
             if self._export is not None:
                 self._export.close()
@@ -357,7 +388,22 @@ class _DataSource:
             if self._export is not None:
                 self._export.close()
 
+    def announce(self, epoch: int, epochs: int) -> None:
+        from pipeline.commands.cli_job import progress
+
+        progress("plan", f"preprocessing {self.name}" + (f", epoch {epoch + 1} of {epochs}"
+                                                          if epochs > 1 else ""))
+
     def epoch(self, epoch: int):
+        """The epoch's measured samples; the time spent producing them counts in `seconds`."""
+        started = time.perf_counter()
+        for m in self._measured(epoch):
+            self.seconds += time.perf_counter() - started
+            yield m
+            started = time.perf_counter()
+        self.seconds += time.perf_counter() - started
+
+    def _measured(self, epoch: int):
         from pipeline.preprocess.pipeline import PreprocessStats, iter_samples
         from pipeline.preprocess.sample import QuarantinedRecord
 
@@ -402,6 +448,8 @@ class _DataSource:
                 "examples": self.examples,
             },
             "preprocess_epochs": self.epochs,
+            "preprocess_seconds": round(self.seconds, 4),  # Ray's start included
+            "ray_start_seconds": round(self.ray_start_seconds, 4),
             **({"exported_lengths": self.export_path} if self.export_path else {}),
         }
 

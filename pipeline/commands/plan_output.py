@@ -62,6 +62,8 @@ class PlanOutput:
         """Print the plan's summary (or one JSON object), with a mode's `extra` keys and
         lines."""
         report = self.report
+        preprocessed = source.seconds  # (part of `elapsed`, but not planning)
+        elapsed = max(elapsed - preprocessed, 0.0)
         result = report.to_dict()
         result["mode"] = args.mode
         result["world_size"] = args.world_size
@@ -90,19 +92,23 @@ class PlanOutput:
         if self.quarantine_lines:
             print(f"quarantined samples (first {QUARANTINE_SHOWN}):")
             print("\n".join(self.quarantine_lines))
-        what = "preprocessed and planned" if source.preprocesses else "planned"
-        print(f"{what} in {elapsed:.3f} s ({result['samples_per_second']} samples/s)")
+        what = (f"preprocessed in {preprocessed:.1f} s (Ray's start "
+                f"{source.ray_start_seconds:.1f} s), " if source.preprocesses else "")
+        print(f"{what}planned in {elapsed:.3f} s ({result['samples_per_second']} samples/s)")
         return 0
 
 
 def step_json(step) -> str:
+    opt = step.info.optimizer_step
     return json.dumps(
         {
             "epoch": step.epoch,
             "step": step.step,
+            **({"optimizer_step": opt} if opt is not None else {}),
             "batches": [
                 {
                     "rank": b.rank,
+                    **({"micro": b.micro} if opt is not None else {}),
                     "samples": list(b.sample_ids),
                     "cost": b.cost,
                     **({"over_budget": True} if b.over_budget else {}),

@@ -60,12 +60,33 @@ class JobKeys:
         return self.base + "lease"
 
     @property
+    def lease_claim(self) -> str:  # hash: rank -> its claims (Opens) so far: the latest's number
+        return self.base + "lease_claim"
+
+    @property
     def lapsed(self) -> str:  # set: ranks whose lease lapsed and was then taken over
         return self.base + "lapsed"
 
     @property
     def claimed(self) -> str:  # set: ranks that ever held a lease (a never-connected rank is not)
         return self.base + "claimed"
+
+    # --- model-parallel groups (lua/lib/group.lua): written by MEMBER_ACK_MANY, MEMBER_RELEASE ---
+    @property
+    def groups(self) -> str:  # hash: rank -> "<group size>:<absent_until ms>"
+        return self.base + "groups"
+
+    @property
+    def members(self) -> str:  # hash: "<rank>:<member>" -> "<last sign ms>:<client_id>"
+        return self.base + "members"  # ('' client: released; no field: never taken)
+
+    @property
+    def member_exp(self) -> str:  # hash: "<rank>:<member>" -> its lease expiry (ms)
+        return self.base + "member_exp"
+
+    @property
+    def member_acked(self) -> str:  # hash: "<rank>:<member>" -> its last acknowledged step
+        return self.base + "member_acked"
 
     @property
     def counters(self) -> str:  # hash: counter name -> integer
@@ -128,10 +149,12 @@ class JobKeys:
         """Every job's keys except the per-step ones (those are found from meta's step range)
         and the SDO ones (`organization_keys`)."""
         return [self.meta, self.digests, self.ends, self.checkpoint, self.acked,
-                self.lease_exp, self.lease, self.lapsed, self.claimed, self.counters,
+                self.lease_exp, self.lease, self.lease_claim, self.lapsed, self.claimed,
+                self.counters,
                 self.quarantine_ids, self.quarantine, self.worlds, self.grants, self.draining,
                 self.world_times, self.pending_ends, self.fsyncs, self.compute,
-                self.compute_total, self.compute_fit]
+                self.compute_total, self.compute_fit, self.groups, self.members,
+                self.member_exp, self.member_acked]
 
     # --- refill jobs (docs/refill.md): written by the scripts coordinator/lua/refill_*.lua ---
     @property

@@ -11,6 +11,7 @@ out of step; the producer's fencing token is checked inside the same script.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from redis.exceptions import NoScriptError
 
 from pipeline.coordinator import keys, registry, scripts, step_codec
 from pipeline.coordinator.connection import open_client, unavailable_as_error
+from pipeline.coordinator.redis_groups import RedisGroups
 from pipeline.errors import (
     AckAheadOfPlan,
     AckNotDelivered,
@@ -39,8 +41,10 @@ from pipeline.errors import (
 from pipeline.jobstate.interface import (
     COMPUTE_REPORTS_KEPT,
     ComputeFitStatus,
+    GroupHealth,
     JobCounters,
     JobState,
+    Member,
     PlannerCheckpoint,
     ProducerFailure,
     ProducerLease,
@@ -50,6 +54,7 @@ from pipeline.jobstate.interface import (
     RankCompute,
     RankHealth,
     RankLease,
+    grouped,
 )
 from pipeline.jobstate.worlds import (
     Grant,
@@ -96,7 +101,7 @@ class RedisJobState(JobState):
 
     def __init__(self, client_or_url: redis.Redis | str, job_id: str, *, config_hash: str,
                  world_size: int, mode: JobMode | str = JobMode.JOIN, seed: int = 0,
-                 retries: int = 5,
+                 config: str | None = None, retries: int = 5,
                  socket_timeout: float = 5.0, fsync_publish: bool = False,
                  max_connections: int | None = None, pool_timeout: float = 30.0) -> None:
         self.client, self._where = open_client(client_or_url, retries=retries,
@@ -114,7 +119,12 @@ class RedisJobState(JobState):
                 self._waitaof()  # fail at start, not at the first publish
             self.created = registry.register_job(
                 self.client, job_id, config_hash=config_hash, world_size=world_size,
-                mode=self.mode, seed=seed)
+                mode=self.mode, seed=seed, config=config)
+
+    @functools.cached_property
+    def _groups(self) -> RedisGroups:
+        """The job's model-parallel groups (members' seats: redis_groups.py)."""
+        return RedisGroups(self)
 
     def _waitaof(self) -> None:
         timeout_ms = self._waitaof_ms
@@ -138,7 +148,8 @@ class RedisJobState(JobState):
         if max_connections is None:
             max_connections = pool_size_for(job.world_size_cap())
         return cls(client_or_url, job.job_id, config_hash=registry.config_hash(job),
-                   world_size=job.world_size, mode=job.mode, seed=job.seed, retries=retries,
+                   world_size=job.world_size, mode=job.mode, seed=job.seed,
+                   config=registry.config_record(job), retries=retries,
                    socket_timeout=socket_timeout, fsync_publish=fsync_publish,
                    max_connections=max_connections, pool_timeout=pool_timeout)
 
@@ -393,8 +404,8 @@ class RedisJobState(JobState):
         h = step_codec.decode_header(raw[0])
         wanted = {r: blob for r, blob in zip(ranks, raw[1:], strict=True) if blob is not None}
         return Step(epoch=h["e"], step=h["n"], info=StepInfo(*h["i"]),
-                    batches=tuple(step_codec.decode_batch(wanted[r], r)
-                                  for r in h["r"] if r in wanted),
+                    batches=tuple(b for r in h["r"] if r in wanted
+                                  for b in step_codec.decode_rank(wanted[r], r)),
                     world=step_codec.header_world(h), compute=step_codec.header_compute(h))
 
     def _stamped(self, steps: list[Step | None]) -> list[Step | None]:
@@ -452,10 +463,16 @@ class RedisJobState(JobState):
         return self._run(scripts.producer_restart, [self.keys.meta], [actor_id, process]) == 1
 
     def producer_lease(self) -> ProducerLease | None:
-        gen, holder, exp = self._meta("producer_gen", "producer_holder", "producer_exp")
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)  # the lease and Redis's clock at once
+            pipe.hmget(self.keys.meta, ["producer_gen", "producer_holder", "producer_exp"])
+            pipe.time()
+            (gen, holder, exp), (sec, usec) = pipe.execute()
         if not gen or int(gen) == 0:
             return None
-        return ProducerLease(int(gen), (holder or b"").decode(), int(exp or 0) / 1000.0)
+        exp_ms, now_ms = int(exp or 0), int(sec) * 1000 + int(usec) // 1000
+        return ProducerLease(int(gen), (holder or b"").decode(), exp_ms / 1000.0,
+                             exp_ms > now_ms)
 
     def set_error(self, message: str, *, fence: int, cause: str = "internal",
                   transient: bool = False) -> None:
@@ -501,14 +518,25 @@ class RedisJobState(JobState):
 
     def _ack(self, rank: int, client_id: str, lease_seconds: float, step: int) -> list:
         # The script checks the rank (current world for cursors, + draining ranks for leases).
-        return self._run(scripts.ack, self._ack_keys(),
+        return self._run(scripts.ack, [*self._ack_keys(), self.keys.lease_claim],
                          [self.keys.base, rank, client_id, _ms(lease_seconds), step], rank=rank)
 
-    def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
+    def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
+                   member: Member | None = None) -> RankLease:
         if not client_id:
             raise ValueError("client_id must be non-empty")
-        exp, _ = self._ack(rank, client_id, lease_seconds, -1)
-        return RankLease(rank, client_id, exp / 1000.0)
+        if grouped(member):
+            (res,) = self._groups.acks([RankAck(rank, client_id, member=member)],
+                                       _ms(lease_seconds), claims=True)
+            if isinstance(res, Exception):
+                raise res
+            exp, claim = res
+            return RankLease(rank, client_id, exp / 1000.0, claim)
+        try:
+            exp, _, claim = self._ack(rank, client_id, lease_seconds, -1)
+        except RankHeld as exc:
+            raise self._groups.plain_refusal(exc, rank, client_id) from None
+        return RankLease(rank, client_id, exp / 1000.0, int(claim))
 
     def ack(self, rank: int, step: int) -> None:
         if step < 0:
@@ -518,14 +546,20 @@ class RedisJobState(JobState):
 
     def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
         out: list[Exception | None] = [None] * len(acks)
-        todo = []
+        todo, members = [], []
         args: list[Any] = [self.keys.base, _ms(lease_seconds)]
         for i, a in enumerate(acks):
             if not a.client_id:
                 out[i] = ValueError("client_id must be non-empty")
-                continue
-            todo.append(i)  # the script checks the rank, the lease, the plan and the grant
-            args += [a.rank, a.client_id, a.step, "1" if a.renew else "0"]
+            elif grouped(a.member):  # a seat of a group: the members' script
+                members.append(i)
+            else:
+                todo.append(i)  # the script checks the rank, the lease, the plan and the grant
+                args += [a.rank, a.client_id, a.step, "1" if a.renew else "0"]
+        if members:
+            got = self._groups.acks([acks[i] for i in members], _ms(lease_seconds))
+            for i, res in zip(members, got, strict=True):
+                out[i] = res if isinstance(res, Exception) else None
         if not todo:
             return out
         try:
@@ -538,6 +572,8 @@ class RedisJobState(JobState):
             elif res:
                 msg = res.decode() if isinstance(res, bytes) else str(res)
                 out[i] = self._error_for(msg, acks[i].rank) or RuntimeError(msg)
+                if isinstance(out[i], RankHeld):
+                    out[i] = self._groups.plain_refusal(out[i], acks[i].rank, acks[i].client_id)
         return out
 
     def record_compute(self, reports: Sequence[RankCompute]) -> list[None]:
@@ -574,9 +610,17 @@ class RedisJobState(JobState):
             raw = self.client.get(self.keys.compute_fit)
         return None if raw is None else ComputeFitStatus.from_json(raw)
 
-    def release_rank(self, rank: int, client_id: str) -> None:
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None, *,
+                     member: Member | None = None) -> None:
         self._check_rank(rank, self._lease_ranks())
-        self._run(scripts.release, [self.keys.lease, self.keys.lease_exp], [rank, client_id])
+        if grouped(member):
+            self._groups.release(rank, client_id, member, claim=claim)
+            return
+        self._run(scripts.release, [self.keys.lease, self.keys.lease_exp, self.keys.lease_claim],
+                  [rank, client_id, "" if claim is None else claim])
+
+    def group_health(self) -> list[GroupHealth]:
+        return self._groups.health()
 
     def acked(self, rank: int) -> int:
         with unavailable_as_error(self._where):
@@ -611,10 +655,12 @@ class RedisJobState(JobState):
             pipe = self.client.pipeline(transaction=True)
             pipe.hget(self.keys.lease, rank)
             pipe.zscore(self.keys.lease_exp, rank)
-            raw, exp = pipe.execute()
+            pipe.hget(self.keys.lease_claim, rank)
+            raw, exp, claim = pipe.execute()
         if raw is None or exp is None:
             return None
-        return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0)
+        return RankLease(rank, raw.decode().partition(":")[2], float(exp) / 1000.0,
+                         int(claim or 0))
 
     # ------------------------------------------------------------- failures
     def _lapsed(self, older_than_seconds: float, absent: bool = False
@@ -727,7 +773,11 @@ class RedisJobState(JobState):
         return ScaleResult(True, step_codec.decode_world(res[2]),
                            step_codec.decode_world(res[1]))
 
-    def rank_left(self, generation: int, rank: int, client_id: str) -> None:
+    def rank_left(self, generation: int, rank: int, client_id: str, *,
+                  member: Member | None = None) -> None:
+        if grouped(member):
+            self._groups.release(rank, client_id, member, generation)
+            return
         k = self.keys
         self._call(scripts.left, [k.lease, k.lease_exp, k.draining, k.world_times, k.meta],
                    [generation, rank, client_id])

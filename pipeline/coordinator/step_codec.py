@@ -13,11 +13,19 @@ with `WorldStamp()` (not stamped); `RedisJobState` derives its stamp from the jo
 
 A step balanced by a fitted compute model records it ("m": coefficients, error, reports); a step
 balanced by tokens has no "m", so it encodes as before compute balancing existed.
+
+Global steps (docs/global-steps.md): the header's "i" gains the step's `optimizer_step` as a
+fourth number, and a rank with several micro-batches is still one blob: "s" holds its samples of
+every micro-batch in order and "t" all their truncations (what the SCALE script reads), and "u"
+cuts them into micro-batches, `[[samples, cost(, 1 over budget)], ...]` in micro order, in
+place of "c" and "o". A rank with one micro-batch, and every step without a global token budget,
+encode as before.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from pipeline.jobstate.interface import PlannerCheckpoint, QuarantineEntry
@@ -49,29 +57,54 @@ def _unsample(v: list) -> MeasuredSample:
     return MeasuredSample(v[0], v[1], *v[2:4])
 
 
-def encode_batch(b: Batch) -> bytes:
-    d: dict[str, Any] = {"s": [_sample(s) for s in b.samples], "c": int(b.cost)}
-    if b.over_budget:
-        d["o"] = 1
-    if b.filler:
+def _truncations(micros: Sequence[Batch]) -> list[list]:
+    pairs = sorted(((_sid(k), int(v)) for b in micros for k, v in b.truncated_to.items()),
+                   key=lambda kv: _sid_key(kv[0]))
+    return [list(p) for p in pairs]
+
+
+def encode_rank(micros: Sequence[Batch]) -> bytes:
+    """One rank's batches of a step (its micro-batches in order) as its blob."""
+    if not micros or [b.micro for b in micros] != list(range(len(micros))):
+        raise ValueError(f"a rank's batches are its micro-batches 0..n-1 in order, got micros "
+                         f"{[b.micro for b in micros]}")
+    if any(b.filler for b in micros) and len(micros) > 1:
+        raise ValueError("a filler is a rank's only batch of its step")
+    d: dict[str, Any] = {"s": [_sample(s) for b in micros for s in b.samples]}
+    if len(micros) == 1:
+        d["c"] = int(micros[0].cost)
+        if micros[0].over_budget:
+            d["o"] = 1
+    else:
+        d["u"] = [[len(b.samples), int(b.cost), 1] if b.over_budget
+                  else [len(b.samples), int(b.cost)] for b in micros]
+    if micros[0].filler:
         d["f"] = 1
-    if b.truncated_to:
-        pairs = sorted(((_sid(k), int(v)) for k, v in b.truncated_to.items()),
-                       key=lambda kv: _sid_key(kv[0]))
-        d["t"] = [list(p) for p in pairs]
+    t = _truncations(micros)
+    if t:
+        d["t"] = t
     return _dumps(d).encode()
 
 
-def decode_batch(data: bytes, rank: int) -> Batch:
+def decode_rank(data: bytes, rank: int) -> tuple[Batch, ...]:
+    """A rank's blob as its batches of the step, in micro-batch order."""
     d = json.loads(data)
-    return Batch(
-        rank=rank,
-        samples=tuple(_unsample(v) for v in d["s"]),
-        cost=d["c"],
-        over_budget=bool(d.get("o", 0)),
-        filler=bool(d.get("f", 0)),
-        truncated_to={k: v for k, v in d.get("t", ())},
-    )
+    samples = [_unsample(v) for v in d["s"]]
+    cut = {k: v for k, v in d.get("t", ())}
+    filler = bool(d.get("f", 0))
+    if "u" not in d:
+        return (Batch(rank=rank, samples=tuple(samples), cost=d["c"],
+                      over_budget=bool(d.get("o", 0)), filler=filler, truncated_to=cut),)
+    out = []
+    at = 0
+    for m, (n, cost, *o) in enumerate(d["u"]):
+        mine = tuple(samples[at:at + n])
+        at += n
+        ids = {s.sample_id for s in mine}
+        out.append(Batch(rank=rank, samples=mine, cost=cost, over_budget=bool(o and o[0]),
+                         filler=filler, micro=m,
+                         truncated_to={k: v for k, v in cut.items() if k in ids}))
+    return tuple(out)
 
 
 def _stamp(d: dict[str, Any], world: WorldStamp) -> dict[str, Any]:
@@ -89,13 +122,31 @@ def encode_header(step: Step) -> bytes:
     # "r": rank order of `batches` as published, so decoding rebuilds an equal tuple.
     d = _stamp({
         "e": int(step.epoch), "n": int(step.step),
-        "i": [int(step.info.step_samples), int(step.info.step_tokens),
-              int(step.info.step_loss_tokens)],
-        "r": [int(b.rank) for b in step.batches],
+        "i": _info(step.info),
+        "r": _ranks(step),
     }, step.world)
     if step.compute is not None:
         d["m"] = step.compute.to_list()
     return _dumps(d).encode()
+
+
+def _info(info: StepInfo) -> list[int]:
+    out = [int(info.step_samples), int(info.step_tokens), int(info.step_loss_tokens)]
+    if info.optimizer_step is not None:
+        out.append(int(info.optimizer_step))
+    return out
+
+
+def _ranks(step: Step) -> list[int]:
+    """The ranks of `step.batches` in their order, each once (its micro-batches are together)."""
+    ranks: list[int] = []
+    for b in step.batches:
+        if not ranks or ranks[-1] != b.rank:
+            if b.rank in ranks:
+                raise ValueError(f"step {step.step}: rank {b.rank}'s batches are not together "
+                                 f"in batches: {[x.rank for x in step.batches]}")
+            ranks.append(int(b.rank))
+    return ranks
 
 
 def decode_header(data: bytes) -> dict:
@@ -114,18 +165,18 @@ def header_world(h: dict) -> WorldStamp:
 
 
 def encode_step(step: Step) -> tuple[bytes, list[tuple[int, bytes]]]:
-    """(header, [(rank, batch blob), ...] in the step's batch order)."""
-    ranks = [b.rank for b in step.batches]
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"step {step.step}: a rank appears twice in batches: {ranks}")
-    return encode_header(step), [(int(b.rank), encode_batch(b)) for b in step.batches]
+    """(header, [(rank, its blob), ...] in the step's rank order)."""
+    if step.info.optimizer_step is None and len(step.ranks()) != len(step.batches):
+        raise ValueError(f"step {step.step}: a rank appears twice in batches: "
+                         f"{[b.rank for b in step.batches]}")
+    return encode_header(step), [(r, encode_rank(step.micros_for(r))) for r in _ranks(step)]
 
 
 def decode_step(header: bytes, blobs: dict[int, bytes]) -> Step:
     h = decode_header(header)
     return Step(
         epoch=h["e"], step=h["n"],
-        batches=tuple(decode_batch(blobs[r], r) for r in h["r"]),
+        batches=tuple(b for r in h["r"] for b in decode_rank(blobs[r], r)),
         info=StepInfo(*h["i"]), world=_unstamp(h), compute=header_compute(h),
     )
 

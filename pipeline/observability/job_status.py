@@ -31,6 +31,21 @@ class RankOnReplica:
 
 
 @dataclass(frozen=True)
+class MemberStatus:
+    """One seat of a rank's model-parallel group (`RankStatus.members`): its client, its own
+    position and its lag behind the group's most advanced member; `replica` as for a rank."""
+
+    member: int
+    client_id: str | None = None  # None: nobody took the seat yet, or its member released it
+    acked_step: int = -1
+    lag_steps: int = 0  # steps behind the group's most advanced member
+    lapsed_for_s: float | None = None  # > 0: a lost member
+    heartbeat_age_s: float | None = None
+    released: bool = False
+    replica: RankOnReplica | None = None
+
+
+@dataclass(frozen=True)
 class RankStatus:
     """One rank: its job-wide position (the job's state) and what the answering replica sees
     of its stream (`connected`, `delivered_step`, `samples_fetched`: None elsewhere)."""
@@ -44,13 +59,15 @@ class RankStatus:
     lapsed: bool | None = None
     lapsed_for_s: float | None = None
     heartbeat_age_s: float | None = None
-    # Consumed (acknowledged), summed from the plan: the same on every replica.
+    # Consumed (acknowledged), summed from the plan: the same on every replica. With global
+    # steps a batch is a micro-batch (a rank has several per step).
     batches_emitted: int | None = None
     samples_emitted: int | None = None
     tokens_emitted: int | None = None
     padded_tokens: int | None = None
     batch_cost: int | None = None
     replica: RankOnReplica | None = None
+    members: tuple[MemberStatus, ...] | None = None  # a rank served to a group: every seat
 
 
 @dataclass(frozen=True)
@@ -123,7 +140,8 @@ class QuarantineStatus:
 
 @dataclass(frozen=True)
 class Totals:
-    """Every rank's consumption (acknowledged batches), summed from the plan."""
+    """Every rank's consumption (acknowledged batches, micro-batches of global steps each
+    counted), summed from the plan."""
 
     batches_emitted: int
     samples_emitted: int
@@ -211,10 +229,11 @@ class ComputeStatus:
     reports: int = 0  # the reports it was fitted on
     last_error: float | None = None  # the latest fit's, passed or not
     accepted: int = 0
-    rejected: int = 0  # nonsense reports (negative, NaN, infinite, absurd)
+    rejected: int = 0  # nonsense reports (not finite, under a microsecond, over an hour)
     warmup: int = 0  # reports of a world's first steps, left out
     stale: int = 0  # reports of an ended world, ignored
     drifts: int = 0  # refits because the model in force stopped predicting (trainer changed)
+    fit_failures: int = 0  # fits that could not be computed (the model in force stayed)
     # Per step, max/mean of the ranks' measured compute (1.0: balanced), over the newest steps
     # whose ranks all reported.
     imbalance_last: float | None = None
@@ -230,8 +249,9 @@ class ComputeStatus:
 
 @dataclass(frozen=True)
 class JobStatus:
-    """One job. `state`: training jobs waiting (nothing published) | running | draining
-    (planning over, ranks still consuming) | finished (every rank acked its last step) | failed;
+    """One job. `state`: training jobs waiting (nothing published) | waiting for ranks (steps
+    published, no rank acked one or holds a lease yet) | running | draining (planning over,
+    ranks still consuming) | finished (every rank acked its last step) | failed;
     refill jobs serving | done. `open`: served without a credential."""
 
     job_id: str
@@ -246,7 +266,8 @@ class JobStatus:
     samples_in: int | None = None
     planned: Planned | None = None
     collate: str | None = None
-    token_budget: int | None = None
+    token_budget: int | None = None  # per batch (a micro-batch, with global steps)
+    global_token_budget: int | None = None  # per step, all ranks (docs/global-steps.md)
     producer: ProducerStatus | None = None
     producer_trouble: ProducerTrouble | None = None
     uptime_s: float | None = None

@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pipeline.observability.job_status import JobStatus, RankStatus, RefillStatus
+from pipeline.observability.job_status import JobStatus, MemberStatus, RankStatus, RefillStatus
 from pipeline.observability.status_view import ServiceView
 from pipeline.quarantine import QuarantineReason
 
@@ -56,6 +56,16 @@ _REPLICA_RANK_GAUGES: tuple[tuple[str, str, Callable[[RankStatus], Any]], ...] =
      lambda r: r.replica and r.replica.connected),
     ("odb_replica_rank_delivered_step", "Last step this replica sent to the rank (-1 none)",
      lambda r: r.replica and r.replica.delivered_step),
+)
+# A member of a rank's model-parallel group (labels job_id, rank, member: bounded by W x group
+# size; its client id is on the status JSON only).
+_MEMBER_GAUGES: tuple[tuple[str, str, Callable[[MemberStatus], Any]], ...] = (
+    ("odb_member_acked_step", "Last step the group member acknowledged (-1 none)",
+     lambda m: m.acked_step),
+    ("odb_member_lag_steps", "Steps the group member is behind its group's most advanced one",
+     lambda m: m.lag_steps),
+    ("odb_member_lapsed", "1 when the group member's lease expired without release (a lost "
+     "member: its rank is lost)", lambda m: bool(m.lapsed_for_s)),
 )
 _JOB_GAUGES: tuple[tuple[str, str, Callable[[JobStatus], Any]], ...] = (
     ("odb_step_published", "Highest published step (-1 none)", lambda j: j.published_through),
@@ -123,6 +133,8 @@ class OdbCollector(Collector):
                        for n, d, f in _RANK_GAUGES]
         replica_gauges = [(GaugeMetricFamily(n, d, labels=["job_id", "rank", "replica"]), f)
                           for n, d, f in _REPLICA_RANK_GAUGES]
+        member_gauges = [(GaugeMetricFamily(n, d, labels=["job_id", "rank", "member"]), f)
+                         for n, d, f in _MEMBER_GAUGES]
         job_gauges = [(GaugeMetricFamily(n, d, labels=["job_id"]), f) for n, d, f in _JOB_GAUGES]
         refill_counters = [(CounterMetricFamily(n, d, labels=["job_id"]), f)
                            for n, d, f in _REFILL_COUNTERS]
@@ -200,6 +212,9 @@ class OdbCollector(Collector):
                     fam.add_metric([*labels, replica], _n(f(r)))
                 if r.replica is not None:
                     fetched.add_metric([*labels, replica], r.replica.samples_fetched or 0)
+                for m in r.members or ():
+                    for fam, f in member_gauges:
+                        fam.add_metric([*labels, str(m.member)], _n(f(m)))
             for fam, f in job_gauges:
                 fam.add_metric([jid], _n(f(job)))
             samples_in.add_metric([jid], job.samples_in or 0)
@@ -222,8 +237,8 @@ class OdbCollector(Collector):
         start = GaugeMetricFamily("odb_service_start_time_seconds",
                                   "Unix time the metrics view of this replica started")
         start.add_metric([], self.view.started_at)
-        for group in (rank_counters, rank_gauges, replica_gauges, job_gauges, refill_counters,
-                      refill_gauges):
+        for group in (rank_counters, rank_gauges, replica_gauges, member_gauges, job_gauges,
+                      refill_counters, refill_gauges):
             yield from (fam for fam, _ in group)
         yield from (refill_epoch, fetched, samples_in, planned, quarantined, info, open_,
                     failed, generation, live, start, world_gen, switch, first_batch, coefficient,
@@ -235,4 +250,5 @@ def metric_names() -> set[str]:
     names = {f"{n}_total" for n, _, _ in _RANK_COUNTERS + _REFILL_COUNTERS}
     names |= {n for n, _, _ in _RANK_GAUGES + _REPLICA_RANK_GAUGES + _JOB_GAUGES
               + _REFILL_GAUGES}
+    names |= {n for n, _, _ in _MEMBER_GAUGES}
     return names | set(_OTHER) | {"odb_refill_epoch_completed_total"}

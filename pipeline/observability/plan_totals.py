@@ -30,10 +30,13 @@ STALL_AFTER_S = 30.0  # a rank with waiting work and no ack progress this long i
 
 @dataclass(frozen=True, slots=True)
 class BatchFigures:
+    """A rank's batches of one step (its micro-batches of a global step: `batches` of them)."""
+
     samples: int
     tokens: int  # input tokens after truncation
     padded_tokens: int  # pad positions the collate adds (padded: B*Lmax - sum L; packed: 0)
     cost: int  # the planner's cost of the batch (what the token budget bounds)
+    batches: int = 1
 
 
 @dataclass
@@ -48,19 +51,30 @@ class RankTotals:
     progress_at: float = field(default_factory=time.time)  # when last_acked last moved
 
 
-def batch_figures(batch: Batch, collate: str) -> BatchFigures:
+def batch_figures(batch: Batch, collate: str, pad_to_multiple: int = 1) -> BatchFigures:
     lengths = [batch.truncated_to.get(s.sample_id, s.num_tokens) for s in batch.samples]
     tokens = sum(lengths)
-    padded = len(lengths) * max(lengths, default=0) - tokens if collate == "padded" else 0
-    return BatchFigures(len(lengths), tokens, padded, batch.cost)
+    # Lengths as sent: rounded up to the job's pad_to_multiple (padding under both collates).
+    sent = [-(-n // pad_to_multiple) * pad_to_multiple for n in lengths]
+    width = len(sent) * max(sent, default=0) if collate == "padded" else sum(sent)
+    return BatchFigures(len(lengths), tokens, width - tokens, batch.cost)
+
+
+def rank_figures(micros: tuple[Batch, ...], collate: str, pad_to_multiple: int = 1
+                 ) -> BatchFigures:
+    """A rank's batches of one step, summed (one, or its micro-batches of a global step)."""
+    figs = [batch_figures(b, collate, pad_to_multiple) for b in micros]
+    return BatchFigures(sum(f.samples for f in figs), sum(f.tokens for f in figs),
+                        sum(f.padded_tokens for f in figs), sum(f.cost for f in figs), len(figs))
 
 
 class PlanTotals:
     """Per-job totals; `update()` is cheap when nothing new was published or delivered."""
 
-    def __init__(self, state: JobState, collate: str) -> None:
+    def __init__(self, state: JobState, collate: str, pad_to_multiple: int = 1) -> None:
         self.state = state
         self.collate = collate
+        self.pad_to_multiple = pad_to_multiple
         self.started_at = time.time()
         self._lock = threading.Lock()
         acked = state.acked_all()
@@ -123,9 +137,11 @@ class PlanTotals:
                 self.steps_missing += 1
                 continue
             self.published_samples += step.info.step_samples
-            self._pending[n] = {b.rank: batch_figures(b, self.collate) for b in step.batches}
-            for b in step.batches:
-                self._unacked.setdefault(b.rank, []).append(n)
+            ranks = step.ranks()
+            self._pending[n] = {r: rank_figures(step.micros_for(r), self.collate,
+                                                self.pad_to_multiple) for r in ranks}
+            for r in ranks:
+                self._unacked.setdefault(r, []).append(n)
 
     def _count_rank(self, rank: int, tot: RankTotals, acked: int) -> None:
         if acked <= tot.counted_through:
@@ -133,7 +149,7 @@ class PlanTotals:
         for n in sorted(k for k in self._pending if tot.counted_through < k <= acked):
             fig = self._pending[n].get(rank)
             if fig is not None:
-                tot.batches += 1
+                tot.batches += fig.batches
                 tot.samples += fig.samples
                 tot.tokens += fig.tokens
                 tot.padded_tokens += fig.padded_tokens

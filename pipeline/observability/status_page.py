@@ -67,6 +67,20 @@ def _training(job: JobStatus) -> str:
                 _cell("tokens", r.tokens_emitted),
                 _cell("client", r.client_id or "—", num=False),
             ]) + "</tr>")
+        for m in r.members or ():  # a model-parallel group: every member, its lag
+            mrep = m.replica
+            rows.append(
+                f'<tr data-rank="{r.rank}" data-member="{m.member}" class="member'
+                f'{" is-lapsed" if m.lapsed_for_s else ""}">' + "".join([
+                    _cell("rank", f"{r.rank}.{m.member}", num=False),
+                    _cell("delivered", mrep.delivered_step if mrep else "—"),
+                    _cell("acked", m.acked_step), _cell("lag", m.lag_steps),
+                    _cell("connected", "yes" if mrep and mrep.connected else "no", num=False),
+                    _cell("stalled", "—", num=False), _cell("batches", "—", num=False),
+                    _cell("samples", "—", num=False), _cell("tokens", "—", num=False),
+                    _cell("client", m.client_id or ("released" if m.released else "—"),
+                          num=False),
+                ]) + "</tr>")
     table = (
         f'<table class="ranks" data-job="{escape(job.job_id)}"><tr><th>rank</th>'
         "<th>delivered step (this replica)</th><th>acked step</th><th>lag (steps)</th>"

@@ -3,11 +3,13 @@
 Trainers report how long each batch took to compute (forward + backward, not the wait in
 collectives). Each job fits, online, a non-negative linear model of those seconds over a few
 batch features (`FEATURES`), robust to the outliers a real trainer produces (GC pauses,
-checkpoint steps, a noisy neighbour) and to nonsense reports (rejected and counted). The model
-is trusted -- the *gate* opens -- only once it predicts held-out batches within a stated relative
-error over enough reports; until then the planner balances by tokens. When the error of the
-model in force drifts (another model, another parallel layout) the old reports are dropped and
-the gate closes until a refit passes again.
+checkpoint steps, a noisy neighbour) and to nonsense reports (rejected and counted): nothing a
+client reports can make the fit raise or keep its gate closed for good, and a fit that fails
+anyway leaves the model in force and is tried again. The model is trusted -- the *gate* opens --
+only once it predicts held-out batches within a stated relative error over enough reports; until
+then the planner balances by tokens. When the error of the model in force drifts (another
+model, another parallel layout) the old reports are dropped and the gate closes until a refit
+passes again.
 
 Pure: no I/O, no clock. numpy only (a Lawson-Hanson active-set NNLS on a handful of columns).
 """
@@ -50,6 +52,18 @@ def batch_features(samples: Sequence[MeasuredSample], lengths: Sequence[int],
         attention = sum(x * x for x in lengths)
     return (1.0, float(text), float(padded), float(attention), float(sum(visual)),
             float(sum(1 for v in visual if v > 0)), float(n))
+
+
+def rank_features(batches: Sequence[tuple[Sequence[MeasuredSample], Sequence[int]]],
+                  collate: Collate) -> tuple[float, ...]:
+    """The `FEATURES` of a rank's micro-batches of one step, `(samples, lengths)` each: their
+    sum (every feature adds up over batches, so a model's prediction of the rank's step is the
+    sum of its micro-batches' predictions; "batch" counts them)."""
+    total = [0.0] * len(FEATURES)
+    for samples, lengths in batches:
+        for i, f in enumerate(batch_features(samples, lengths, collate)):
+            total[i] += f
+    return tuple(total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +126,7 @@ class FitSettings:
     max_error: float = 0.10
     # The first steps of each world run slower (allocator and kernel warm-up, compilation).
     warmup_steps: int = 3
+    min_seconds: float = 1e-6  # a batch reported faster than this (a microsecond) is nonsense
     max_seconds: float = 3600.0  # a batch reported slower than this is nonsense
     refit_every: int = 16  # new reports between fits
     drift_reports: int = 32  # the newest reports the model in force is checked against
@@ -124,12 +139,15 @@ class FitSettings:
             raise ValueError(f"max_error must be in (0, 1), got {self.max_error}")
         if self.warmup_steps < 0 or self.refit_every < 1 or self.drift_reports < 8:
             raise ValueError("warmup_steps >= 0, refit_every >= 1, drift_reports >= 8")
-        if self.max_seconds <= 0 or self.drift_factor < 1:
-            raise ValueError("max_seconds > 0 and drift_factor >= 1")
+        if not 0 < self.min_seconds < self.max_seconds or self.drift_factor < 1:
+            raise ValueError("0 < min_seconds < max_seconds and drift_factor >= 1")
 
 
 HOLDOUT_EVERY = 4  # every 4th report is held out to judge a fit
-TRIM = 0.10  # the worst 10% of held-out errors are outliers (GC, checkpoints), not model error
+# The worst 10% of held-out errors (at least one) are outliers (GC, checkpoints, a report that
+# makes no sense), not model error; and no one report's error counts for more than 100%.
+TRIM = 0.10
+MAX_REPORT_ERROR = 1.0
 
 
 class ComputeFitter:
@@ -144,9 +162,10 @@ class ComputeFitter:
         self._window: deque[ComputeReport] = deque(maxlen=self.settings.window)
         self._new = 0
         self.accepted = 0
-        self.rejected = 0  # nonsense: not finite, <= 0, over max_seconds, bad features
+        self.rejected = 0  # nonsense: not finite, outside [min_seconds, max_seconds], bad features
         self.warmup = 0  # left out: the first steps of a world
         self.drifts = 0
+        self.failed = 0  # fits the arithmetic could not carry (the model in force stayed)
 
     @property
     def reports(self) -> int:
@@ -157,9 +176,9 @@ class ComputeFitter:
         warm-up step of the world that began at `world_first_step`, counted in `warmup`)."""
         s = report.seconds
         f = report.features
-        if (not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0
-                or s > self.settings.max_seconds or len(f) != len(FEATURES)
-                or any(not math.isfinite(x) or x < 0 for x in f)):
+        if (not isinstance(s, (int, float)) or not math.isfinite(s)
+                or not self.settings.min_seconds <= s <= self.settings.max_seconds
+                or len(f) != len(FEATURES) or any(not math.isfinite(x) or x < 0 for x in f)):
             self.rejected += 1
             return False
         if report.step < world_first_step + self.settings.warmup_steps:
@@ -172,11 +191,27 @@ class ComputeFitter:
 
     def refit(self, *, force: bool = False) -> ComputeModel | None:
         """Check the model in force for drift and fit again when `refit_every` reports arrived
-        (or `force`); returns the model in force afterwards."""
-        cfg = self.settings
-        if not force and self._new < cfg.refit_every:
+        (or `force`); returns the model in force afterwards. Never raises: a fit that fails
+        (counted in `failed`) keeps the model in force and is tried again at the next call."""
+        if not force and self._new < self.settings.refit_every:
+            return self.model
+        try:
+            with np.errstate(all="ignore"):  # overflow is an outcome here, not a warning
+                fitted = self._drift_then_fit()
+        except (ArithmeticError, ValueError, np.linalg.LinAlgError):
+            self.failed += 1
             return self.model
         self._new = 0
+        if fitted is not None:
+            self.last_fit = fitted
+            if fitted.error <= self.settings.max_error:
+                self.model = fitted
+        return self.model
+
+    def _drift_then_fit(self) -> ComputeModel | None:
+        """Retire the model in force if it drifted; then a fit of the window (None: too few
+        reports)."""
+        cfg = self.settings
         if self.model is not None and len(self._window) >= cfg.drift_reports:
             recent = list(self._window)[-cfg.drift_reports:]
             if _error(self.model.coefficients, recent) > cfg.drift_factor * cfg.max_error:
@@ -184,13 +219,7 @@ class ComputeFitter:
                 self.drifts += 1
                 self.model = None
                 self._window = deque(recent, maxlen=cfg.window)
-        if len(self._window) < cfg.min_reports:
-            return self.model
-        fitted = fit(list(self._window))
-        self.last_fit = fitted
-        if fitted.error <= cfg.max_error:
-            self.model = fitted
-        return self.model
+        return fit(list(self._window)) if len(self._window) >= cfg.min_reports else None
 
 
 def fit(reports: Sequence[ComputeReport]) -> ComputeModel:
@@ -205,11 +234,15 @@ def fit(reports: Sequence[ComputeReport]) -> ComputeModel:
 
 
 def _error(coefficients: Sequence[float], reports: Sequence[ComputeReport]) -> float:
-    """Mean |predicted / measured - 1| over `reports`, the worst TRIM of them left out."""
+    """Mean |predicted / measured - 1| over `reports`, each at most MAX_REPORT_ERROR, the worst
+    TRIM of them (at least one of two or more) left out."""
     x, y = _arrays(reports)
-    rel = np.sort(np.abs(x @ np.asarray(coefficients) / y - 1.0))
-    keep = max(1, math.ceil(len(rel) * (1 - TRIM)))
-    return float(rel[:keep].mean())
+    rel = np.sort(np.minimum(np.abs(x @ np.asarray(coefficients) / y - 1.0), MAX_REPORT_ERROR))
+    keep = len(rel) - min(len(rel) - 1, math.ceil(len(rel) * TRIM))
+    error = float(rel[:keep].mean())
+    if not math.isfinite(error):
+        raise ArithmeticError(f"the fit's error is {error}")
+    return error
 
 
 def _arrays(reports: Sequence[ComputeReport]) -> tuple[np.ndarray, np.ndarray]:
@@ -217,24 +250,37 @@ def _arrays(reports: Sequence[ComputeReport]) -> tuple[np.ndarray, np.ndarray]:
     return x, np.array([r.seconds for r in reports], dtype=float)
 
 
-def robust_fit(reports: Sequence[ComputeReport], *, rounds: int = 6,
+def robust_fit(reports: Sequence[ComputeReport], *, rounds: int = 8,
                huber: float = 1.345, cut: float = 4.0) -> tuple[float, ...]:
     """Non-negative coefficients minimising the relative error of `reports`, robustly.
 
-    Rows are weighted by 1/seconds (a relative error: a long batch does not outweigh many short
-    ones). Iteratively reweighted: Huber weights on the residuals' robust scale (MAD), and rows
-    beyond `cut` scales (a GC pause, a checkpoint step) get weight 0."""
+    Iteratively reweighted; no one report can steer it, however far off its seconds are. The
+    first round fits the reports whose seconds lie in the middle 80% (relative errors: a long
+    batch does not outweigh many short ones). Every later round weighs each report by the
+    previous round's prediction, not by its measured seconds (a report far below its batch's
+    time would otherwise outweigh all the others: its relative error is at most 1 this way),
+    with Huber weights on the residuals' robust scale (MAD, around their median); reports beyond
+    `cut` scales (a GC pause, a checkpoint step, a report that makes no sense) get weight 0."""
     x, y = _arrays(reports)
-    w = np.ones(len(y))
+    low, typical, high = np.quantile(y, [0.1, 0.5, 0.9])
+    w = ((y >= low) & (y <= high)).astype(float)
+    ref = y  # what each report's error is relative to
     coef = np.zeros(x.shape[1])
     for _ in range(rounds):
-        sw = w / y
+        sw = w / ref
+        if not sw.any():
+            break
         coef = nnls(x * sw[:, None], y * sw)
-        rel = (y - x @ coef) / y
-        scale = max(1.4826 * float(np.median(np.abs(rel - np.median(rel)))), 1e-3)
-        a = np.abs(rel) / scale
+        # A batch predicted to take almost nothing counts as a thousandth of a typical one.
+        ref = np.maximum(x @ coef, 1e-3 * typical)
+        rel = (y - ref) / ref
+        centre = float(np.median(rel[w > 0]))
+        scale = max(1.4826 * float(np.median(np.abs(rel[w > 0] - centre))), 1e-3)
+        a = np.abs(rel - centre) / scale
         w = np.where(a <= huber, 1.0, huber / np.maximum(a, 1e-12))
         w[a > cut] = 0.0
+    if not np.isfinite(coef).all():
+        raise ArithmeticError(f"the fit's coefficients are not finite: {coef}")
     return tuple(float(c) for c in coef)
 
 

@@ -4,7 +4,9 @@
 padding efficiency, budget violations (must be 0), over-budget handling, per-rank step counts,
 per-step rank balance, carry-over, filler batches. A filler (quota mode's closing step) is not
 coverage: its sample is not counted as emitted and its tokens count as padding (computed, not
-learned from).
+learned from). With global steps a batch is a micro-batch: `batches` counts them, balance is
+over each rank's micro-batches of a step together, and the micro-batches a rank runs per step
+are reported.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class PlanReport:
     per_rank_steps: list[int] = field(default_factory=list)
     epoch_steps: list[int] = field(default_factory=list)
     _balance: list[float] = field(default_factory=list)
+    _micros: list[int] = field(default_factory=list)  # per (step, rank): its micro-batches
 
     def __post_init__(self) -> None:
         if not self.per_rank_steps:
@@ -55,19 +58,21 @@ class PlanReport:
     def observe(self, ev: PlanEvent) -> None:
         budget = self.policy.token_budget
         vcap = self.policy.max_visual_tokens
-        padded = self.policy.cost_model.padded
+        cm = self.policy.cost_model
         if isinstance(ev, Step):
             self.steps += 1
-            if len(ev.batches) < self.world_size:
+            ranks = ev.ranks()
+            if len(ranks) < self.world_size:
                 self.partial_steps += 1
-            costs = []
+            per_rank = dict.fromkeys(ranks, 0)
+            for r in ranks:
+                self.per_rank_steps[r] += 1
             for b in ev.batches:
                 self.batches += 1
-                self.per_rank_steps[b.rank] += 1
+                per_rank[b.rank] += b.cost
                 n = len(b.samples)
                 lens = [b.truncated_to.get(s.sample_id, s.num_tokens) for s in b.samples]
-                self.padded_tokens += n * max(lens) if padded else sum(lens)
-                costs.append(b.cost)
+                self.padded_tokens += cm.token_cost(lens)  # as sent (pad_to_multiple)
                 if not b.over_budget:
                     if b.cost > budget:
                         self.budget_violations += 1
@@ -83,8 +88,11 @@ class PlanReport:
                         self.truncated += len(b.truncated_to)
                     else:
                         self.over_budget_alone += n
+            costs = list(per_rank.values())
             mean = sum(costs) / len(costs)
             self._balance.append(max(costs) / mean if mean > 0 else 1.0)
+            if self.policy.global_steps:
+                self._micros += [len(ev.micros_for(r)) for r in ranks]
         elif isinstance(ev, Quarantined):
             self.quarantined += 1
             if ev.reason is not QuarantineReason.INVALID_SIZE:
@@ -106,6 +114,7 @@ class PlanReport:
 
     def to_dict(self) -> dict:
         bal = sorted(self._balance)
+        micro = sorted(self._micros)
         return {
             "samples": self.samples_in,
             "emitted_samples": self.emitted_samples,
@@ -131,6 +140,10 @@ class PlanReport:
             "rank_balance_max": round(bal[-1], 6) if bal else 0.0,
             "carried_over": self.carried_over,
             "filler_batches": self.filler_batches,
+            **({"global_token_budget": self.policy.global_token_budget,
+                "micro_batches_per_rank_step_p50": _percentile(micro, 0.50),
+                "micro_batches_per_rank_step_max": micro[-1] if micro else 0}
+               if self.policy.global_steps else {}),
         }
 
     def summary_text(self) -> str:
@@ -139,11 +152,18 @@ class PlanReport:
         rank_line = (
             f"{min(prs)}..{max(prs)} (min..max over {len(prs)} ranks)" if len(prs) > 8 else str(prs)
         )
+        if self.policy.global_steps:
+            batches = (f"{d['batches']} micro-batches of up to {self.policy.token_budget}, "
+                       f"global steps of up to {self.policy.global_token_budget}: "
+                       f"{d['micro_batches_per_rank_step_p50']} per rank and step (p50), "
+                       f"{d['micro_batches_per_rank_step_max']} at most")
+        else:
+            batches = str(d["batches"])
         lines = [
             f"samples            {d['samples']} in, {d['emitted_samples']} emitted"
             f" over {d['epochs']} epoch(s)",
             f"steps              {d['steps']} ({d['partial_steps']} with absent ranks)",
-            f"batches            {d['batches']}",
+            f"batches            {batches}",
             f"padding efficiency {d['padding_efficiency']:.4f}",
             f"budget fill        {d['budget_fill']:.4f}",
             f"budget violations  {d['budget_violations']}",
@@ -153,8 +173,8 @@ class PlanReport:
             f"quarantined        {d['quarantined']}",
             f"steps per rank     {rank_line}",
             f"rank balance       p50 {d['rank_balance_p50']:.4f}  p95 {d['rank_balance_p95']:.4f}"
-            "  (max/mean batch cost per step)",
+            "  (max/mean rank cost per step)",
             f"carried over       {d['carried_over']} sample(s) after the last epoch",
-            f"filler batches     {d['filler_batches']} (quota mode's closing step)",
+            f"filler batches     {d['filler_batches']} (a rank with no sample of a step)",
         ]
         return "\n".join(lines)

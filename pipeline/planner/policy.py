@@ -37,6 +37,14 @@ class BatchingPolicy:
     attn_a/attn_b: compute model `a*L + b*L^2`, used to balance ranks (not to cap batches).
     ramp_up: an epoch's planning starts small and grows (see `StepPlanner`): its first step
         comes after a few budgets of samples instead of the full window and pool.
+    pad_to_multiple: every sequence is sent padded to a multiple of this (None: not padded;
+        see `CostModel`): costs, the budget and the over-budget policy apply to the padded
+        lengths, so a sample fits alone when its padded length does (`max_sample_tokens`).
+    global_token_budget: the cost of one optimizer step, all ranks together (None: a step is W
+        batches of up to `token_budget`, today's planning). With it a step's samples do not
+        depend on the world size: formed batches (now micro-batches, each within
+        `token_budget`) join a global step in formation order until the next would pass it,
+        and the step is then split over the ranks (docs/global-steps.md).
     """
 
     token_budget: int
@@ -48,6 +56,8 @@ class BatchingPolicy:
     max_window_samples: int = MAX_WINDOW_SAMPLES
     over_budget: OverBudgetPolicy = OverBudgetPolicy.ALONE
     ramp_up: bool = True
+    pad_to_multiple: int | None = None
+    global_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int):
@@ -78,11 +88,37 @@ class BatchingPolicy:
                              f"({self.token_budget}) or None, got {la!r}")
         if not isinstance(self.ramp_up, bool):
             raise ValueError(f"ramp_up must be a bool, got {self.ramp_up!r}")
+        g = self.global_token_budget
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int)):
+            raise ValueError(f"global_token_budget must be an integer or None, got {g!r}")
+        if g is not None and g < self.token_budget:
+            raise ValueError(
+                f"global_token_budget ({g}) is below token_budget ({self.token_budget}): a "
+                "global step holds at least one micro-batch of up to token_budget tokens; "
+                "raise global_token_budget (e.g. a multiple of token_budget) or lower "
+                "token_budget")
         ws = self.max_window_samples
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise ValueError(f"max_window_samples must be an integer >= 1, got {ws!r}")
+        m = self.pad_to_multiple
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int)
+                              or not 1 <= m <= self.token_budget):
+            raise ValueError(f"pad_to_multiple must be an integer in [1, token_budget "
+                             f"({self.token_budget})] or None, got {m!r}")
         self.cost_model  # validates attn_a / attn_b  # noqa: B018
 
     @property
+    def global_steps(self) -> bool:
+        """Steps are planned for the whole world first, then split (`global_token_budget`)."""
+        return self.global_token_budget is not None
+
+    @property
     def cost_model(self) -> CostModel:
-        return CostModel(self.collate, self.attn_a, self.attn_b)
+        return CostModel(self.collate, self.attn_a, self.attn_b, self.pad_to_multiple or 1)
+
+    @property
+    def max_alone_tokens(self) -> int:
+        """The longest sample that fits a batch alone: the budget, or with `pad_to_multiple`
+        the largest multiple of it within the budget (what truncation cuts to)."""
+        m = self.pad_to_multiple or 1
+        return self.token_budget // m * m

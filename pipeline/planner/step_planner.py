@@ -32,6 +32,17 @@ End of epoch:
   *filler* (a copy of the step's shortest sample, `Batch.filler`: zero loss weight, not
   coverage, not in `StepInfo`), and the last `EpochEnd` carries nothing. Nothing is dropped.
 
+Global steps (`policy.global_token_budget` = G, docs/global-steps.md): the formed batches are
+micro-batches. A step takes them in formation order until the next one would pass G (at least
+one each), so which samples a step holds depends on the input order, G, the budget and the
+former only, never on W: no pool sized by W, and the window's ramp counts global steps. Each
+step is then placed on the W ranks (`micro_split.split_step`: balanced by cost, every rank at
+least one micro-batch, fillers when it has fewer samples than ranks) and carries
+`StepInfo.optimizer_step`, its ordinal among the job's trained steps. Every rank runs every
+step, so join and quota plan alike and nothing is carried over. A reconfiguration re-emits the
+voided steps whole (`reconfigure(voided=...)`): same samples, same `optimizer_step`, new step
+numbers, placed on the new world.
+
 Step numbers are global and monotonic across epochs. Everything is deterministic in (inputs,
 input order, seed); the seed only permutes which rank gets which batch of a step.
 `snapshot()`/`restore()` capture the full state so a restarted pipeline continues identically:
@@ -42,22 +53,22 @@ the restart (`PlannerState.to_dict`/`from_dict` give a JSON form).
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy
 from pipeline.planner.batch_former import BatchFormer
 from pipeline.planner.compute_fit import ComputeModel, batch_features
+from pipeline.planner.micro_split import filler_of, split_step, split_to_fill
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.rank_balancer import group_by_cost, rank_order
 from pipeline.planner.types import (
     Batch,
     EpochEnd,
     MeasuredSample,
+    PendingBatch,
     PlanEvent,
     Quarantined,
-    SampleId,
     Step,
     StepInfo,
     WorldStamp,
@@ -65,15 +76,6 @@ from pipeline.planner.types import (
 from pipeline.quarantine import QuarantineReason
 
 RAMP_FIRST_BUDGETS = 16  # the window of an epoch's first step, in token budgets (see above)
-
-
-@dataclass(frozen=True, slots=True)
-class PendingBatch:
-    """A formed batch not yet placed in a step (no rank yet)."""
-
-    samples: tuple[MeasuredSample, ...]
-    over_budget: bool = False
-    truncated_to: tuple[tuple[SampleId, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,10 @@ class PlannerState:
     pool: tuple[PendingBatch, ...] = ()
     quarantined: int = 0
     compute_model: ComputeModel | None = None  # the model balancing ranks (None: tokens)
+    # Global steps only (None otherwise): the next step's `optimizer_step`, and the first of the
+    # current epoch (the window's ramp counts the global steps formed in the epoch).
+    optimizer_step: int | None = None
+    epoch_first_optimizer_step: int | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready form (sample ids stay int or str), e.g. to keep in Redis."""
@@ -124,6 +130,9 @@ class PlannerState:
         }
         if self.compute_model is not None:  # absent when off: such a state encodes as before
             d["compute_model"] = self.compute_model.to_list()
+        if self.optimizer_step is not None:  # global steps only
+            d["optimizer_step"] = self.optimizer_step
+            d["epoch_first_optimizer_step"] = self.epoch_first_optimizer_step
         return d
 
     @classmethod
@@ -151,6 +160,8 @@ class PlannerState:
             quarantined=int(d["quarantined"]),
             compute_model=(ComputeModel.from_list(d["compute_model"])
                            if "compute_model" in d else None),
+            optimizer_step=d.get("optimizer_step"),
+            epoch_first_optimizer_step=d.get("epoch_first_optimizer_step"),
         )
 
 
@@ -192,7 +203,9 @@ class StepPlanner:
         self.world = WorldStamp(generation, world_size)  # stamped on every Step and EpochEnd
         self.seed = int(seed)
         self._cm = policy.cost_model
+        self._sent = self._cm.sent_length  # a length as the collate sends it (pad_to_multiple)
         self._budget = policy.token_budget
+        self._max_alone = policy.max_alone_tokens  # n fits alone iff n <= this (padded)
         self._vcap = policy.max_visual_tokens
         self._pool_target = pool_size(world_size, pool_steps)  # at full size
         self._pool_now = self._pool_target  # while ramping up: smaller (see `_ramp`)
@@ -207,6 +220,9 @@ class StepPlanner:
         self._carry: tuple[MeasuredSample, ...] = ()
         self.quarantined = 0
         self.compute_model = compute_model
+        self._global = policy.global_token_budget  # None: classic steps of W batches
+        self.next_optimizer_step = 0  # global steps: the next new step's ordinal
+        self._epoch_first_opt = 0
 
     # -- public API -------------------------------------------------------------------------
 
@@ -218,14 +234,18 @@ class StepPlanner:
         self.samples_consumed += 1
         n = sample.num_tokens
         v = sample.num_visual_tokens
-        if 0 < n <= self._budget and v >= 0 and (self._vcap is None or v <= self._vcap):
+        pooled = len(self._pool)
+        if 0 < n <= self._max_alone and v >= 0 and (self._vcap is None or v <= self._vcap):
             # Fast path (nearly every sample): in budget, straight into the window.
             cut = self._former.add(sample)
             if cut:
                 self._pool.extend(PendingBatch(tuple(b)) for b in cut)
         else:
             self._admit(sample, events)
-        if len(self._pool) >= self._pool_now:
+        if self._global is not None:
+            if len(self._pool) != pooled:
+                self._release_global(events, final=False)
+        elif len(self._pool) >= self._pool_now:
             self._release(events, final=False)
         return events
 
@@ -250,13 +270,17 @@ class StepPlanner:
         self._start_epoch(events)
         for b in self._former.flush(self._give_back()):
             self._pool.append(PendingBatch(tuple(b)))
-        left = self._release(events, final=True)
+        if self._global is not None:  # every rank runs every step: nothing to carry
+            self._release_global(events, final=True)
+            left = []
+        else:
+            left = self._release(events, final=True)
         if left and last_epoch:
             self._emit_step(left, events, fillers=self.world_size - len(left))
             left = []
         carried = tuple(s for pb in left for s in pb.samples)
         steps = self.next_step - self._epoch_first_step
-        if self.mode is JobMode.QUOTA:
+        if self.mode is JobMode.QUOTA and self._global is None:
             last = self.next_step - 1 if steps else None
             final = tuple(last for _ in range(self.world_size))
         else:
@@ -269,7 +293,8 @@ class StepPlanner:
         return events
 
     def reconfigure(self, world_size: int, returned: Sequence[Batch], *, first_step: int,
-                    pool_steps: int | None = None) -> list[PlanEvent]:
+                    pool_steps: int | None = None, voided: Sequence[Step] = ()
+                    ) -> list[PlanEvent]:
         """Move the rest of the current epoch onto the next world (generation + 1) of
         `world_size` ranks (a reconfiguration: see docs/elastic.md); returns the steps the pool
         fills at once, numbered from `first_step`.
@@ -282,6 +307,11 @@ class StepPlanner:
         position, and its `EpochEnd` will name the new world's ranks. The pool is released as
         soon as it holds a full step (not at its usual target) so the new world starts without
         waiting for input; what cannot fill a step stays pooled.
+
+        Global steps: `voided` are the published steps the old world did not complete, whole
+        (`returned` must be empty). They are emitted again at once, in order, as the same
+        global steps (same samples, same `optimizer_step`) placed on the new world; the step
+        being formed is the world's no more than before, so planning goes on unchanged.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -289,21 +319,32 @@ class StepPlanner:
             raise ValueError(f"first_step {first_step} is before the planner's next step "
                              f"{self.next_step}: published step numbers are never reused")
         target = pool_size(world_size, pool_steps)  # (raises before anything changes)
+        if (voided or self._global is not None) and returned:
+            raise ValueError("global steps come back whole: pass the voided steps (`voided`), "
+                             "not returned batches")
+        if voided and self._global is None:
+            raise ValueError("only global steps (global_token_budget) come back whole")
         self.world = WorldStamp(self.world.generation + 1, world_size)
         self._pool_target = target
         self.next_step = first_step
         self._last_step = [None] * world_size  # the epoch's END names the new world's ranks
         self._ramp()  # the pool's size for the new world (as a restore computes it)
         events: list[PlanEvent] = []
+        if self._global is not None:
+            if voided and not self._epoch_started:
+                self._start_epoch(events)
+            for step in sorted(voided, key=lambda st: st.step):
+                if step.info.optimizer_step is None:
+                    raise ValueError(f"step {step.step} is not a global step (no optimizer_step)")
+                self._emit_global([_pending(b) for b in step.batches if not b.filler], events,
+                                  optimizer_step=step.info.optimizer_step)
+            return events
         keep = [b for b in returned if not b.filler]
         if keep and not self._epoch_started:
             # Returned samples of an epoch that had ended open the next one (its first step,
             # carry-over and rank bookkeeping are set up as by its first sample).
             self._start_epoch(events)
-        self._pool.extend(
-            PendingBatch(b.samples, b.over_budget, tuple(sorted(
-                b.truncated_to.items(), key=lambda kv: (isinstance(kv[0], str), kv[0]))))
-            for b in keep)
+        self._pool.extend(_pending(b) for b in keep)
         if len(self._pool) >= world_size:
             self._release(events, final=False)
         return events
@@ -348,6 +389,8 @@ class StepPlanner:
             pool=tuple(self._pool),
             quarantined=self.quarantined,
             compute_model=self.compute_model,
+            optimizer_step=None if self._global is None else self.next_optimizer_step,
+            epoch_first_optimizer_step=None if self._global is None else self._epoch_first_opt,
         )
 
     @classmethod
@@ -377,6 +420,15 @@ class StepPlanner:
         p._carry = state.carried_over
         p.quarantined = state.quarantined
         p._pool = list(state.pool)
+        if p._global is not None:
+            if state.optimizer_step is None:
+                raise ValueError("state was planned without global_token_budget; the policy "
+                                 "has one (a job keeps its batching settings)")
+            p.next_optimizer_step = state.optimizer_step
+            p._epoch_first_opt = state.epoch_first_optimizer_step or 0
+        elif state.optimizer_step is not None:
+            raise ValueError("state was planned with global_token_budget; the policy has none "
+                             "(a job keeps its batching settings)")
         p._ramp()
         for s in state.window:
             # The window was below both of its bounds, so re-adding cuts nothing; the same
@@ -393,6 +445,7 @@ class StepPlanner:
             return
         self._epoch_started = True
         self._epoch_first_step = self.next_step
+        self._epoch_first_opt = self.next_optimizer_step
         self._last_step = [None] * self.world_size
         self._ramp()
         carry, self._carry = self._carry, ()
@@ -408,7 +461,7 @@ class StepPlanner:
                                       f"num_tokens={n}, num_visual_tokens={v}"))
             return
         vis_over = self._vcap is not None and v > self._vcap
-        tok_over = n > self._budget
+        tok_over = n > self._max_alone
         if not (vis_over or tok_over):
             for b in self._former.add(s):
                 self._pool.append(PendingBatch(tuple(b)))
@@ -425,11 +478,14 @@ class StepPlanner:
                 events.append(Quarantined(s, QuarantineReason.OVER_VISUAL_CAP, why))
             return
         why = f"num_tokens={n} exceeds token_budget={self._budget}"
+        if self._sent(n) != n:
+            why = f"num_tokens={n} (padded to {self._sent(n)}) exceeds token_budget={self._budget}"
+        keep = self._max_alone  # (a multiple of pad_to_multiple)
         if pol is OverBudgetPolicy.ALONE:
             self._pool.append(PendingBatch((s,), over_budget=True))
-        elif pol is OverBudgetPolicy.TRUNCATE and v <= self._budget:
+        elif pol is OverBudgetPolicy.TRUNCATE and v <= keep:
             self._pool.append(
-                PendingBatch((s,), over_budget=True, truncated_to=((s.sample_id, self._budget),))
+                PendingBatch((s,), over_budget=True, truncated_to=((s.sample_id, keep),))
             )
         else:
             if pol is OverBudgetPolicy.TRUNCATE:  # the image tokens alone exceed the budget
@@ -464,20 +520,19 @@ class StepPlanner:
         """Window and pool sizes for the steps already emitted in this epoch."""
         if not self.policy.ramp_up:
             return
+        if self._global is not None:  # by global steps formed: the same at any world size
+            k = min(30, self.next_optimizer_step - self._epoch_first_opt) if (
+                self._epoch_started) else 0
+            self._former.limit_tokens(self._budget * RAMP_FIRST_BUDGETS << k)
+            return
         k = min(30, self.next_step - self._epoch_first_step) if self._epoch_started else 0
         self._pool_now = min(self._pool_target, self.world_size << k)
         self._former.limit_tokens(self._budget * RAMP_FIRST_BUDGETS << k)
 
-    def _lengths(self, pb: PendingBatch) -> list[int]:
-        if pb.truncated_to:
-            cut = dict(pb.truncated_to)
-            return [cut.get(s.sample_id, s.num_tokens) for s in pb.samples]
-        return [s.num_tokens for s in pb.samples]
-
     def _cost(self, pb: PendingBatch) -> float:
         """What rank balancing evens out: predicted seconds under a compute model, else the
         policy's compute cost."""
-        lens = self._lengths(pb)
+        lens = pb.lengths()
         if self.compute_model is None:
             return self._cm.compute_cost(lens)
         return self.compute_model.predict(batch_features(pb.samples, lens, self._cm.collate))
@@ -492,7 +547,7 @@ class StepPlanner:
         pool, self._pool = self._pool, []
         rem = len(pool) % w
         if final and rem:
-            pool = _split_to_fill(pool, w - rem)
+            pool = split_to_fill(pool, w - rem)
         costs = [self._cost(b) for b in pool]
         groups = group_by_cost(costs, w)
         rest: list[int] = []
@@ -507,6 +562,59 @@ class StepPlanner:
             return []
         return left
 
+    def _release_global(self, events: list[PlanEvent], final: bool) -> None:
+        """Global steps: cut the pool, in formation order, into steps of up to G (at least one
+        formed batch each); the last run stays pooled while it might take more, unless
+        `final`."""
+        g = self._global
+        # The formed batch a step takes next is the next in formation order: the one point
+        # where a global step's content is chosen (a mixture's source shares choose here).
+        pool = self._pool
+        start = 0
+        while start < len(pool):
+            acc, k = 0, start
+            while k < len(pool):
+                c = self._cm.token_cost(pool[k].lengths())
+                if k > start and acc + c > g:
+                    break
+                acc += c
+                k += 1
+            if k == len(pool) and acc < g and not final:
+                break  # the step may still take the next formed batch
+            self._emit_global(pool[start:k], events)
+            start = k
+        self._pool = pool[start:]
+        self._ramp()
+
+    def _emit_global(self, units: list[PendingBatch], events: list[PlanEvent],
+                     optimizer_step: int | None = None) -> None:
+        """Emit a global step of `units` (formed batches), placed on this world's ranks; a new
+        one gets the next optimizer step, a re-emitted one keeps its own."""
+        if optimizer_step is None:
+            optimizer_step = self.next_optimizer_step
+            self.next_optimizer_step += 1
+        step = self.next_step
+        self.next_step += 1
+        placed = split_step(units, self.world_size, self._cost, seed=self.seed,
+                            key=optimizer_step)
+        batches = []
+        tokens = samples = loss = 0
+        for r, micros in enumerate(placed):
+            for m, (pb, filler) in enumerate(micros):
+                lens = pb.lengths()
+                b = Batch(rank=r, samples=pb.samples, cost=self._cm.token_cost(lens),
+                          over_budget=pb.over_budget, truncated_to=dict(pb.truncated_to),
+                          filler=filler, micro=m)
+                batches.append(b)
+                if not filler:
+                    tokens += sum(lens)
+                    samples += len(pb.samples)
+                    loss += b.loss_tokens
+            self._last_step[r] = step
+        events.append(Step(self.epoch, step, tuple(batches),
+                           StepInfo(samples, tokens, loss, optimizer_step), self.world,
+                           self.compute_model))
+
     def _emit_step(
         self, group: list[PendingBatch], events: list[PlanEvent], fillers: int = 0
     ) -> None:
@@ -516,7 +624,7 @@ class StepPlanner:
         self.next_step += 1
         w = self.world_size
         if fillers:
-            group = group + [_filler_of(group, self._lengths)] * fillers
+            group = group + [filler_of(group)] * fillers
         if len(group) == w:
             ranks = rank_order(self.seed, step, w)
         else:  # partial final step (join): ranks 0..n-1 get the batches, the rest are absent
@@ -525,7 +633,7 @@ class StepPlanner:
         batches = []
         tokens = samples = loss = 0
         for i, (pb, r) in enumerate(zip(group, ranks, strict=True)):
-            lens = self._lengths(pb)
+            lens = pb.lengths()
             b = Batch(
                 rank=r,
                 samples=pb.samples,
@@ -546,37 +654,8 @@ class StepPlanner:
                            self.world, self.compute_model))
 
 
-def _filler_of(
-    group: list[PendingBatch], lengths: Callable[[PendingBatch], list[int]]
-) -> PendingBatch:
-    """A one-sample batch copying the group's shortest sample (the cheapest to run), with its
-    truncation and over-budget flag; ties: the first in group order."""
-    best = None
-    for pb in group:
-        for s, n in zip(pb.samples, lengths(pb), strict=True):
-            if best is None or n < best[0]:
-                best = (n, s, pb)
-    _, s, pb = best
-    return PendingBatch(
-        (s,),
-        over_budget=pb.over_budget,
-        truncated_to=tuple(t for t in pb.truncated_to if t[0] == s.sample_id),
-    )
 
-
-def _split_to_fill(pool: list[PendingBatch], need: int) -> list[PendingBatch]:
-    """Split the pool's biggest plain batches until `need` more exist (or none can split)."""
-    pool = list(pool)
-    heap = [(-len(pb.samples), i) for i, pb in enumerate(pool) if not pb.over_budget]
-    heapq.heapify(heap)
-    while need > 0 and heap and -heap[0][0] >= 2:
-        _, i = heapq.heappop(heap)
-        s = pool[i].samples
-        half = len(s) // 2  # samples are length-sorted: each half pads no more than the whole
-        pool[i] = PendingBatch(s[:half])
-        pool.append(PendingBatch(s[half:]))
-        heapq.heappush(heap, (-half, i))
-        heapq.heappush(heap, (-(len(s) - half), len(pool) - 1))
-        need -= 1
-    return pool
-
+def _pending(b: Batch) -> PendingBatch:
+    """A published batch as a formed one again (its truncation as canonical sorted pairs)."""
+    return PendingBatch(b.samples, b.over_budget, tuple(sorted(
+        b.truncated_to.items(), key=lambda kv: (isinstance(kv[0], str), kv[0]))))

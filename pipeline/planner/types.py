@@ -50,10 +50,13 @@ class Batch:
     over_budget: bool = False
     # For `truncate`: sample_id -> tokens kept (the payload must be cut to this length).
     truncated_to: dict[SampleId, int] = field(default_factory=dict)
-    # Quota mode's closing step only: a copy of a real sample of the step, sent so that a rank
-    # without a sample of its own still runs the step. Trained with zero loss weight, never
-    # counted as coverage, not in StepInfo.
+    # A copy of a real sample of the step, sent so that a rank without a sample of its own
+    # still runs the step (quota mode's closing step; a global step with fewer samples than
+    # ranks). Trained with zero loss weight, never counted as coverage, not in StepInfo.
     filler: bool = False
+    # Global steps (`BatchingPolicy.global_token_budget`): the index of this micro-batch among
+    # its rank's micro-batches of the step (0 otherwise: one batch per rank and step).
+    micro: int = 0
 
     @property
     def sample_ids(self) -> tuple[SampleId, ...]:
@@ -75,15 +78,37 @@ class Batch:
 
 
 @dataclass(frozen=True, slots=True)
+class PendingBatch:
+    """A formed batch not yet placed in a step (no rank yet): what the planner pools, what a
+    global step is made of, what its checkpoint holds."""
+
+    samples: tuple[MeasuredSample, ...]
+    over_budget: bool = False
+    truncated_to: tuple[tuple[SampleId, int], ...] = ()
+
+    def lengths(self) -> list[int]:
+        """Each sample's tokens as it will run (a truncated sample at its kept length)."""
+        if self.truncated_to:
+            cut = dict(self.truncated_to)
+            return [cut.get(s.sample_id, s.num_tokens) for s in self.samples]
+        return [s.num_tokens for s in self.samples]
+
+
+@dataclass(frozen=True, slots=True)
 class StepInfo:
-    """All-rank totals of one step, carried on every batch for exact loss scaling (Guarantee 6).
+    """All-rank totals of one step, carried on every batch for exact loss scaling (Guarantee 6):
+    for a global step, of the whole step (every rank, every micro-batch).
 
     Real samples only: filler batches add nothing.
+    `optimizer_step`: global steps only (None otherwise): the step's ordinal among the job's
+    trained steps, voided steps excluded, so the same at any world size and across
+    reconfigurations (a voided step comes back with its number).
     """
 
     step_samples: int
     step_tokens: int
     step_loss_tokens: int = 0
+    optimizer_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +128,12 @@ class WorldStamp:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """The batches (at most one per rank) that run together. Once published it never changes.
+    """The batches that run together. Once published it never changes.
+
+    Without a global token budget a rank has at most one batch per step. A global step holds
+    one batch per (rank, micro-batch) and every rank of its world has at least one: a rank
+    accumulates its micro-batches (`micros_for`) into one optimizer step. `batches` is sorted
+    by (rank, micro).
 
     `step` is global and monotonic across the job's epochs (epoch e+1 starts after every rank's
     last step of epoch e), so a single integer identifies a resume point.
@@ -121,10 +151,23 @@ class Step:
     compute: ComputeModel | None = None
 
     def batch_for(self, rank: int) -> Batch | None:
+        """The rank's (first) batch; None if it has none."""
         for b in self.batches:
             if b.rank == rank:
                 return b
         return None
+
+    def micros_for(self, rank: int) -> tuple[Batch, ...]:
+        """The rank's batches in micro-batch order (one without global steps; () if none)."""
+        return tuple(b for b in self.batches if b.rank == rank)
+
+    def ranks(self) -> list[int]:
+        """The ranks with a batch in this step, ascending, each once."""
+        return sorted({b.rank for b in self.batches})
+
+    def rank_samples(self, rank: int) -> tuple[MeasuredSample, ...]:
+        """The rank's samples over all its micro-batches, in order: what its payloads hold."""
+        return tuple(s for b in self.micros_for(rank) for s in b.samples)
 
 
 @dataclass(frozen=True, slots=True)

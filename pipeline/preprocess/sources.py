@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import posixpath
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from pipeline.errors import UserError
 Kind = Literal["jsonl", "parquet"]
 _DATA_EXT = (".jsonl", ".json", ".parquet", ".pq")
 _INDEX_BLOCK = 16 * 1024 * 1024
+_FIRST_ROW_BYTES = 16 * 1024 * 1024  # the most `check_sources` reads of a first JSONL row
 
 
 class SourceNotFound(UserError):
@@ -118,7 +120,9 @@ def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
             elif os.path.isfile(local):
                 files = [local]
             else:
-                raise SourceNotFound(f"source not found: {entry}")
+                raise SourceNotFound(f"source not found: {entry}" + (
+                    "" if os.path.isabs(local) else f" (relative to the working directory "
+                    f"{os.getcwd()}: {os.path.abspath(local)})"))
         if not files:
             raise SourceNotFound(f"source holds no .jsonl/.parquet files: {entry}")
         out += [SourceFile(f, f, _kind(f, cfg.format)) for f in files]
@@ -126,6 +130,51 @@ def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
     if len(set(names)) != len(names):
         raise UserError("source.paths lists the same file twice")
     return out
+
+
+def check_sources(cfg: SourceConfig) -> None:
+    """What `serve` checks before it starts: every configured path exists (a relative one is
+    named as resolved against the working directory), and the first file of each is readable
+    and its first row parses (a JSON line, a Parquet row). A `UserError` says which and why."""
+    expand_sources(cfg)  # every path (and no file twice)
+    checked: set[str] = set()
+    for entry in cfg.paths:
+        first = expand_sources(cfg.model_copy(update={"paths": [entry]}))[0]
+        if first.path in checked:
+            continue
+        checked.add(first.path)
+        try:
+            _first_row(first)
+        except OSError as exc:
+            raise UserError(f"source {entry}: cannot read {first.path}: "
+                            f"{exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise UserError(f"source {entry}: the first row of {first.path} does not parse as "
+                            f"{first.kind} ({exc}); is source.format right?") from None
+
+
+def _first_row(f: SourceFile) -> None:
+    """Read and parse `f`'s first row (the first non-empty line of a JSONL file): ValueError
+    when it does not parse, OSError when the file cannot be read."""
+    if f.kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            with open_input(f.path) as src:
+                next(pq.ParquetFile(src).iter_batches(batch_size=1), None)
+        except pa.ArrowInvalid as exc:
+            raise ValueError(str(exc)) from None
+        return
+    with open_input(f.path) as src:
+        line = b""
+        while not line.strip():
+            line = src.readline(_FIRST_ROW_BYTES)
+            if not line:
+                return  # an empty file: nothing to parse
+    if not line.endswith(b"\n") and len(line) >= _FIRST_ROW_BYTES:
+        return  # a row longer than the check reads: preprocessing judges it
+    json.loads(line)
 
 
 def read_bytes(path: str, start: int = 0, end: int | None = None) -> bytes:

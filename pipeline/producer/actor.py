@@ -6,7 +6,10 @@ makes concurrent creations resolve to one actor, and the Redis lease generation 
 token) makes a stale incarnation unable to publish anyway. The actor is restarted by Ray if its
 process dies (`max_restarts=-1`); the new incarnation has the same actor id, so it takes the
 lease over at once and resumes from the checkpoint. When the job is planned and every staged
-payload released, the actor ends itself for good.
+payload released (or the producer was fenced out, or failed for good), the actor's process ends
+the actor for good, but only while Ray still has it as the actor's current process: an old
+process that outlived its restart (frozen, or cut off from Ray's GCS) ends only itself, never
+the successor that runs under the same actor id (`end_process`).
 
 Replicas ask it for payload references (`batch_refs`): in-band, so Ray counts them as borrowed
 while a replica reads them. An SDO job's producer reads through `SdoFeed` (its epochs are visits
@@ -19,6 +22,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import ray
@@ -51,7 +55,9 @@ class ProducerActor:
         planned_as = job
         if job.organization.kind == "sdo":
             self.feed, planned_as = self._sdo(job, self.feed)
-        holder = f"actor:{ray.get_runtime_context().get_actor_id()}"
+        context = ray.get_runtime_context()
+        self.process = ProcessId(os.getpid(), context.get_node_id())
+        holder = f"actor:{context.get_actor_id()}"
         self.producer = Producer(planned_as, self.state, self.feed, holder=holder,
                                  settings=ProducerSettings(**settings))
         self.thread = threading.Thread(target=self._run, name=f"producer-{job.job_id}",
@@ -74,7 +80,7 @@ class ProducerActor:
         self.state.close()
         if outcome is not Outcome.STOPPED:
             # Planned (or fenced out, or failed and reported): never restart this actor.
-            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+            end_process(ray.get_runtime_context().current_actor, self.process)
 
     def batch_refs(self, keys: list[tuple[int, int]]) -> dict[tuple[int, int], Any]:
         """(step, rank) -> the object holding that batch's payload rows (None: not staged by
@@ -83,8 +89,8 @@ class ProducerActor:
 
     def info(self) -> dict[str, Any]:
         p = self.producer
-        return {"job_id": self.job_id, "pid": os.getpid(), "generation": p.generation,
-                "holder": p.holder,
+        return {"job_id": self.job_id, "pid": os.getpid(), "node": self.process.node,
+                "generation": p.generation, "holder": p.holder,
                 "outcome": p.outcome.value if p.outcome else None, "held": self.feed.held()}
 
     def stop(self) -> None:
@@ -123,6 +129,44 @@ def actor_process(handle: Any) -> ActorProcess:
     actor_id = handle._actor_id.hex()
     row = ray_state.actors(actor_id=actor_id)
     return ActorProcess(actor_id, int(row.get("NumRestarts", 0)), row.get("State", ""))
+
+
+class ProcessId(NamedTuple):
+    """One process of an actor: its pid on its node."""
+
+    pid: int
+    node: str  # Ray's node id (hex)
+
+
+def is_current_process(handle: Any, process: ProcessId) -> bool:
+    """Whether Ray's actor table (the GCS) has `process` as the actor's live process. Blocks
+    while the GCS cannot be reached (a process cut off from it longer than Ray's reconnect
+    timeout exits on its own)."""
+    from ray._private import state as ray_state
+
+    row = ray_state.actors(actor_id=handle._actor_id.hex())
+    return (row.get("State") == "ALIVE" and row.get("Pid") == process.pid
+            and row.get("Address", {}).get("NodeID") == process.node)
+
+
+def end_process(handle: Any, process: ProcessId, *,
+                exit_process: Callable[[int], Any] = os._exit) -> bool:
+    """`process` of the actor is done for good (planned, fenced out, failed). While it is the
+    actor's current process, the actor is killed without restart (True). Otherwise Ray has
+    restarted the actor meanwhile and a successor runs under the same actor id: killing the
+    actor would end the successor, so only this process exits (False)."""
+    try:
+        current = is_current_process(handle, process)
+    except Exception:  # not confirmed: ending this process alone is always safe
+        log.warning("could not tell whether this producer process is current", exc_info=True)
+        current = False
+    if current:
+        ray.kill(handle, no_restart=True)
+        return True
+    log.warning("this producer process (pid %d) is no longer the actor's; it ends alone",
+                process.pid)
+    exit_process(0)
+    return False
 
 
 def stuck_producer(handle: Any, ping_seconds: float) -> str | None:

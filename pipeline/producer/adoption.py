@@ -9,6 +9,11 @@ it (`StepPlanner.reopen_epoch`) first, and the producer closes it again for the 
 Deterministic: the same checkpoint and boundary give the same plan, so a producer that dies
 half-way and its successor adopt identically.
 
+Global steps (docs/global-steps.md) come back whole: a step is one optimizer step of every rank
+(the all-reduce of each rank's last micro-batch needs them all), so a step that any rank did
+not run (after that rank's last step) is voided for all of them and re-emitted as the same
+global step for the new world (`voided_steps`).
+
 Reads the state (the world records, the returned steps); never writes it.
 """
 
@@ -19,7 +24,7 @@ from collections.abc import Sequence
 from pipeline.jobstate.interface import JobState
 from pipeline.jobstate.worlds import World
 from pipeline.planner.step_planner import StepPlanner
-from pipeline.planner.types import Batch, PlanEvent
+from pipeline.planner.types import Batch, PlanEvent, Step
 
 
 def returned_batches(state: JobState, world: World) -> list[Batch]:
@@ -39,6 +44,22 @@ def returned_batches(state: JobState, world: World) -> list[Batch]:
     return out
 
 
+def voided_steps(state: JobState, world: World) -> list[Step]:
+    """Global steps: the published steps of `world` that some rank did not run (after the
+    lowest rank's last step, up to the plan at the switch), whole, in step order."""
+    if world.last_steps is None:
+        return []
+    out: list[Step] = []
+    first = min(world.last_steps, default=world.published_through) + 1
+    for n in range(first, world.published_through + 1):
+        step = state.get_step(n)
+        if step is None:
+            raise LookupError(f"step {n}, voided by the end of world {world.generation}, is "
+                              "not in the state any more")
+        out.append(step)
+    return out
+
+
 def adopt(planner: StepPlanner, planned_for: int, worlds: Sequence[World], state: JobState,
           pool_steps: int | None, epochs: int) -> list[PlanEvent]:
     """Move `planner`, restored for world `planned_for`, onto the current (last) world through
@@ -48,7 +69,10 @@ def adopt(planner: StepPlanner, planned_for: int, worlds: Sequence[World], state
     if planner.epoch >= epochs > 0:
         planner.reopen_epoch()
     events: list[PlanEvent] = []
+    whole = planner.policy.global_steps
     for old, new in zip(worlds[planned_for:-1], worlds[planned_for + 1:], strict=True):
-        events += planner.reconfigure(new.world_size, returned_batches(state, old),
-                                      first_step=new.first_step, pool_steps=pool_steps)
+        events += planner.reconfigure(
+            new.world_size, [] if whole else returned_batches(state, old),
+            first_step=new.first_step, pool_steps=pool_steps,
+            voided=voided_steps(state, old) if whole else ())
     return events

@@ -2,11 +2,14 @@
 
 Ranks report each batch's compute seconds on their acks; replicas keep them in the job's state
 tagged with the world. Every `poll_seconds` the producer reads the new ones, gives each the
-features of its batch (from the published plan), feeds the fit (`compute_fit.ComputeFitter`),
-hands the model in force to the planner (None: the gate is closed, balance by tokens) and
-records where the fit stands, with the measured per-step imbalance, for `status` and metrics.
-Reports of an ended world are ignored (counted as stale); the model itself carries over a
-reconfiguration and a restart (it is in the planner checkpoint).
+features of its batch (from the published plan; of a global step, the sum over the rank's
+micro-batches: its report covers them all), feeds the fit (`compute_fit.ComputeFitter`)
+and records where the fit stands, with the measured per-step imbalance, for `status` and
+metrics. `model` is the model in force (None: the gate is closed, balance by tokens); the
+producer hands it to the planner only when it takes a checkpoint, so that the checkpoint holds
+the model that plans the steps after it. Reports of an ended world are ignored (counted as
+stale); the model itself carries over a reconfiguration and a restart (it is in the planner
+checkpoint). Nothing a report holds makes this raise: the fit rejects or absorbs it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ from collections.abc import Callable
 
 from pipeline.config import ComputeBalancingConfig
 from pipeline.jobstate.interface import ComputeFitStatus, JobState, RankCompute
-from pipeline.planner.compute_fit import ComputeFitter, ComputeReport, batch_features
+from pipeline.planner.compute_fit import (
+    ComputeFitter,
+    ComputeModel,
+    ComputeReport,
+    rank_features,
+)
 from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import Collate, Step
 
@@ -37,24 +45,31 @@ class ComputeBalancer:
         self._clock = clock
         self._next_poll = 0.0
         self._seen = 0  # reports read so far (the state's running count)
+        self._adopted = False  # a checkpoint's model was taken (the first restore)
         self.stale = 0
         # step -> (its ranks, rank -> (measured seconds, predicted seconds or None))
         self._open: dict[int, tuple[int, dict[int, tuple[float, float | None]]]] = {}
         self._imbalance: deque[tuple[int, float]] = deque(maxlen=IMBALANCE_STEPS)
         self._last: tuple[int, dict[int, tuple[float, float | None]]] = (-1, {})
 
-    def adopt(self, planner: StepPlanner) -> None:
-        """A planner restored from a checkpoint: its model (the one its steps were balanced by)
-        is in force until a fit replaces it or drift retires it."""
-        if planner.compute_model is not None:
-            self.fitter.model = planner.compute_model
-        else:
-            planner.set_compute_model(self.fitter.model)
+    @property
+    def model(self) -> ComputeModel | None:
+        """The model in force: what the planner balances by from its next checkpoint on."""
+        return self.fitter.model
 
-    def update(self, planner: StepPlanner, world: int, world_first_step: int, *,
+    def adopt(self, planner: StepPlanner) -> None:
+        """A planner restored from a checkpoint. A producer's first: the checkpoint's model
+        (the one the steps after it were balanced by) is in force until a fit replaces it or
+        drift retires it; later ones (the same producer starting over) keep the fit's model.
+        The planner is left as restored: the steps after a checkpoint follow its model."""
+        if not self._adopted:
+            self._adopted = True
+            self.fitter.model = planner.compute_model
+
+    def update(self, world: int, world_first_step: int, world_size: int, *,
                force: bool = False) -> None:
-        """Read the new reports, fit, and hand the planner the model in force (at most every
-        `poll_seconds` unless `force`)."""
+        """Read the new reports of world `world` (`world_size` ranks from step
+        `world_first_step`) and fit (at most every `poll_seconds` unless `force`)."""
         now = self._clock()
         if not force and now < self._next_poll:
             return
@@ -65,22 +80,21 @@ class ComputeBalancer:
             return
         current = [r for r in reports if r.world == world]
         self.stale += len(reports) - len(current)
-        steps = self._steps_of(current, planner.world_size)
+        steps = self._steps_of(current, world_size)
         for r in current:
             step = steps.get(r.step)
-            batch = step.batch_for(r.rank) if step is not None else None
-            if batch is None:  # trimmed already, or a rank without a batch there: nothing to fit
+            micros = step.micros_for(r.rank) if step is not None else ()
+            if not micros:  # trimmed already, or a rank without a batch there: nothing to fit
                 continue
-            lengths = [batch.truncated_to.get(s.sample_id, s.num_tokens) for s in batch.samples]
-            features = batch_features(batch.samples, lengths, self.collate)
+            features = rank_features(
+                [(b.samples, [b.truncated_to.get(s.sample_id, s.num_tokens) for s in b.samples])
+                 for b in micros], self.collate)
             if self.fitter.offer(ComputeReport(r.step, r.rank, r.seconds, features),
                                  world_first_step=world_first_step):
                 model = step.compute  # the model its step was balanced by (None: tokens)
-                self._note_measured(r, len(step.batches),
+                self._note_measured(r, len(step.ranks()),
                                     None if model is None else model.predict(features))
-        model = self.fitter.refit()
-        if model != planner.compute_model:
-            planner.set_compute_model(model)
+        self.fitter.refit()
         self.state.set_compute_fit(self.status())
 
     def status(self) -> ComputeFitStatus:
@@ -91,6 +105,7 @@ class ComputeBalancer:
             error=m.error if m else 0.0, reports=m.reports if m else 0,
             last_error=f.last_fit.error if f.last_fit else -1.0, accepted=f.accepted,
             rejected=f.rejected, warmup=f.warmup, stale=self.stale, drifts=f.drifts,
+            fit_failures=f.failed,
             imbalance=tuple(self._imbalance), last_step=self._last[0],
             last_measured={r: m for r, (m, _) in self._last[1].items()},
             last_predicted={r: p for r, (_, p) in self._last[1].items() if p is not None})

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 def needs_producer(state: JobState, *, lease_free: bool = True) -> bool:
     """The job needs a producer: not fully planned, not failed for good, and (`lease_free`)
-    no live producer lease. False when the state cannot be read (asked again later)."""
+    no live producer lease (judged on the state's clock, as the lease runs on it). False when
+    the state cannot be read (asked again later)."""
     try:
         if state.is_done() or state.error() is not None:
             return False
@@ -52,7 +53,7 @@ def needs_producer(state: JobState, *, lease_free: bool = True) -> bool:
     except StateError:
         log.debug("job %s: producer check failed", state.job_id, exc_info=True)
         return False
-    return lease is None or lease.expires_at <= time.time()
+    return lease is None or not lease.live
 
 
 def retry_failed_job(state: JobState) -> None:

@@ -57,12 +57,12 @@ class LocalFeed:
     def stage(self, steps: Sequence[Step]) -> None:
         with self._lock:
             for step in steps:
-                for b in step.batches:
+                for rank in step.ranks():  # all of the rank's micro-batches together
                     # A sample restored from a checkpoint was read by an earlier producer: it
                     # is not here, and the replicas rebuild it by id.
-                    got = [self._take(s) for s in b.samples]
+                    got = [self._take(s) for s in step.rank_samples(rank)]
                     if all(p is not None for p in got):
-                        self._staged[(step.step, b.rank)] = got  # type: ignore[assignment]
+                        self._staged[(step.step, rank)] = got  # type: ignore[assignment]
 
     def staged(self, step: int, rank: int) -> list[ProcessedSample] | None:
         """The payloads of (step, rank) if this feed staged them."""

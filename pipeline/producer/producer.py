@@ -21,7 +21,7 @@ import json
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from enum import Enum
 
@@ -38,6 +38,7 @@ from pipeline.jobstate.interface import (
     Publication,
     QuarantineEntry,
 )
+from pipeline.planner.compute_fit import ComputeModel
 from pipeline.planner.step_planner import PlannerState, StepPlanner
 from pipeline.planner.types import EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
 from pipeline.producer.adoption import adopt
@@ -53,6 +54,9 @@ from pipeline.producer.failures import (
 from pipeline.producer.feed import MeasuredFeed
 
 log = logging.getLogger(__name__)
+# Compute balancing: the models of this many recent publications are remembered for a replay
+# (a Redis without fsync_publish loses ~1 s of them in a crash).
+REPLAY_MODELS = 4096
 
 
 class Outcome(str, Enum):  # noqa: UP042 (str mixin: printable in logs and status)
@@ -113,7 +117,9 @@ class Producer:
         self._compute = ComputeBalancer(
             state, cb, job.batching.collate,
             poll_seconds=self.settings.compute_poll_seconds) if cb.enabled else None
-        self._planner: StepPlanner | None = None  # the one planning now (compute balancing)
+        # The model each recent publication's checkpoint holds, by its position: a replay of
+        # publications the state lost (a Redis rollback) plans with the same models.
+        self._models: OrderedDict[tuple[int, int, int, int], ComputeModel | None] = OrderedDict()
 
     # --- lifecycle ---
     def stop(self) -> None:
@@ -288,7 +294,6 @@ class Producer:
                      extra={"job": self.job.job_id})
         if self._compute is not None:
             self._compute.adopt(planner)
-        self._planner = planner
         self._adoption = None
         if planned_for != self._world_gen:
             self._adoption = adopt(planner, planned_for, worlds[:self._world_gen + 1],
@@ -315,9 +320,9 @@ class Producer:
         acked = self.state.acked_all()
         for n in range(max(0, min(acked) + 1), self._last_published + 1):
             step = self.state.get_step(n)
-            for b in step.batches if step else ():
-                if n > acked[b.rank]:
-                    self._unacked[b.rank].append(n)
+            for r in step.ranks() if step else ():
+                if n > acked[r]:
+                    self._unacked[r].append(n)
 
     def _produce_once(self) -> Outcome:
         planner, cp = self._restore()
@@ -363,6 +368,8 @@ class Producer:
     def _publish(self, pending: _Pending, planner: StepPlanner, epoch: int, rows: int, *,
                  done: bool = False) -> None:
         steps = tuple(pending.steps)
+        at = (self._world_gen, epoch, rows, planner.next_step)
+        self._hand_model(planner, at)
         cp = PlannerCheckpoint(epoch=epoch, samples_consumed=rows, next_step=planner.next_step,
                                state=json.dumps(planner.snapshot().to_dict()).encode(),
                                world=self._world_gen)
@@ -382,15 +389,38 @@ class Producer:
         self._failing_since = None  # published: a streak of transient failures is over
         for step in steps:
             self._last_published = max(self._last_published, step.step)
-            for b in step.batches:
-                self._unacked[b.rank].append(step.step)
+            for r in step.ranks():
+                self._unacked[r].append(step.step)
+        if self._compute is not None:
+            self._models[at] = planner.compute_model
+            self._models.move_to_end(at)
+            while len(self._models) > REPLAY_MODELS:
+                self._models.popitem(last=False)
+
+    def _hand_model(self, planner: StepPlanner, at: tuple[int, int, int, int]) -> None:
+        """Compute balancing, before a checkpoint is taken at `at`: the model in force becomes
+        the planner's, so the checkpoint holds the model that plans the steps after it. A
+        position this producer published before (the state lost it: a replay) gets the model
+        it had then, so the replayed steps are the ones the ranks may have received."""
+        if self._compute is None:
+            return
         self._update_compute()
+        planner.set_compute_model(self._models.get(at, self._compute.model))
 
     def _update_compute(self) -> None:
-        """Compute balancing: read the ranks' reports and hand the planner the model in force
-        (throttled to `compute_poll_seconds`)."""
-        if self._compute is not None and self._planner is not None:
-            self._compute.update(self._planner, self._world_gen, self._world_first)
+        """Compute balancing: read the ranks' reports and fit (throttled to
+        `compute_poll_seconds`). What a report holds never fails the job: the fit rejects or
+        absorbs it; should the balancing fail anyway, the model in force stays and the next
+        call tries again. Only the state's own errors go on (the producer's retries)."""
+        if self._compute is None:
+            return
+        try:
+            self._compute.update(self._world_gen, self._world_first, self._world)
+        except StateError:
+            raise
+        except Exception:
+            log.exception("job %s: compute balancing failed; the model in force stays",
+                          self.job.job_id, extra={"job": self.job.job_id})
 
     def _release_acked(self, acked: list[int]) -> None:
         if len(acked) != len(self._unacked):  # the cursors of another world: re-plan first

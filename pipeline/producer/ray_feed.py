@@ -161,9 +161,9 @@ class RayFeed:
         args: dict[int, int] = {}  # block id -> position among the task's block arguments
         with self._lock:
             for step in steps:
-                for b in step.batches:
+                for rank in step.ranks():  # one object per (step, rank): all its micro-batches
                     rows = []
-                    for s in b.samples:
+                    for s in step.rank_samples(rank):
                         q = self._where.get(_key(s))
                         if q:
                             block_id, row = q.popleft()
@@ -174,7 +174,7 @@ class RayFeed:
                             blk.waiting -= 1
                         else:  # read by a previous producer: rebuild by id
                             rows.append(("r", str(s.sample_id), step.epoch, list(_key(s))))
-                    keys.append((step.step, b.rank))
+                    keys.append((step.step, rank))
                     spec.append(rows)
             if not keys:
                 return

@@ -19,6 +19,8 @@ from pipeline.errors import (
     AckAheadOfPlan,
     AckNotDelivered,
     BadRequest,
+    GroupRefused,
+    JobFinished,
     OdbError,
     PositionUnavailable,
     ProducerFailed,
@@ -39,13 +41,13 @@ from pipeline.observability.status_view import training_job_status
 from pipeline.service import scaling
 from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
-from pipeline.service.liveness import LivenessPolicy, rank_failure
+from pipeline.service.liveness import LivenessPolicy, reported_failure
 from pipeline.service.rank_stream import RankStreams
 from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client.wire_format import STREAM_ACCEPTED
+from trainer_client.wire_format import FINAL_STATUS_KEY, STREAM_ACCEPTED
 
 # The one table from the domain's errors to status codes (the most specific class wins).
 STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
@@ -58,6 +60,7 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     WrongJobMode: grpc.StatusCode.FAILED_PRECONDITION,
     WireMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     RankHeld: grpc.StatusCode.FAILED_PRECONDITION,
+    GroupRefused: grpc.StatusCode.FAILED_PRECONDITION,
     ScaleRefused: grpc.StatusCode.FAILED_PRECONDITION,
     RankTimedOut: grpc.StatusCode.ABORTED,
     ProducerFailed: grpc.StatusCode.INTERNAL,  # a bug
@@ -66,6 +69,11 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     ReplicaUnavailable: grpc.StatusCode.UNAVAILABLE,
     StateUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+# Errors a client must not retry whatever their code (`FINAL_STATUS_KEY`): the job failed for
+# good, and every replica would answer the same until an operator acts.
+FINAL = (ProducerFailed, JobFinished)
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -108,10 +116,12 @@ def add_servicer(servicer: DataServicer, server: grpc.aio.Server) -> None:
 def job_status(rt: JobRuntime, replica_id: str, policy: LivenessPolicy, *, open_: bool
                ) -> pb.JobStatus:
     """GetJob's answer for a training job: the job's typed status (its state plus this
-    replica's connections), rendered as the proto."""
+    replica's connections), rendered as the proto. A read: it never acts on the failure policy
+    (`reported_failure`)."""
     return to_proto(training_job_status(
         rt.job.job_id, rt.state, job=rt.job, open=open_,
-        error=rt.error() or rank_failure(rt, policy), facts=rt.facts(), replica_id=replica_id,
+        error=rt.error() or reported_failure(rt, policy), facts=rt.facts(),
+        replica_id=replica_id,
         batch_size_notice=rt.batch_notice))
 
 
@@ -143,16 +153,19 @@ class DataServicer(pb_grpc.DataServiceServicer):
 
     def _lookup(self, job_id: str, metadata: Iterable[tuple[str, str | bytes]] | None
                 ) -> JobRuntime:
-        """The job's runtime, once the call carries its token."""
+        """The job's runtime, once the call carries its token. The token is checked before
+        anything about the job is told (a refill job's mode included), as in Refill: an
+        unauthenticated caller learns nothing."""
         rt = self.runtimes.get(job_id)
-        if rt is None and self.refill is not None and job_id in self.refill.jobs:
-            raise WrongJobMode(f"job {job_id!r} has mode 'refill': its consumers use the Refill "
-                               "RPC (trainer_client.RefillStream), not Stream or Scale")
-        if rt is None:
-            raise UnknownJob(f"unknown job {job_id!r}")
+        refill = rt is None and self.refill is not None and job_id in self.refill.jobs
+        if rt is None and not refill:
+            raise UnknownJob.named(job_id)
         problem = check_token(self.tokens.get(job_id), metadata, job_id)
         if problem is not None:
             raise Unauthenticated(problem)
+        if rt is None:
+            raise WrongJobMode(f"job {job_id!r} has mode 'refill': its consumers use the Refill "
+                               "RPC (trainer_client.RefillStream), not Stream or Scale")
         return rt
 
     # --- unary (plain functions in the server's thread pool) ---
@@ -203,4 +216,5 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 rt, op, op.client_id or context.peer(), _client_messages(requests),
                 context.write, accepted=lambda: context.send_initial_metadata((STREAM_ACCEPTED,)))
         except OdbError as exc:
-            await context.abort(status_of(exc), str(exc))
+            final = ((FINAL_STATUS_KEY, "1"),) if isinstance(exc, FINAL) else ()
+            await context.abort(status_of(exc), str(exc), trailing_metadata=final)

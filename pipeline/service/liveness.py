@@ -10,6 +10,9 @@ claim: `JobState.timed_out_ranks`); after `rank_timeout_seconds` the policy deci
   until it comes back; logged once per rank;
 - `shrink`: a reconfiguration onto the live ranks (`scaling.shrink`; one replica makes it, the
   others find it made); where it cannot be made, as `fail`.
+Only the rank streams act on the policy (`rank_failure`); a status read (GetJob) asks what it
+would report (`reported_failure`), which changes nothing: under `shrink` that is the refusal the
+streams last met, if any.
 No gRPC. Reads (and under shrink writes) the job's state through the replica's runtime: the
 calls block, so an event loop runs them in an I/O thread.
 """
@@ -35,6 +38,9 @@ class LivenessPolicy(Protocol):
         """Ranks `gone` (rank -> seconds) have been gone longer than the timeout: the error
         that ends the job's other streams, or None (they go on)."""
 
+    def reported(self, rt: JobRuntime, gone: dict[int, float]) -> str | None:
+        """What a status read reports for them: `failure`'s answer without acting on it."""
+
 
 def _message(rt: JobRuntime, gone: dict[int, float], policy: LivenessPolicy,
              why: str = "") -> str:
@@ -54,6 +60,8 @@ class Fail:
 
     def failure(self, rt: JobRuntime, gone: dict[int, float]) -> str | None:
         return _message(rt, gone, self)
+
+    reported = failure
 
 
 class Wait:
@@ -75,16 +83,28 @@ class Wait:
                             extra={"job": rt.job.job_id, "rank": r})
         return None
 
+    def reported(self, rt: JobRuntime, gone: dict[int, float]) -> str | None:
+        return None
+
 
 class Shrink:
     name = RankFailurePolicy.SHRINK
 
     def __init__(self, timeout_seconds: float) -> None:
         self.timeout_seconds = timeout_seconds
+        self._refused: dict[str, str] = {}  # job -> what its streams last ended with
 
     def failure(self, rt: JobRuntime, gone: dict[int, float]) -> str | None:
         why = scaling.shrink(rt, self.timeout_seconds)
-        return None if why is None else _message(rt, gone, self, f" ({why})")
+        message = None if why is None else _message(rt, gone, self, f" ({why})")
+        if message is None:
+            self._refused.pop(rt.job.job_id, None)
+        else:
+            self._refused[rt.job.job_id] = message
+        return message
+
+    def reported(self, rt: JobRuntime, gone: dict[int, float]) -> str | None:
+        return self._refused.get(rt.job.job_id)  # (a read never reconfigures the job)
 
 
 POLICIES: dict[RankFailurePolicy, type[Fail | Wait | Shrink]] = {
@@ -100,6 +120,13 @@ def policy_named(name: RankFailurePolicy | str, timeout_seconds: float) -> Liven
 
 def rank_failure(rt: JobRuntime, policy: LivenessPolicy, rank: int | None = None
                  ) -> str | None:
-    """The policy's error for the streams of ranks other than `rank` (None: they go on)."""
+    """The policy's error for the streams of ranks other than `rank` (None: they go on); the
+    policy acts (`shrink` reconfigures the job)."""
     gone = {r: t for r, t in rt.dead_ranks(policy.timeout_seconds).items() if r != rank}
     return policy.failure(rt, gone) if gone else None
+
+
+def reported_failure(rt: JobRuntime, policy: LivenessPolicy) -> str | None:
+    """What a status read reports of the gone ranks: no side effect on the job."""
+    gone = rt.dead_ranks(policy.timeout_seconds)
+    return policy.reported(rt, gone) if gone else None

@@ -1,6 +1,7 @@
 """How a replica gets the payloads of one rank's batch: by reference, and only that rank's.
 
-`PayloadSource.fetch(step, rank)` returns the rank's samples in batch order, byte-identical
+`PayloadSource.fetch(step, rank)` returns the rank's samples in batch order (of a global step:
+of all its micro-batches, in micro-batch order: one fetch serves them all), byte-identical
 whenever and wherever it is called (restarts redeliver identical batches).
 - `ArrayPayloads`: the in-memory `ArraySource` the job was planned from.
 - `RayPayloads`: first the batches a bootstrap producer of this replica staged in this process
@@ -31,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.config import TrainingJobConfig
-from pipeline.planner.types import Batch, MeasuredSample, SampleId, Step
+from pipeline.planner.types import MeasuredSample, SampleId, Step
 from pipeline.preprocess.array_source import ArraySource
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.coalescer import Coalescer
@@ -90,8 +91,7 @@ class ArrayPayloads(_Counting):
         self.source = source
 
     def fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
-        batch = _batch(step, rank)
-        out = [self.source.get(str(s.sample_id), step.epoch) for s in batch.samples]
+        out = [self.source.get(str(s.sample_id), step.epoch) for s in _samples(step, rank)]
         self._count(rank, len(out))
         return out
 
@@ -160,7 +160,7 @@ class RayPayloads(_Counting):
 
         from pipeline.preprocess.rows import from_table
 
-        batch = _batch(step, rank)
+        samples = _samples(step, rank)
         here = self.local.staged(step.step, rank) if self.local is not None else None
         if here is not None:
             self._count(rank, len(here))
@@ -171,10 +171,10 @@ class RayPayloads(_Counting):
             try:
                 left = max(0.0, deadline - time.monotonic())
                 items = from_table(ray.get(ref, timeout=left))
-                if len(items) == len(batch.samples) and all(
+                if len(items) == len(samples) and all(
                         isinstance(p, ProcessedSample)
                         and _matches(p, s, self.collate, self.payload_id(s.sample_id))
-                        for p, s in zip(items, batch.samples, strict=True)):
+                        for p, s in zip(items, samples, strict=True)):
                     self._count(rank, len(items))
                     return items  # type: ignore[return-value]
                 log.error("job %s: staged payload of step %d rank %d does not match its "
@@ -183,7 +183,7 @@ class RayPayloads(_Counting):
                 log.info("job %s: payload of step %d rank %d lost; rebuilding by id",
                          self.job.job_id, step.step, rank, exc_info=True)
                 self._ray_unanswered(exc)
-        out = [self._rebuild(s, step.epoch) for s in batch.samples]
+        out = [self._rebuild(s, step.epoch) for s in samples]
         self._count(rank, len(out))
         return out
 
@@ -214,8 +214,8 @@ class RayPayloads(_Counting):
                 self._store = None
 
 
-def _batch(step: Step, rank: int) -> Batch:
-    batch = step.batch_for(rank)
-    if batch is None:
+def _samples(step: Step, rank: int) -> tuple[MeasuredSample, ...]:
+    """The rank's samples of the step, over all its micro-batches."""
+    if step.batch_for(rank) is None:
         raise LookupError(f"step {step.step} has no batch for rank {rank}")
-    return batch
+    return step.rank_samples(rank)

@@ -2,7 +2,10 @@
 
 No gRPC here: the servicer asks `next(plan)` and performs the action (send a batch when the
 client has credit, send an END, wait). Positions: `pos` is the next global step to consider,
-`epoch` the first epoch whose END has not been sent, `last_sent` the highest step sent.
+`micro` its next micro-batch to send (global steps: a rank's batches of one step go one wire
+Batch each, in micro-batch order; a stream always opens at a step's first), `epoch` the first
+epoch whose END has not been sent, `last_sent` the highest step sent (a step counts as sent
+from its first micro-batch on).
 
 Join mode leaves a rank out of the steps after its final one; once the rank has acknowledged
 everything it was sent before an epoch's END, it is acknowledged through that epoch's last step
@@ -34,7 +37,8 @@ class PlanReader(Protocol):
 
 @dataclass(frozen=True)
 class Send:
-    step: Step  # holds the rank's batch
+    step: Step  # holds the rank's batches (its micro-batches of a global step)
+    micro: int = 0  # which of them goes now
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class RankCursor:
     # (trigger, target): once the rank acks `trigger`, ack it through `target`.
     end_acks: list[tuple[int, int]] = field(default_factory=list)
     world: int = 0  # the world generation this cursor runs in
+    micro: int = 0  # the next micro-batch of step `pos` to send
     limit: int | None = None  # this rank's last step, once its world ended
     next_world_size: int = 0  # the world after it (once it ended)
 
@@ -105,7 +110,7 @@ class RankCursor:
                     end = plan.epoch_end(self.epoch)
                     return Wait() if end is None else End(end)
                 if step.batches:
-                    return Send(step)
+                    return Send(step, self.micro)
                 self.pos += 1  # join mode: the rank is absent from this step
                 continue
             end = plan.epoch_end(self.epoch)
@@ -117,9 +122,13 @@ class RankCursor:
                 return Reconfigure(self.next_world_size)
             return Wait()
 
-    def sent(self, step: Step) -> None:
+    def sent(self, step: Step, micro: int = 0) -> None:
+        """Micro-batch `micro` of the rank's batches in `step` was sent."""
         self.last_sent = max(self.last_sent, step.step)
-        self.pos = step.step + 1
+        if micro + 1 < len(step.micros_for(self.rank)):
+            self.pos, self.micro = step.step, micro + 1
+        else:
+            self.pos, self.micro = step.step + 1, 0
 
     def ended(self, end: EpochEnd) -> None:
         """The END of `end.epoch` was sent."""

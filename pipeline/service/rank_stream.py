@@ -21,14 +21,22 @@ Leases (Guarantees 4, 8). A rank's lease is renewed only on evidence from its cl
 Open, its Acks and its Heartbeats (which a client sends from its gRPC request thread while it
 has nothing else to say, so a trainer busy in a long step keeps its lease and a frozen one does
 not); a stream that is merely connected renews nothing. Each renewal is checked: a stream whose
-rank another client took ends (`RankHeld`). A rank that got its final END releases its lease,
-as does a stream the server ends; a client whose stream goes away before that (killed, network
-gone, or closed early: the server cannot tell them apart, and each leaves its peers waiting)
-does not: its lease lapses `lease_seconds` after its last sign of life, and the job's
-`rank_failure_policy` (`liveness.py`) decides what the other ranks' streams do. A restarted
-client of a rank whose previous stream vanished from *this* replica takes the rank over at once
-instead of waiting out the lease; a client that fails over to another replica keeps its client
-id, so it re-claims at once.
+rank another client took ends (`RankHeld`). A rank that got its final END releases its lease.
+A stream that ends before that keeps it, whether its client went away (killed, network gone,
+or closed early: the server cannot tell them apart, and each leaves its peers waiting) or the
+server ended it with an error (its trainer may exit on it): the lease lapses `lease_seconds`
+after the client's last sign of life, and the job's `rank_failure_policy` (`liveness.py`)
+decides what the other ranks' streams do (a released rank would never be judged gone). A
+restarted client of a rank whose previous stream ended on *this* replica takes the rank over at
+once instead of waiting out the lease, unless the rank was claimed again since (on any replica:
+that holder is alive, and the new client gets `RankHeld`); a client that fails over to another
+replica keeps its client id, so it re-claims at once.
+
+Groups (docs/trainer-client.md): the members of a rank's model-parallel group (`Open.group_size`,
+`group_rank`) each have a stream of the rank; each stream holds its member's seat in the group's
+lease (`JobState`, `interface.Member`), renewed on that member's evidence, and acks for it (the
+rank's cursor is the group's slowest member's); a lost member is a lost rank to its peers too.
+The members on one replica share one build of each batch (`JobIO.build`).
 
 Acks: a client acknowledges only steps it was sent (`AckNotDelivered` otherwise: the state's
 cursor never skips a step the rank did not get), with at most `MAX_CREDITS` credits at a time.
@@ -71,13 +79,14 @@ from pipeline.errors import (
     RankTimedOut,
     ReplicaUnavailable,
     StateUnavailable,
+    WireMismatch,
 )
-from pipeline.jobstate.interface import ProducerFailure, RankAck, RankCompute
+from pipeline.jobstate.interface import Member, ProducerFailure, RankAck, RankCompute
 from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd
 from pipeline.producer.failures import Cause
 from pipeline.service.credit_window import CreditError, CreditWindow
-from pipeline.service.job_runtime import JobRuntime
+from pipeline.service.job_runtime import JobRuntime, RankConnection
 from pipeline.service.liveness import LivenessPolicy, rank_failure
 from pipeline.service.rank_cursor import (
     Boundary,
@@ -89,7 +98,14 @@ from pipeline.service.rank_cursor import (
     Send,
 )
 from pipeline.service.stream_io import JobIO
-from pipeline.service.world_open import MAX_CREDITS, StreamStart, resolve
+from pipeline.service.wire_codec import wire_version_problem
+from pipeline.service.world_open import (
+    MAX_CREDITS,
+    StreamStart,
+    beyond_the_plan,
+    member_of,
+    resolve,
+)
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 MAX_COMPUTE_REPORTS = 64  # per Ack (a client sends one per batch taken since its last Ack)
@@ -106,7 +122,7 @@ class StreamSettings:
 
     lease_seconds: float = 10.0  # a lease lasts this long after the client's sign of life
     prefetch_steps: int = 4  # the most credits a client gets (its Open may ask for fewer)
-    resume_grace_s: float = 2.0  # a resume position past the plan waits this long for it
+    resume_grace_s: float = 60.0  # a position past the plan: how long the plan may not grow
     state_timeout_seconds: float = 5.0  # the longest wait for the job's state: UNAVAILABLE
     payload_timeout_seconds: float = 10.0  # the longest wait for a batch's payloads
 
@@ -119,6 +135,8 @@ class StreamSession:
     client_id: str
     credits: CreditWindow
     cursor: RankCursor
+    claim: int = 0  # the number of this stream's claim of the rank (`RankLease.claim`)
+    member: Member | None = None  # its seat in the rank's model-parallel group (None: alone)
     cancelled: bool = False
     client_closed: bool = False  # the client half-closed its side (after its final ack)
     error: OdbError | None = None  # set by the ack reader: the stream ends with it
@@ -128,6 +146,13 @@ class StreamSession:
     left: bool = False  # got END(reconfigure): its world ended, it left
     unreachable: bool = False  # ended because the job's state or payloads could not be reached
     renewed_at: float = field(default_factory=time.monotonic)  # the lease's last renewal
+    # A global step's payloads of this rank (all its micro-batches), fetched once for them all:
+    # (step, samples); (-1, None) when none is held.
+    payloads: tuple[int, list | None] = (-1, None)
+    # An Open's position past the published plan, until the plan reaches it; the plan's last
+    # step when the stream last saw it grow, and when.
+    awaited: int | None = None
+    awaited_plan: tuple[int, float] = (-1, 0.0)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def poke(self) -> None:
@@ -146,6 +171,10 @@ class StreamSession:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._wake.wait()
+
+
+def _seat(member: Member | None) -> int:
+    return -1 if member is None else member.index
 
 
 def producer_failed(job_id: str, failure: ProducerFailure) -> ProducerFailed:
@@ -171,8 +200,9 @@ class RankStreams:
         self.settings = settings
         self.policy = policy
         self.executor = executor
-        # (job, rank) -> client id of a stream that vanished from this replica (not released).
-        self._vanished: dict[tuple[str, int], str] = {}
+        # (job, rank, group seat or -1) -> (client id, claim) of a stream that ended on this
+        # replica before its final END (its lease not released).
+        self._vanished: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._vanished_lock = threading.Lock()
         self._ios: dict[str, JobIO] = {}
 
@@ -186,45 +216,57 @@ class RankStreams:
                 payload_timeout=st.payload_timeout_seconds)
         return jio
 
-    def claim(self, rt: JobRuntime, rank: int, client_id: str) -> None:
-        """Claim the rank (`RankHeld` while another live client holds it); if its holder is a
-        stream that vanished from this replica, take over at once (release the dead holder's
-        lease first) rather than wait out the lease."""
-        key = (rt.job.job_id, rank)
+    def claim(self, rt: JobRuntime, rank: int, client_id: str,
+              member: Member | None = None) -> int:
+        """Claim the rank, or the member's seat in its group (`RankHeld` while another live
+        client holds it); returns the claim's number (claims are counted per rank, and per
+        seat). If its holder is a stream that ended on this replica and no claim of it came
+        since (the holder did not claim it again elsewhere: it is dead), take over at once
+        (release that lease first) rather than wait out the lease."""
+        key = (rt.job.job_id, rank, _seat(member))
         with self._vanished_lock:
             old = self._vanished.pop(key, None)
-        if old is not None and old != client_id:
-            try:
-                rt.state.release_rank(rank, old)  # a no-op unless `old` still holds it
+        if old is not None and old[0] != client_id:
+            try:  # a no-op unless that client still holds it by that very claim
+                rt.state.release_rank(rank, *old, member=member)
             except Exception:
-                log.debug("release of vanished client %s failed", old, exc_info=True)
+                log.debug("release of vanished client %s failed", old[0], exc_info=True)
         try:
-            rt.state.claim_rank(rank, client_id, self.settings.lease_seconds)
+            return rt.state.claim_rank(rank, client_id, self.settings.lease_seconds,
+                                       member=member).claim
         except RankHeld as exc:
             raise RankHeld(f"{exc}; retry after the lease lapses") from None
 
-    def vanished(self, rt: JobRuntime, rank: int, client_id: str) -> None:
+    def vanished(self, rt: JobRuntime, rank: int, client_id: str, claim: int,
+                 member: Member | None = None) -> None:
+        """`client_id`'s stream of `rank` (its claim `claim`; of its seat `member`) ended here
+        without releasing."""
         with self._vanished_lock:
-            self._vanished[(rt.job.job_id, rank)] = client_id
+            self._vanished[(rt.job.job_id, rank, _seat(member))] = (client_id, claim)
 
     async def serve(self, rt: JobRuntime, op: pb.Open, client_id: str,
                     requests: AsyncIterator[pb.ClientMessage], write: Write,
                     accepted: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Serve the rank of `op` until its END (or its world's END(reconfigure)), the client
-        closes or goes away (cancellation), or the stream must end (a domain error).
-        `accepted` runs once the Open is (the position resolved, the rank claimed)."""
+        """Serve the rank of `op` (or its seat in the rank's group) until its END (or its
+        world's END(reconfigure)), the client closes or goes away (cancellation), or the stream
+        must end (a domain error). `accepted` runs once the Open is (the position resolved,
+        the rank claimed)."""
+        if rt.job.batching.global_token_budget is not None:  # micro-batches: a newer client
+            problem = wire_version_problem(op, global_steps=True)
+            if problem:
+                raise WireMismatch(problem)
+        member = member_of(op, rt)
         jio = self.job_io(rt)
         prefetch = self.settings.prefetch_steps
         credits = CreditWindow.opened(max(1, min(op.credits or prefetch, prefetch)),
                                       op.prefetch_bytes, op.held_bytes)
-        grace = self.settings.resume_grace_s  # (a position past the plan waits this long)
-        start = await jio.run(functools.partial(resolve, resume_grace_s=grace), op, rt,
-                              waits_s=grace)
+        start = await jio.run(resolve, op, rt)
+        claim = 0
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
-            await jio.run(self.claim, rt, op.rank, client_id)
+            claim = await jio.run(self.claim, rt, op.rank, client_id, member)
         if accepted is not None:
             await accepted()
-        stream = RankStream(self, jio, op, client_id, start, credits)
+        stream = RankStream(self, jio, op, client_id, start, credits, claim, member)
         await stream.run(requests, write)
 
 
@@ -232,7 +274,8 @@ class RankStream:
     """One stream: its session, the send loop and the ack reader."""
 
     def __init__(self, streams: RankStreams, jio: JobIO, op: pb.Open, client_id: str,
-                 start: StreamStart, credits: CreditWindow) -> None:
+                 start: StreamStart, credits: CreditWindow, claim: int,
+                 member: Member | None = None) -> None:
         self.streams = streams
         self.settings = streams.settings
         self.jio = jio
@@ -241,20 +284,28 @@ class RankStream:
         cursor = RankCursor(op.rank, self.rt.job.epochs, pos=start.pos, epoch=start.epoch,
                             last_sent=start.pos - 1, world=start.world, limit=start.limit,
                             next_world_size=start.next_world_size)
-        self.s = StreamSession(op.rank, client_id, credits, cursor, leased=start.has_work,
-                               granted=start.pos - 1, window=credits.steps)
+        self.s = StreamSession(op.rank, client_id, credits, cursor, claim=claim, member=member,
+                               leased=start.has_work, granted=start.pos - 1,
+                               window=credits.steps,
+                               awaited=start.pos if start.beyond_plan else None)
         log.info("job %s rank %d: client %s opened at step %d epoch %d (world %d of %d ranks)",
                  op.job_id, op.rank, client_id, start.pos, start.epoch, start.world,
                  start.world_size, extra={"job": op.job_id, "rank": op.rank,
                                           "step": start.pos})
 
+    def _connection(self) -> RankConnection:
+        """What this replica shows of the stream (status): its rank's, or its member's."""
+        s = self.s
+        return (self.rt.ranks[s.rank] if s.member is None
+                else self.rt.members[(s.rank, s.member.index)])
+
     def _log_extra(self) -> dict:
         return {"job": self.job_id, "rank": self.s.rank, "step": self.s.cursor.last_sent}
 
     async def run(self, requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
-        s, rt = self.s, self.rt
+        s = self.s
         reader = asyncio.ensure_future(self._read_acks(requests))
-        conn = rt.ranks[s.rank]
+        conn = self._connection()
         conn.client_id, conn.connected = s.client_id, True
         writing: asyncio.Future | None = None
         try:
@@ -270,7 +321,7 @@ class RankStream:
             # still working through the batches it holds keeps its heartbeats), and a lease
             # after its last one. (After END(reconfigure) there is nothing to record: end at
             # once, the rank is about to open its stream in the new world.)
-            while not (s.client_closed or s.cancelled or s.left or rt.stopping):
+            while not (s.client_closed or s.cancelled or s.left or self.rt.stopping):
                 if time.monotonic() - s.renewed_at >= self.settings.lease_seconds:
                     break
                 await s.wait(0.1)
@@ -292,19 +343,20 @@ class RankStream:
 
     async def _finish(self) -> None:
         s, rt = self.s, self.rt
-        # A client whose stream went away before its final END keeps its lease until it
-        # lapses: that is how the other ranks learn a peer is gone (Guarantee 4).
-        # (A client that half-closed early on purpose leaves them waiting just the same.)
-        vanished = ((s.cancelled or s.client_closed)
-                    and not (s.cursor.job_done or s.left) and s.leased)
-        if vanished:
-            self.streams.vanished(rt, s.rank, s.client_id)
-            log.info("job %s rank %d: client %s vanished; its lease lapses in <= %.1fs",
-                     self.job_id, s.rank, s.client_id, self.settings.lease_seconds,
-                     extra=self._log_extra())
-        elif s.leased and not s.unreachable:  # (else the lease lapses: the client is elsewhere)
+        # A stream that ends before its final END (its client went away, or the server ended
+        # it with an error its trainer may exit on) keeps its lease until it lapses: that is
+        # how the other ranks learn a peer is gone (Guarantee 4). (A client that half-closed
+        # early on purpose leaves them waiting just the same.)
+        if s.leased and not s.cursor.job_done:
+            self.streams.vanished(rt, s.rank, s.client_id, s.claim, s.member)
+            log.info("job %s rank %d: client %s %s; its lease lapses in <= %.1fs",
+                     self.job_id, s.rank, s.client_id,
+                     "vanished" if s.cancelled or s.client_closed else "was ended",
+                     self.settings.lease_seconds, extra=self._log_extra())
+        elif s.leased and not s.unreachable:  # (else it lapses: the client is elsewhere)
             try:
-                await self.jio.run(rt.state.release_rank, s.rank, s.client_id)
+                await self.jio.run(functools.partial(rt.state.release_rank, s.rank, s.client_id,
+                                                     member=s.member))
             except Exception:
                 log.warning("job %s rank %d: release failed", self.job_id, s.rank,
                             exc_info=True)
@@ -402,7 +454,7 @@ class RankStream:
         # and taken back if lapsed, every time): the same evidence, fewer writes.
         now = time.monotonic()
         renew = step < 0 or now - s.renewed_at >= self.settings.lease_seconds / 3
-        ack = RankAck(s.rank, s.client_id, step if current else -1, renew)
+        ack = RankAck(s.rank, s.client_id, step if current else -1, renew, s.member)
         if ack.step > s.granted:  # an END's ack through steps the rank has no batch in
             await self._grant(ack.step)
         try:
@@ -446,12 +498,14 @@ class RankStream:
 
     async def _rank_failure(self) -> str | None:
         """`liveness.rank_failure` from the fresh cached lapses (the policy's own I/O, a
-        shrink, only when some rank is gone)."""
+        shrink, only when some rank is gone). A member of a group counts its own rank too:
+        a lost member is its peers' lost rank."""
         policy = self.streams.policy
         dead = self.rt.dead_ranks(policy.timeout_seconds, refresh=False)
-        if not any(r != self.s.rank for r in dead):
+        mine = None if self.s.member is not None else self.s.rank
+        if not any(r != mine for r in dead):
             return None
-        return await self.jio.run(rank_failure, self.rt, policy, self.s.rank)
+        return await self.jio.run(rank_failure, self.rt, policy, mine)
 
     async def _send(self) -> AsyncIterator[pb.ServerMessage | bytes]:
         s, rt, jio = self.s, self.rt, self.jio
@@ -463,6 +517,8 @@ class RankStream:
                 raise ReplicaUnavailable("server is shutting down; reconnect")
             await self._check_abort()
             action = await jio.next_action(s.cursor)
+            if s.awaited is not None:
+                await self._await_position(action)
             if isinstance(action, Finished):
                 return
             if isinstance(action, Boundary):  # the world ended: learn this rank's last step
@@ -489,16 +545,48 @@ class RankStream:
                 n = action.step.step
                 if n > s.granted and not await self._grant(n + s.window - 1, n):
                     continue  # its world ended before this step, or the state is behind
-                batch = await jio.build(action.step, s.rank)
+                micros = len(action.step.micros_for(s.rank))
+                held, samples = s.payloads
+                if micros > 1 and held != n:  # one fetch serves all the rank's micro-batches
+                    samples = await jio.fetch(action.step, s.rank, s.member)
+                    s.payloads = (n, samples)
+                batch = await jio.build(action.step, s.rank, action.micro,
+                                        samples if micros > 1 else None, s.member)
                 if not await self._await_credit(batch.nbytes):  # room in its byte window
                     return
                 s.credits.sent(batch.nbytes)
-                s.cursor.sent(action.step)
-                rt.ranks[s.rank].delivered = n
+                s.cursor.sent(action.step, action.micro)
+                if action.micro == micros - 1:
+                    s.payloads = (-1, None)
+                self._connection().delivered = n
                 for msg in batch.messages():  # a chunk is copied into its message as it goes
                     yield msg
                 continue
             await jio.tick()  # Wait: nothing published for this rank yet
+
+    async def _await_position(self, action: object) -> None:
+        """The stream opened at a position past the published plan (the job's state lost
+        publications the client had received; the producer publishes them again after its
+        backoff and a replay from its checkpoint): it waits for the plan to get there as long
+        as the plan grows. OUT_OF_RANGE (`PositionUnavailable`) once the epoch's END is
+        published before the position, or `resume_grace_s` went by with nothing new
+        published."""
+        s = self.s
+        through = (await self.jio.head()).published_through
+        if s.awaited <= through + 1:
+            s.awaited = None  # the plan got there: an ordinary stream from now on
+            return
+        if isinstance(action, End) and action.end.last_step + 1 < s.awaited:
+            raise beyond_the_plan(self.job_id, s.awaited, through,
+                                  f" and epoch {action.end.epoch} ended at step "
+                                  f"{action.end.last_step}")
+        now = time.monotonic()
+        if through > s.awaited_plan[0]:
+            s.awaited_plan = (through, now)
+        elif now - s.awaited_plan[1] > self.settings.resume_grace_s:
+            raise beyond_the_plan(self.job_id, s.awaited, through,
+                                  f" and nothing new was published for "
+                                  f"{self.settings.resume_grace_s:g}s")
 
     async def _await_credit(self, nbytes: int) -> bool:
         """Until the client's credits let a batch of `nbytes` go (0: until a step credit is
@@ -532,7 +620,8 @@ class RankStream:
         the rank's stream in the new world is not held up), then gets END(reconfigure)."""
         s, rt = self.s, self.rt
         try:
-            await self.jio.run(rt.state.rank_left, s.cursor.world, s.rank, s.client_id)
+            await self.jio.run(functools.partial(rt.state.rank_left, s.cursor.world, s.rank,
+                                                 s.client_id, member=s.member))
         except Exception:  # the lease then lapses; the switch completes all the same
             log.warning("job %s rank %d: recording its exit from world %d failed",
                         self.job_id, s.rank, s.cursor.world, exc_info=True)

@@ -20,16 +20,17 @@ from trainer_client.wire_format import WIRE_DTYPES as _TO_WIRE
 from trainer_client.wire_format import version_mismatch
 
 
-def wire_version_problem(open_msg: pb.Open) -> str | None:
-    """None when the client decodes this server's wire version; else the details for the
-    FAILED_PRECONDITION the data server must answer the Open with (naming both versions):
+def wire_version_problem(open_msg: pb.Open, *, global_steps: bool = False) -> str | None:
+    """None when the client decodes this server's wire version (for a job with `global_steps`:
+    one with micro-batches); else the details for the FAILED_PRECONDITION the data server must
+    answer the Open with (naming both versions):
 
         problem = wire_version_problem(op)
         if problem:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
 
     The client never retries that status when the details carry this message."""
-    return version_mismatch(open_msg.wire_version)
+    return version_mismatch(open_msg.wire_version, global_steps=global_steps)
 
 
 def encode(name: str, array: np.ndarray) -> pb.Tensor:

@@ -17,6 +17,11 @@ def _v(x: Any, fmt: str = "{}") -> str:
     return fmt.format(x)
 
 
+def _step(x: int | None) -> str:
+    """A step number; "-" for none yet (None, or the -1 the sources use for it)."""
+    return "-" if x is None or x < 0 else str(x)
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -62,9 +67,12 @@ def _ranks(job: JobStatus) -> list[str]:
                      f"{t.samples_per_s:.1f} samples/s  {t.tokens_per_s:.0f} tokens/s  "
                      f"{t.batches_per_s:.2f} batches/s{extra}")
     if job.totals:
+        budget = (f"token budget {_v(job.token_budget)}" if job.global_token_budget is None
+                  else f"token budget {_v(job.token_budget)} per micro-batch, global token "
+                  f"budget {job.global_token_budget} per step; "
+                  f"{_v(job.totals.batches_emitted)} micro-batches consumed")
         lines.append(f"  padding efficiency {_pct(job.padding_efficiency)}  "
-                     f"budget utilisation {_pct(job.budget_utilisation)}  "
-                     f"(token budget {_v(job.token_budget)})")
+                     f"budget utilisation {_pct(job.budget_utilisation)}  ({budget})")
     prod = job.producer
     if prod:
         lines.append(f"  producer generation {prod.generation} "
@@ -75,22 +83,32 @@ def _ranks(job: JobStatus) -> list[str]:
                      f"far): {trouble.message}")
     header = ("rank", "delivered*", "acked", "lag", "connected*", "heartbeat", "stalled",
               "lapsed", "client")
-    rows = [header] + [(
-        str(r.rank), _v(r.replica.delivered_step if r.replica else None),
-        _v(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
-        _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
-    ) for r in job.ranks or ()]
+    rows = [header]
+    for r in job.ranks or ():
+        rows.append((
+            str(r.rank), _step(r.replica.delivered_step if r.replica else None),
+            _step(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
+            _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
+        ))
+        rows += [(  # a rank served to a model-parallel group: every member under it
+            f"{r.rank}.{m.member}", _step(m.replica.delivered_step if m.replica else None),
+            _step(m.acked_step), _v(m.lag_steps), _v(m.replica.connected if m.replica else None),
+            _v(m.heartbeat_age_s, "{:.1f}s"), "", _v(bool(m.lapsed_for_s)),
+            m.client_id or ("(released)" if m.released else "-"),
+        ) for m in r.members or ()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
-    lines.append(f"  * as seen by replica {job.replica.id if job.replica else '-'}")
+    lines.append(f"  * as seen by replica {job.replica.id if job.replica else '-'}"
+                 + ("; r.m: member m of rank r's group, its lag behind the group's most "
+                    "advanced member" if any(r.members for r in job.ranks or ()) else ""))
     return lines
 
 
 def _job(job: JobStatus, show_records: bool) -> list[str]:
     where = ("" if job.refill is not None else
              f"  world_size={_v(job.world_size)}  published_through="
-             f"{_v(job.published_through)}")
+             f"{_step(job.published_through)}")
     lines = [f"job {job.job_id}  state={job.state}  mode={job.mode}{where}  "
              f"samples_in={_v(job.samples_in)}"
              + ("  OPEN (served without a credential)" if job.open else "")]
@@ -122,7 +140,7 @@ def _job(job: JobStatus, show_records: bool) -> list[str]:
     if job.coordinator is not None:
         c = job.coordinator
         lines.append(f"  redis: state={c.state}  retained_steps={c.retained_steps}  "
-                     f"min_acked={c.min_acked}")
+                     f"min_acked={_step(c.min_acked)}")
     return lines
 
 
@@ -152,7 +170,8 @@ def _compute(c: ComputeStatus) -> list[str]:
     else:
         head = f"  compute balancing: by tokens until the fit passes its gate ({fit})"
     lines = [head + f"; reports accepted {c.accepted}, rejected {c.rejected}, warm-up "
-             f"{c.warmup}, stale {c.stale}; refits after drift {c.drifts}"]
+             f"{c.warmup}, stale {c.stale}; refits after drift {c.drifts}"
+             + (f"; fits failed {c.fit_failures}" if c.fit_failures else "")]
     if c.coefficients:
         lines.append("    seconds per unit: " + "  ".join(
             f"{k}={v:.3g}" for k, v in c.coefficients.items() if v))

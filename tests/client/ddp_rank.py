@@ -13,6 +13,9 @@ clock's compute seconds and the step's naive wall time, forward start to backwar
 the adapter is built with `report_compute=False`.
 `--stop-after STEP` ends the run after that global step (a checkpoint goes to --state-out, or
 for lightning/hf to the given folder); `--state-in` resumes from it.
+`--steps` (a job with global steps, docs/global-steps.md): each adapter's accumulating loop
+(accelerate `joined_steps`, hf and lightning one item of micro-batches per optimizer step); one
+line per optimizer step, its sample ids those of all this rank's micro-batches (`micros`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ class StepLog:
             "sample_ids": list(info.sample_ids), "rank_loss_tokens": info.rank_loss_tokens,
             "step_loss_tokens": info.step_loss_tokens, "grad": flat_grad(model),
             **timing}) + "\n")
+        self.f.flush()
+
+    def write_step(self, infos: list, model: torch.nn.Module) -> None:
+        """One optimizer step of a global job: this rank's micro-batches together."""
+        first = infos[0]
+        assert [i.micro_index for i in infos] == list(range(first.micro_count))
+        self.f.write(json.dumps({
+            "step": first.step, "epoch": first.epoch, "opt": first.optimizer_step,
+            "micros": len(infos), "filler": all(i.filler for i in infos),
+            "sample_ids": [s for i in infos if not i.filler for s in i.sample_ids],
+            "rank_loss_tokens": sum(i.rank_loss_tokens for i in infos),
+            "step_loss_tokens": first.step_loss_tokens, "grad": flat_grad(model)}) + "\n")
         self.f.flush()
 
 
@@ -106,6 +121,21 @@ def run_accelerate(args, stream: BatchStream, log: StepLog) -> None:
     assert acc.num_processes == 2, acc.state
     model = build_model()
     wrapped, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    if args.steps:
+        from trainer_client.accelerate_join import joined_steps
+
+        while not stream.done:
+            with joined_steps(acc, stream, [wrapped], report_compute=args.compute) as steps:
+                for step in steps:
+                    infos = []
+                    for inputs in step:
+                        acc.backward(forward_loss(wrapped, inputs))
+                        infos.append(inputs.info)
+                    log.write_step(infos, model)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        acc.end_training()
+        return
     while not stream.done:
         with joined_epoch(acc, stream, [wrapped], report_compute=args.compute) as batches:
             for inputs in batches:
@@ -125,7 +155,10 @@ def run_hf(args, stream: BatchStream, log: StepLog) -> None:
         def training_step(self, model, inputs, num_items_in_batch=None):
             info = inputs.info
             loss = super().training_step(model, inputs, num_items_in_batch)
-            log.write(info, self.model)
+            if args.steps:  # one item: this rank's micro-batches of the step
+                log.write_step([b.info for b in inputs], self.model)
+            else:
+                log.write(info, self.model)
             return loss
 
     stop = args.stop_after is not None
@@ -151,11 +184,21 @@ def run_lightning(args, stream: BatchStream, log: StepLog) -> None:
             self.info = None
 
         def training_step(self, batch, batch_idx):
+            if args.steps:  # this rank's micro-batches of a global step
+                from trainer_client.lightning_data import accumulate_loss
+
+                self.info = [b.info for b in batch]
+                return accumulate_loss(self, batch, lambda b: forward_loss(self.model, b))
             self.info = batch.info
             return forward_loss(self.model, batch)
 
         def on_after_backward(self) -> None:
-            log.write(self.info, self.model)
+            if not args.steps:
+                log.write(self.info, self.model)
+
+        def on_before_optimizer_step(self, optimizer) -> None:
+            if args.steps:  # (after every micro-batch's backward and the one all-reduce)
+                log.write_step(self.info, self.model)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.0)
@@ -189,6 +232,7 @@ def main() -> int:
     p.add_argument("--out-dir", default=".")
     p.add_argument("--slow-rank-sleep", type=float, default=0.0)
     p.add_argument("--no-compute", dest="compute", action="store_false")
+    p.add_argument("--steps", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -136,12 +136,12 @@ def check_clock(records: dict[int, list]) -> None:
         "the naive step time on rank 0 should include the wait for rank 1"
 
 
-def service(job: str = "j"):
+def service(job: str = "j", **batching):
     # Reports kept, never enough to open the gate: the plan stays balanced by tokens.
     compute = {"enabled": True, "min_reports": 4096, "window": 4096}
     cfg = service_config(job_dict(job, world_size=2, epochs=EPOCHS,
                                   batching={"token_budget": BUDGET,
-                                            "compute_balancing": compute}))
+                                            "compute_balancing": compute, **batching}))
     # Each rank process imports torch and its adapter's framework first: on 2 loaded cores one
     # rank came 80 s after the other, past the default 60 s rank timeout. Liveness is tested
     # elsewhere (tests/liveness); here a late rank must only be waited for.
@@ -191,3 +191,46 @@ def test_adapter_resumes_from_its_checkpoint_exactly_once(tmp_path, adapter, sto
                               {r: first[r] + second[r] for r in (0, 1)}, adapter)
     assert min(r["step"] for recs in second.values() for r in recs) == stop + 1
     check({r: first[r] + second[r] for r in (0, 1)}, aligned=True)
+
+
+@pytest.mark.parametrize("adapter", ["accelerate", "hf", "lightning"])
+def test_adapter_accumulates_global_steps(tmp_path, adapter):
+    """A job with global steps of three budget-filling samples (docs/global-steps.md): every
+    step is three micro-batches on two ranks, one running two and the other one; each adapter
+    accumulates them into one optimizer step, and each step's all-reduced gradient is that of
+    the mean loss over all the step's loss tokens. Every sample once per epoch, both ranks at
+    every step, one compute report per (step, rank)."""
+    with service(global_token_budget=3 * BUDGET) as svc:
+        records = launch(adapter, svc.address, tmp_path, "global", "--steps")
+        reports = svc.runtimes["j"].state.compute_reports()[1]
+        expected = {(rec["step"], rank) for rank, recs in records.items() for rec in recs}
+        if adapter == "lightning":  # (its last step's report is not sent: see above)
+            expected -= {max(e for e in expected if e[1] == rank) for rank in records}
+        wait_until(lambda: len(svc.runtimes["j"].state.compute_reports()[1]) >= len(expected),
+                   10.0)
+        reports = svc.runtimes["j"].state.compute_reports()[1]
+        assert sorted((r.step, r.rank) for r in reports) == sorted(expected)
+    by_step: dict[int, dict[int, dict]] = defaultdict(dict)
+    for rank, recs in records.items():
+        for rec in recs:
+            assert rank not in by_step[rec["step"]], f"rank {rank} ran step {rec['step']} twice"
+            by_step[rec["step"]][rank] = rec
+    assert sorted(by_step) == list(range(EPOCHS * 3))
+    assert all(set(recs) == {0, 1} for recs in by_step.values())
+    assert {tuple(sorted(r["micros"] for r in recs.values())) for recs in by_step.values()
+            } == {(1, 2)}, "one rank runs two micro-batches of each step, the other one"
+    assert [recs[0]["opt"] for _, recs in sorted(by_step.items())] == list(range(EPOCHS * 3))
+    for epoch in range(EPOCHS):
+        ids = [i for recs in by_step.values() for rec in recs.values() if rec["epoch"] == epoch
+               for i in rec["sample_ids"]]
+        assert sorted(ids) == sorted(s.sample_id for s in SAMPLES)
+    by_id = {s.sample_id: s for s in SAMPLES}
+    model = build_model()
+    for step, recs in sorted(by_step.items()):
+        ids = [i for rec in recs.values() for i in rec["sample_ids"]]
+        expected_grad, n_tokens = reference_grad(model, [[by_id[i]] for i in ids])
+        assert n_tokens == recs[0]["step_loss_tokens"] == sum(
+            r["rank_loss_tokens"] for r in recs.values())
+        for rank, rec in recs.items():
+            assert rec["grad"] == pytest.approx(expected_grad, rel=1e-4, abs=1e-6), \
+                f"step {step} rank {rank}: gradient is not the step's mean-loss gradient"

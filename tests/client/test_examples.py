@@ -1,4 +1,5 @@
-"""Every example under deploy/trainer/ runs: one rank against a served job, a few steps."""
+"""Every example under deploy/trainer/ runs: one rank against a served job, the steps it was
+asked for (the service saw it take their batches), and exits cleanly."""
 
 from __future__ import annotations
 
@@ -44,5 +45,10 @@ def test_example_trains_a_few_steps(tmp_path, script, extra):
                 cwd=tmp_path, capture_output=True, text=True, timeout=300)
             if "EADDRINUSE" not in proc.stderr:
                 break
+        state = svc.runtimes["example-job"].state
+        took, planned = state.acked(0), state.published_through()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
+    # It took the batches of its 3 steps (an ack per batch taken), and stopped there: the
+    # epoch has more.
+    assert 2 <= took < planned, (took, planned, proc.stdout[-2000:])

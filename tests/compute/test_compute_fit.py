@@ -142,11 +142,84 @@ def test_gate_stays_closed_on_noise_the_model_cannot_explain():
     assert fitter.last_fit is not None and fitter.last_fit.error > 0.10
 
 
-@pytest.mark.parametrize("seconds", [-1.0, 0.0, math.nan, math.inf, -math.inf, 1e9])
+@pytest.mark.parametrize("seconds", [-1.0, 0.0, math.nan, math.inf, -math.inf, 1e9, 5e-324,
+                                     1e-300, 1e-7])
 def test_nonsense_reports_are_rejected_and_counted(seconds):
+    """Not a time a batch can take: below a microsecond (subnormals included), over an hour,
+    not positive, not finite."""
     fitter = ComputeFitter()
     assert not fitter.offer(ComputeReport(100, 0, seconds, (1.0,) * len(FEATURES)))
     assert fitter.rejected == 1 and fitter.reports == 0
+
+
+PLANTED = (2e-3, 1e-6, 3e-6, 2e-9, 5e-5, 8e-3, 4e-4)
+any_float = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True)
+
+
+def usable(model: ComputeModel | None) -> bool:
+    return model is None or (all(math.isfinite(c) and c >= 0 for c in model.coefficients)
+                             and math.isfinite(model.error))
+
+
+@settings(SETTINGS, max_examples=25)
+@given(st.lists(st.tuples(st.integers(0, 199), any_float), max_size=6), st.integers(0, 2**31))
+@example([(5, 5e-324)], 1)  # a subnormal: weighting by 1/seconds overflowed (LinAlgError)
+@example([(5, 1e-300)], 1)
+@example([(5, 1e-3)], 1)  # one merely low report (1 ms, the others ~100 ms): the gate stayed
+@example([(7, 1e-3)], 1)  # closed while it was in the window, trained on or held out
+@example([(100, 1e-3)], 1)  # after the gate opened: the model in force stopped refitting
+@example([(40, 1e-5), (41, 1e-5), (90, 3000.0), (120, 1e-6)], 3)
+def test_no_report_breaks_the_fit(junk, seed):
+    """Any float as a report's seconds, anywhere among 200 good reports: offering and refitting
+    never raise, every model is usable, and a few such reports neither keep the gate closed
+    nor stop the model in force from refitting: it ends fitted on the newest reports and
+    predicts the planted costs."""
+    good = planted_reports(PLANTED, 200, noise=0.03, seed=seed)
+    stream = list(good)
+    for at, seconds in sorted(junk, reverse=True):
+        r = good[at]
+        stream.insert(at, ComputeReport(r.step, r.rank, seconds, r.features))
+    fitter = ComputeFitter(FitSettings(warmup_steps=0))
+    for r in stream:
+        fitter.offer(r)
+        assert usable(fitter.refit())
+    assert fitter.accepted + fitter.rejected == len(stream)
+    model = fitter.model
+    assert model is not None, f"gate closed: last fit error {fitter.last_fit.error}"
+    assert model is fitter.last_fit, "the model in force froze: the newest fit failed the gate"
+    rng = random.Random(seed + 1)
+    feats = [batch_features(*random_batch(rng)) for _ in range(50)]
+    truths = [sum(c * x for c, x in zip(PLANTED, f, strict=True)) for f in feats]
+    mean = sum(truths) / len(truths)
+    for f, truth in zip(feats, truths, strict=True):
+        assert model.predict(f) == pytest.approx(truth, rel=0.08, abs=0.01 * mean)
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.one_of(st.floats(1e-7, 10.0), any_float),
+                          st.lists(st.one_of(st.floats(0, 1e6), any_float), min_size=7,
+                                   max_size=7)), min_size=1, max_size=80))
+@example([(0.1, [1.0, 100.0, 100.0, 1e4, 0.0, 0.0, 1.0])] * 9 + [(5e-324, [1.0] * 7)])
+def test_any_float_reports_never_raise(rows):
+    """Reports of arbitrary seconds and features (finite or not): nothing raises, every model
+    is usable; a fit the arithmetic cannot carry is counted and leaves the model as it was."""
+    fitter = ComputeFitter(FitSettings(warmup_steps=0, min_reports=8, refit_every=1))
+    for i, (seconds, features) in enumerate(rows):
+        fitter.offer(ComputeReport(i, 0, seconds, tuple(features)))
+        assert usable(fitter.refit())
+        assert usable(fitter.refit(force=True))
+
+
+def test_a_fit_that_fails_keeps_the_model_in_force_and_is_tried_again():
+    carried = ComputeModel(PLANTED, 0.02, 100)
+    fitter = ComputeFitter(FitSettings(warmup_steps=0, min_reports=8, refit_every=4),
+                           model=carried)
+    # Features finite but beyond what the arithmetic can carry (weighted, they overflow).
+    for i in range(8):
+        assert fitter.offer(ComputeReport(i, 0, 0.1, (1.0, 1e308, 1e308, 1e308, 0, 0, 1.0 + i)))
+    assert fitter.refit() is carried
+    assert fitter.failed == 1 and fitter.last_fit is None
+    assert fitter.refit() is carried and fitter.failed == 2  # tried again at once
 
 
 def test_bad_features_and_warmup_steps_are_left_out():

@@ -61,7 +61,9 @@ def test_gate_opens_and_later_steps_are_balanced_by_predicted_time(redis_url):
             t.start()
         for t in threads:
             t.join(120)
+        assert not any(t.is_alive() for t in threads), "a rank did not finish its epoch"
         assert not errors, errors
+        assert state.is_done() and state.acked_all() == [state.published_through()] * W
         fit = state.compute_fit()
         steps = [state.get_step(n) for n in range(state.published_through() + 1)]
         probe = features_of(state, steps[-1].step, steps[-1].batches[0].rank)

@@ -17,7 +17,8 @@ def test_resume_matching_job_and_refuse_mismatches(new_state, redis_url):
     assert st.created
     again = RedisJobState(redis_url, "j", config_hash="cfg-1", world_size=4, seed=3)
     assert not again.created
-    with pytest.raises(JobMismatch, match=r"config_hash=cfg-1.*config_hash=cfg-2.*stale"):
+    with pytest.raises(JobMismatch, match=r"job 'j' exists in Redis with another config "
+                                          r"\(which fields differ is unknown"):
         RedisJobState(redis_url, "j", config_hash="cfg-2", world_size=4)
     with pytest.raises(JobMismatch, match=r"world_size=4.*world_size=8"):
         RedisJobState(redis_url, "j", config_hash="cfg-1", world_size=8)
@@ -25,6 +26,24 @@ def test_resume_matching_job_and_refuse_mismatches(new_state, redis_url):
         RedisJobState(redis_url, "j", config_hash="cfg-1", world_size=4, mode="quota")
     assert issubclass(JobMismatch, UserError)  # the CLI prints it as one line
     again.close()
+
+
+def test_a_changed_config_is_refused_naming_the_fields_that_differ(redis_url):
+    """#42: the refusal named two hashes; it names each field that changed, both values."""
+    from pipeline.config import parse_job
+
+    base = {"job_id": "sft", "world_size": 2, "source": {"paths": ["a.jsonl"]},
+            "batching": {"token_budget": 1024}}
+    RedisJobState.connect(redis_url, parse_job(base)).close()
+    changed = parse_job({**base, "batching": {"token_budget": 2048}, "seed": 7,
+                         "token_env": "T"})  # (who may call a job is no part of its plan)
+    with pytest.raises(JobMismatch) as err:
+        RedisJobState.connect(redis_url, changed)
+    assert str(err.value) == (
+        "job 'sft' exists in Redis with another config: batching.token_budget (1024 in Redis, "
+        "2048 here), seed (0 in Redis, 7 here): refused (its plan was made for the config in "
+        "Redis)")
+    assert err.value.job_id == "sft"
 
 
 def test_schema_version_mismatch_refused(new_state, redis_client, redis_url):
@@ -125,7 +144,7 @@ def test_connect_from_job_config(redis_client, redis_url):
     # Resume with the same config (the token's env var name may differ): accepted.
     RedisJobState.connect(redis_url, job.model_copy(update={"token_env": "OTHER"}))
     # A changed plan-relevant setting: refused.
-    with pytest.raises(JobMismatch, match="config_hash"):
+    with pytest.raises(JobMismatch, match=r"seed \(5 in Redis, 6 here\)"):
         RedisJobState.connect(redis_url, job.model_copy(update={"seed": 6}))
     with pytest.raises(JobMismatch, match="world_size"):
         RedisJobState.connect(redis_url, job.model_copy(update={"world_size": 4}))
@@ -161,7 +180,7 @@ def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, red
     h = registry.config_hash(job)
     assert registry.register_refill_job(redis_client, "rf", config_hash=h)
     assert not registry.register_refill_job(redis_client, "rf", config_hash=h)  # a resume
-    with pytest.raises(JobMismatch, match="config_hash"):
+    with pytest.raises(JobMismatch, match="another config"):
         registry.register_refill_job(redis_client, "rf", config_hash="other")
     RedisJobState(redis_url, "train", config_hash="c", world_size=1).close()
     with pytest.raises(JobMismatch, match="mode=join"):

@@ -86,3 +86,49 @@ def test_records_published_before_stamps_decode_unstamped():
     assert (end.final_step, end.world, end.world.stamped) == ((4, None), WorldStamp(), False)
     # An unstamped value still encodes as those builds did (write-once compares the bytes).
     assert step_codec.encode_step(step)[0] == header
+
+
+@st.composite
+def global_steps(draw):
+    """Global steps: each rank's micro-batches (1-3; a filler is a rank's only one), unique
+    sample ids within a rank, the step's optimizer step."""
+    w = draw(st.integers(1, 5))
+    ids = iter(range(10**6))
+    batches = []
+    for r in range(w):
+        filler = draw(st.booleans()) and draw(st.booleans())
+        for m in range(1 if filler else draw(st.integers(1, 3))):
+            ss = tuple(MeasuredSample(draw(st.sampled_from([next(ids), f"s:{next(ids)}"])),
+                                      draw(st.integers(0, 10**5)), draw(st.integers(0, 9)))
+                       for _ in range(draw(st.integers(1, 4))))
+            trunc = {s.sample_id: draw(st.integers(0, 100)) for s in ss if draw(st.booleans())}
+            batches.append(Batch(r, ss, draw(st.integers(0, 10**6)), draw(st.booleans()),
+                                 trunc, filler=filler, micro=m))
+    return Step(draw(st.integers(0, 50)), draw(st.integers(0, 10**6)), tuple(batches),
+                StepInfo(draw(st.integers(0, 10**4)), draw(st.integers(0, 10**8)),
+                         draw(st.integers(0, 10**8)), draw(st.integers(0, 10**6))),
+                WorldStamp(draw(st.integers(0, 9)), w))
+
+
+@settings(max_examples=150, deadline=None)
+@given(global_steps())
+def test_global_step_round_trip_one_blob_per_rank(step):
+    header, blobs = step_codec.encode_step(step)
+    assert [r for r, _ in blobs] == step.ranks()  # one record per rank, all its micro-batches
+    back = step_codec.decode_step(header, dict(blobs))
+    assert back == step
+    assert back.info.optimizer_step == step.info.optimizer_step
+    for r, blob in blobs:
+        micros = step.micros_for(r)
+        assert (b'"u":' in blob) == (len(micros) > 1)  # one micro-batch: encoded as before
+        assert step_codec.decode_rank(blob, r) == micros
+
+
+def test_a_step_without_global_steps_encodes_as_before():
+    step = Step(0, 4, (Batch(0, (MeasuredSample("a", 3),), 3),
+                       Batch(1, (MeasuredSample("b", 5, 0, 2),), 5, truncated_to={"b": 4})),
+                StepInfo(2, 7, 2), WorldStamp(0, 2))
+    header, blobs = step_codec.encode_step(step)
+    assert header == b'{"e":0,"n":4,"i":[2,7,2],"r":[0,1],"w":[0,2]}'
+    assert blobs == [(0, b'{"s":[["a",3]],"c":3}'),
+                     (1, b'{"s":[["b",5,0,2]],"c":5,"t":[["b",4]]}')]

@@ -5,12 +5,13 @@ replayed, and Redis holds O(two epochs) of plan however long the job runs."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from jobstate.builders import make_end, make_step, publication
 
 from pipeline.errors import StepConflict
-from pipeline.jobstate import RankAck
+from pipeline.jobstate import RankAck, ScaleRequest
 
 from .retention import expected_trimmed
 
@@ -128,8 +129,6 @@ def test_trimming_keeps_what_the_ranks_of_an_ended_world_still_drain(new_state):
     """After a reconfiguration the new world's cursors start past the old world's steps; the
     old world's live ranks still drain from their own cursors (`trim_floor`), so however far the
     new world gets, those steps stay readable."""
-    from pipeline.jobstate import ScaleRequest
-
     st = new_state(world_size=2)
     gen = st.claim_producer("producer", LONG)
     st.publish(publication([make_step(n, 2) for n in range(6)], rows=6), fence=gen)
@@ -149,3 +148,40 @@ def test_trimming_keeps_what_the_ranks_of_an_ended_world_still_drain(new_state):
         st.ack(r, nxt - 1)
     assert st.trimmed_through() == 0  # only what every cursor passed: step 0
     assert all(st.get_step(n) is not None for n in range(1, 6))
+
+
+@pytest.mark.parametrize("gone", ["left", "lapsed"])
+def test_trimming_resumes_once_the_ended_worlds_ranks_are_gone(new_state, gone):
+    """The old world's draining ranks hold trimming back only while they may still read their
+    steps: once each got its END(reconfigure) (`rank_left`) or lost its lease, the plan is
+    trimmed by the new world's epochs again, so Redis holds O(two epochs) of plan after any
+    number of reconfigurations (#40 item 6)."""
+    lease = LONG if gone == "left" else 0.3
+    st = new_state(world_size=2)
+    gen = st.claim_producer("producer", LONG)
+    st.publish(publication([make_step(n, 2) for n in range(6)], rows=6), fence=gen)
+    for r, a in ((0, 1), (1, 0)):
+        st.claim_rank(r, f"c{r}", lease)
+        st.ack(r, a)
+    st.grant([(0, 0, 5), (0, 1, 5)])
+    assert st.scale(ScaleRequest(3)).previous.last_steps == (5, 5)
+    first_steps, nxt = {0: 0}, 6
+    for e, length in ((0, 3), (1, 4), (2, 4), (3, 5)):  # epoch 0 goes on in the new world
+        s = [make_step(n, 3, epoch=e) for n in range(nxt, nxt + length)]
+        first_steps.setdefault(e, nxt)
+        nxt += length
+        st.publish(publication(s, epoch=e + 1, rows=0, next_step=nxt, world=1,
+                               ends=(make_end(e, (nxt - 1,) * 3, nxt if e == 0 else length),)),
+                   fence=gen)
+    for r in range(3):
+        st.ack(r, nxt - 1)
+    assert st.trimmed_through() == 0  # the draining ranks may still read steps 1-5
+    if gone == "left":
+        for r in range(2):
+            st.rank_left(0, r, f"c{r}")
+    else:
+        time.sleep(lease + 0.2)
+        assert all(h.lapsed for h in st.rank_health()[:2])
+    st.ack(0, nxt - 1)  # the next ack trims
+    assert st.trimmed_through() == expected_trimmed(first_steps, nxt - 1) == first_steps[2] - 1
+    assert st.get_step(first_steps[2]) is not None and st.get_step(first_steps[2] - 1) is None

@@ -140,7 +140,53 @@ def check_worlds(records: Iterable[dict], worlds: list, last_world_closes: bool)
         assert sum(r["rank_tokens"] for r in recs) == recs[0]["step_tokens"], f"step {n}"
 
 
+def global_reference(items: list, batching: dict, seed: int) -> dict[int, Counter]:
+    """optimizer step -> its samples, as one rank planning the job uninterrupted would have
+    them (the producer's own feed, the job's own policy): what global steps must hold at any
+    world size and across reconfigurations (docs/global-steps.md)."""
+    from pipeline.config import BatchingConfig
+    from pipeline.planner.step_planner import StepPlanner
+    from pipeline.planner.types import Step
+    from pipeline.producer.feed import ArrayFeed
+
+    cfg = BatchingConfig.model_validate(batching)
+    planner = StepPlanner(cfg.policy(), 1, "join", seed)
+    events = planner.feed_many(ArrayFeed(ArraySource(items), cfg.collate).iter_epoch(0))
+    events += planner.end_epoch(last_epoch=True)
+    return {ev.info.optimizer_step: Counter(str(s.sample_id) for b in ev.batches
+                                            if not b.filler for s in b.samples)
+            for ev in events if isinstance(ev, Step)}
+
+
+def check_global_steps(records: Iterable[dict], reference: dict[int, Counter]) -> None:
+    """Global steps: every step reached every rank of its world with all of that rank's
+    micro-batches, in order, once; each optimizer step ran once, in one world, holding the
+    samples of the uninterrupted plan; its loss-scale totals are exact."""
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for rec in records:
+        by_step[rec["step"]].append(rec)
+    ran: Counter = Counter()
+    for n, recs in sorted(by_step.items()):
+        (size,) = {r["world"] for r in recs}
+        micros: dict[int, list[int]] = defaultdict(list)
+        for r in recs:
+            micros[r["rank"]].append(r["micro"])
+        assert sorted(micros) == list(range(size)), f"step {n}: ranks {sorted(micros)}"
+        for rank, got in micros.items():
+            count = next(r["micros"] for r in recs if r["rank"] == rank)
+            assert got == list(range(count)), f"step {n} rank {rank}: micro-batches {got}"
+        (opt,) = {r["opt"] for r in recs}
+        ran[opt] += 1
+        assert Counter(i for r in recs if not r["filler"] for i in r["ids"]) == reference[opt], (
+            f"step {n} (optimizer step {opt}) holds other samples than the uninterrupted run")
+        assert sum(r["rank_samples"] for r in recs) == recs[0]["step_samples"], f"step {n}"
+        assert sum(r["rank_tokens"] for r in recs) == recs[0]["step_tokens"], f"step {n}"
+    assert ran == Counter(dict.fromkeys(reference, 1)), (
+        f"every optimizer step runs once: ran {sorted(ran.items())}, planned {sorted(reference)}")
+
+
 def assert_exactly_once(records: Iterable[dict], items: list) -> None:
+    records = [rec for rec in records if not rec.get("filler")]  # a filler is not coverage
     got = Counter(i for rec in records for i in rec["ids"])
     want = Counter(s.sample_id for s in items)
     missing, extra = want - got, got - want

@@ -1,7 +1,8 @@
 """A trainer rank of an elastic job in its own process (run by the tests, not collected).
 
 Consumes its rank's stream until an END, appending one JSON line per batch ({"world", "rank",
-"step", "epoch", "ids", "digest", "step_samples", "rank_samples", "step_tokens", "rank_tokens"})
+"step", "epoch", "ids", "digest", "step_samples", "rank_samples", "step_tokens", "rank_tokens",
+"filler", and of a global step's micro-batch "micro", "micros", "opt"})
 and saving its state_dict after every batch (atomic rename: a SIGKILL never leaves half a
 checkpoint). `--restore` loads a state saved by any rank of any world of the job. At the END it
 saves its state once more, writes {"end": reason, "world_size", "final_step", "done"} and exits
@@ -59,7 +60,9 @@ def main() -> None:
                 emit({"world": args.world, "rank": args.rank, "step": i.step, "epoch": i.epoch,
                       "ids": list(i.sample_ids), "digest": batch.digest(),
                       "step_samples": i.step_samples, "rank_samples": i.rank_samples,
-                      "step_tokens": i.step_tokens, "rank_tokens": i.rank_tokens})
+                      "step_tokens": i.step_tokens, "rank_tokens": i.rank_tokens,
+                      "filler": i.filler, "micro": i.micro_index, "micros": i.micro_count,
+                      "opt": i.optimizer_step})
                 time.sleep(args.sleep)  # "training"
                 save()
                 while args.gate and taken == args.hold_after and not Path(args.gate).exists():

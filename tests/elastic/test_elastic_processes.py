@@ -17,7 +17,9 @@ import pytest
 from elastic_helpers import (
     RankProc,
     assert_exactly_once,
+    check_global_steps,
     check_worlds,
+    global_reference,
     samples,
     scale_cli,
     served,
@@ -37,10 +39,17 @@ def _progress(ranks: list[RankProc], n: int) -> bool:
     return all(len(r.batches()) >= n for r in ranks)
 
 
+# Global steps (docs/global-steps.md): micro-batches of up to 1024 in steps of up to 8192 for
+# all ranks together, the same steps at every world size.
+GLOBAL = {"token_budget": 1024, "max_window_samples": 64, "global_token_budget": 8192}
+
+
+@pytest.mark.parametrize("steps", ["per-rank", "global"])
 def test_four_then_two_then_three_ranks_in_one_epoch_exactly_once(redis_client, redis_url,
-                                                                  tmp_path):
+                                                                  tmp_path, steps):
     items = samples(1500)
-    with served(redis_url, "el", 4, items) as svc:
+    job = {"batching": GLOBAL} if steps == "global" else {}
+    with served(redis_url, "el", 4, items, job=job) as svc:
         # Each world's ranks hold after 5 batches until its switch was requested: mid-epoch
         # however long the scale command takes to start on a loaded machine.
         gates = [tmp_path / f"gate-{n}" for n in range(2)]
@@ -84,7 +93,10 @@ def test_four_then_two_then_three_ranks_in_one_epoch_exactly_once(redis_client, 
         assert worlds[1].first_step == worlds[0].published_through + 1 > b0  # write-once
         records = [x for r in old + mid + last for x in r.batches()]
         assert_exactly_once(records, items)
-        check_worlds(records, worlds, last_world_closes=True)
+        if steps == "global":  # every step: the uninterrupted run's samples, at W = 4, 2, 3
+            check_global_steps(records, global_reference(items, GLOBAL, seed=3))
+        else:
+            check_worlds(records, worlds, last_world_closes=True)
         assert state.counters().samples_planned == len(items)  # returned ones re-planned once
         # Visible: the world-size history with the time from request to first batch everywhere.
         view = ServiceView(svc.runtimes, svc.replica_id).job("el")

@@ -33,8 +33,7 @@ def test_redis_restarted_from_aof_mid_epoch_keeps_coverage_exact(tmp_path):
             "redis_url": redis.url, "lease_seconds": 5.0, "metrics_port": None,
             "grpc": {"port": 0}, "jobs": [job_dict("aof", W, epochs=EPOCHS, seed=9)]})
         samples = synthetic_samples(N, max_len=600, seed=9)
-        svc = start_service(cfg, sample_sources={"aof": ArraySource(samples)},
-                            resume_grace_s=10.0)
+        svc = start_service(cfg, sample_sources={"aof": ArraySource(samples)})
         ranks = [RankThread(svc.address, "aof", r, W, epochs=EPOCHS, sleep=0.03).start()
                  for r in range(W)]
         # 0.5 s down: within the client's retries; 3 s down: past them, so streams break

@@ -4,7 +4,10 @@
 
 For every case in CASES.pt (this rank's collated tensors and the BatchInfo the service would
 send) it runs one DDP forward/backward of `loss * loss_scale(info)` and, as a control, of the
-plain `loss`, and saves the synchronized (all-reduced) gradient of each.
+plain `loss`, and saves the synchronized (all-reduced) gradient of each. A case of a global
+step (`micros`: this rank's micro-batches, as many as the planner gave it) is accumulated with
+`trainer_client.optimizer_steps` (DDP's no_sync on all but the last micro-batch): ranks with
+different micro-batch counts meet in exactly one all-reduce.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.demo.tiny_model import TinyCausalLM
-from trainer_client import BatchInfo, loss_scale
+from trainer_client import BatchInfo, StreamBatch, loss_scale, optimizer_steps
 
 
 def tiny_model() -> TinyCausalLM:
@@ -47,6 +50,9 @@ def main() -> None:
     ddp = DistributedDataParallel(tiny_model())
     out = {}
     for case in torch.load(args.cases, weights_only=True):
+        if "micros" in case:
+            out[case["name"]] = accumulate(ddp, case["micros"][args.rank])
+            continue
         mine = case["ranks"][args.rank]
         info = BatchInfo(**mine["info"])
         res = {"scale": loss_scale(info)}
@@ -59,6 +65,27 @@ def main() -> None:
         out[case["name"]] = res
     torch.save(out, args.out)
     dist.destroy_process_group()
+
+
+def accumulate(ddp: DistributedDataParallel, micros: list[dict]) -> dict:
+    """One optimizer step over this rank's micro-batches, scaled (and, as the control, not)."""
+    res: dict = {"micros": len(micros)}
+    for key, scaled in (("scaled", True), ("unscaled", False)):
+        batches = []
+        for m in micros:
+            b = StreamBatch(m["tensors"])
+            b.info = BatchInfo(**m["info"])
+            batches.append(b)
+        ddp.zero_grad(set_to_none=True)
+        steps = 0
+        for step in optimizer_steps(batches, ddp):
+            steps += 1
+            for b in step:
+                loss, _ = ddp(**b)
+                (loss * (loss_scale(b) if scaled else 1.0)).backward()
+        assert steps == 1
+        res[key] = flat_grad(ddp.module).clone()
+    return res
 
 
 if __name__ == "__main__":  # (imports here: the test imports this module too)

@@ -24,6 +24,27 @@ def make_step(n: int, world_size: int = 4, *, epoch: int = 0, salt: str = "",
                 WorldStamp(generation, world_size))
 
 
+def make_global_step(n: int, micros: tuple[int, ...], *, epoch: int = 0, salt: str = "",
+                     optimizer_step: int | None = None, generation: int = 0,
+                     truncated: bool = False) -> Step:
+    """A global step (docs/global-steps.md): rank r runs `micros[r]` micro-batches of two
+    samples each (with `truncated`, the first sample of each micro-batch cut to 5 tokens)."""
+    batches = []
+    for r, count in enumerate(micros):
+        for m in range(count):
+            samples = tuple(MeasuredSample(f"g{salt}:{n}:{r}:{m}:{i}", 10 + i + m, 0, 3 + i)
+                            for i in range(2))
+            cut = {samples[0].sample_id: 5} if truncated else {}
+            batches.append(Batch(r, samples, cost=2 * samples[-1].num_tokens,
+                                 truncated_to=cut, micro=m))
+    real = [b for b in batches if not b.filler]
+    return Step(epoch, n, tuple(batches),
+                StepInfo(sum(len(b.samples) for b in real), sum(b.num_tokens for b in real),
+                         sum(b.loss_tokens for b in real),
+                         n if optimizer_step is None else optimizer_step),
+                WorldStamp(generation, len(micros)))
+
+
 def make_end(epoch: int, final_step: tuple[int | None, ...], steps: int,
              carried_over: tuple[MeasuredSample, ...] = (), *, generation: int = 0) -> EpochEnd:
     """An epoch END of world `generation`, whose ranks are those `final_step` names."""

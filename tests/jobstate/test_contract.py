@@ -510,6 +510,27 @@ def test_release_only_by_the_holder_and_it_is_not_a_lapse(env):
     st.release_rank(3, "nobody")  # never claimed: a no-op
 
 
+def test_a_release_naming_a_claim_holds_only_while_no_claim_came_since(env):
+    """A replica releases the lease of a client whose stream vanished from it by that stream's
+    claim: once the client claimed the rank again (its stream failed over to another replica)
+    it is alive, and the release changes nothing (#40 item 3). Acks and heartbeats are no
+    claims."""
+    st = env.state
+    first = st.claim_rank(0, "A", LONG)
+    again = st.claim_rank(0, "A", LONG)  # A's Open on another replica
+    assert (first.claim, again.claim) == (1, 2)
+    assert st.claim_rank(1, "C", LONG).claim == 1  # counted per rank
+    assert st.heartbeat(0, "A", LONG) is True
+    st.release_rank(0, "A", claim=first.claim)
+    with pytest.raises(RankHeld, match="'A'"):
+        st.claim_rank(0, "B", LONG)
+    assert st.rank_health()[0].client_id == "A"
+    st.release_rank(0, "A", claim=again.claim)
+    assert st.rank_health()[0].client_id is None
+    assert st.claim_rank(0, "B", LONG).claim == 3
+    assert st.counters().lease_lapses == 0
+
+
 def test_a_lapse_is_reported_by_lapsed_timed_out_and_health(env):
     st = env.state
     st.claim_rank(2, "A", SHORT)

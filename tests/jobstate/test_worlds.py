@@ -17,7 +17,7 @@ from pipeline.errors import (
 from pipeline.jobstate import Grant, ScaleReason, ScaleRequest, World
 from pipeline.jobstate.worlds import choose_boundary
 
-from .builders import make_end, make_step, publication, steps
+from .builders import make_end, make_global_step, make_step, publication, steps
 from .conftest import LONG, Env
 
 
@@ -26,8 +26,7 @@ def _returned(st, world: World) -> tuple[int, int]:
     samples = tokens = 0
     for r, last in enumerate(world.last_steps):
         for n in range(last + 1, world.published_through + 1):
-            b = st.get_step(n).batch_for(r)
-            if b is not None:
+            for b in st.get_step(n).micros_for(r):
                 samples, tokens = samples + len(b.samples), tokens + b.num_tokens
     return samples, tokens
 
@@ -279,3 +278,27 @@ def test_a_record_published_before_stamps_gets_its_world_from_the_world_records(
     assert stamp_of_end(worlds, EpochEnd(0, (5, 6), 7)) == WorldStamp(1, 2)
     # No step at all to go by: the latest world of its size (what builds before stamps assumed).
     assert stamp_of_end(worlds, EpochEnd(0, (None,) * 4, 7)) == WorldStamp(2, 4)
+
+
+def test_global_steps_read_back_whole_and_their_micro_batches_return_with_their_ranks(env: Env):
+    """A global step's rank holds several micro-batches (one record per rank): both states give
+    back the same steps, a rank's part alone, and a boundary returns every micro-batch of a
+    rank after its last step (truncations counted at their kept length)."""
+    st, gen = env.state, env.producer()
+    published = tuple(make_global_step(n, (3, 1, 2, 1), truncated=n % 2 == 1)
+                      for n in range(6))
+    st.publish(publication(published), fence=gen)
+    assert [st.get_step(n) for n in range(6)] == list(published)
+    part = st.get_step_for(4, [2])
+    assert part.batches == published[4].micros_for(2) and part.info == published[4].info
+    for r in (0, 1, 2):
+        st.claim_rank(r, f"c{r}", LONG)
+    st.grant([(0, 0, 3), (0, 1, 3), (0, 2, 3)])
+    st.ack(3, 1)  # rank 3 is gone, having acknowledged step 1
+    res = st.scale(ScaleRequest(2))
+    assert res.previous.last_steps == (3, 3, 3, 1)
+    assert (res.previous.returned_samples, res.previous.returned_tokens) == _returned(
+        st, res.previous)
+    # Two samples a micro-batch: ranks 0-2 (3 + 1 + 2 micro-batches) in steps 4-5, rank 3 (one)
+    # in steps 2-5.
+    assert res.previous.returned_samples == 2 * 2 * (3 + 1 + 2) + 2 * 4 * 1

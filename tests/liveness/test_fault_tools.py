@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from support.freeze import frozen
@@ -149,12 +150,18 @@ def test_frozen_stops_a_process_tree_and_always_continues_it():
             assert all(process_state(p) == "T" for p in tree)
             raise RuntimeError("boom")  # a failing test still thaws what it froze
         assert all(process_state(p) not in ("T", "") for p in tree)
+        before = time.time()
         with frozen(parent.pid, tree=False) as ice:
             assert process_state(parent.pid) == "T"
             assert process_state(tree[1]) != "T"
+            time.sleep(0.2)  # (what `seconds` is to measure: frozen this long at least)
             ice.thaw()  # early
+            after = time.time()
             assert process_state(parent.pid) != "T"
-        assert ice.seconds >= 0
+        assert 0.2 <= ice.seconds <= after - before  # how long it was frozen...
+        measured = ice.seconds
+        time.sleep(0.05)
+        assert ice.seconds == measured  # ... fixed once thawed
     finally:
         for pid in [*descendants(parent.pid), parent.pid]:
             with contextlib.suppress(ProcessLookupError):

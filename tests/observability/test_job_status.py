@@ -93,6 +93,31 @@ def test_getjob_carries_what_the_wire_has() -> None:
     assert (rf.state, rf.epochs, rf.world_size, rf.ranks) == ("serving", 2, None, None)
 
 
+def test_a_job_no_rank_has_reached_says_so_and_shows_no_raw_minus_one() -> None:
+    """#42: `status` said `state=draining` for a fully planned job no rank had connected to,
+    with -1 for each step no rank had; it says `waiting for ranks`, and `-`."""
+    from pipeline.observability.status_view import training_state
+    from pipeline.status.report import StatusReport
+    from pipeline.status.text import render
+
+    ahead = dict(error=None, published_through=5, final_steps=(5, 4))
+    assert training_state(done=True, acked=(-1, -1), holders=("", ""), **ahead) == \
+        "waiting for ranks"
+    assert training_state(done=False, acked=(-1, -1), holders=(None, None), **ahead) == \
+        "waiting for ranks"
+    assert training_state(done=True, acked=(-1, -1), holders=("c0", ""), **ahead) == "draining"
+    assert training_state(done=True, acked=(2, -1), holders=("", ""), **ahead) == "draining"
+    assert training_state(done=True, acked=(5, 4), holders=("", ""), **ahead) == "finished"
+    assert training_state(done=False, acked=(-1, -1), error=None, published_through=-1,
+                          final_steps=None) == "waiting"
+    idle = tuple(RankStatus(r, -1, "", replica=RankOnReplica(False, -1)) for r in (0, 1))
+    job = dataclasses.replace(TRAINING, state="waiting for ranks", error=None, ranks=idle,
+                              published_through=-1, coordinator=None)
+    text = render(StatusReport(generated_at=0.0, sources={}, jobs=(job,)))
+    assert "state=waiting for ranks" in text and "published_through=-" in text
+    assert "-1" not in text, text
+
+
 def test_answers_merge_field_by_field_in_order_of_authority() -> None:
     grpc_part = from_proto(to_proto(TRAINING))
     http_part = dataclasses.replace(TRAINING, coordinator=None, exposure=None, error=None,
@@ -151,3 +176,17 @@ def test_a_producer_retrying_is_trouble_not_a_failure() -> None:
     st.set_error("no such file", fence=gen, cause="source_missing")
     job = training_job_status("j", st)
     assert (job.state, job.error, job.producer_trouble) == ("failed", "no such file", None)
+
+
+def test_a_job_with_global_steps_shows_its_budgets_and_micro_batches() -> None:
+    """docs/global-steps.md: both budgets and the micro-batches consumed, in every rendering
+    that carries them (JSON and back; the text report)."""
+    from pipeline.status.report import StatusReport
+    from pipeline.status.text import render
+
+    job = dataclasses.replace(TRAINING, global_token_budget=8192)
+    assert job_from_dict(json.loads(json.dumps(job_to_dict(job)))) == job
+    text = render(StatusReport(0.0, {}, (job,)))
+    assert ("token budget 1024 per micro-batch, global token budget 8192 per step; 7 "
+            "micro-batches consumed") in text
+    assert "per micro-batch" not in render(StatusReport(0.0, {}, (TRAINING,)))

@@ -42,14 +42,24 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_plan_data_reports_quarantine_and_exports_lengths(chats_slice, tmp_path):
+    """Run as `plan --config FILE`: the job's own source is what is preprocessed (#42; `--data`
+    replaces it: the README runs that)."""
     lengths = tmp_path / "lengths.jsonl"
     steps_out = tmp_path / "plan.jsonl"
-    flags = ["--world-size", "2", "--token-budget", "4096", "--json"]
-    proc = _cli("--data", str(chats_slice), *flags, "--export-lengths", str(lengths),
+    config = tmp_path / "odb.yaml"
+    config.write_text(f"jobs:\n  - {{job_id: j, world_size: 2, source: {{paths: [{chats_slice}]}},"
+                      "\n     batching: {token_budget: 4096}}\n")
+    proc = _cli("--config", str(config), "--json", "--export-lengths", str(lengths),
                 "--emit-plan", str(steps_out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(proc.stdout)  # stdout is exactly one JSON object
     assert d.keys() >= KEYS | {"quarantined_records", "preprocess_epochs", "rows"}
+    assert d["data"] == [str(chats_slice)]
+    # Progress on stderr; preprocessing (Ray's start included) is not counted as planning.
+    assert "odb-pipeline plan: starting a private Ray" in proc.stderr
+    assert f"odb-pipeline plan: preprocessing {chats_slice}" in proc.stderr
+    assert d["preprocess_seconds"] >= d["ray_start_seconds"] > 0
+    assert 0 < d["planning_seconds"] < d["preprocess_seconds"]
     q = d["quarantined_records"]
     assert q["by_reason"] == {"bad_utf8": 1, "missing_roles": 1}
     assert q["total"] == 2 and sum(q["by_reason"].values()) == 2
@@ -66,7 +76,8 @@ def test_plan_data_reports_quarantine_and_exports_lengths(chats_slice, tmp_path)
            for b in json.loads(ln)["batches"] for b_id in b["samples"]]
     assert sorted(ids) == sorted(e["sample_id"] for e in exported)  # real string ids, once each
 
-    again = _cli("--lengths", str(lengths), *flags)
+    again = _cli("--lengths", str(lengths), "--world-size", "2", "--token-budget", "4096",
+                 "--json")
     assert again.returncode == 0, again.stderr[-2000:]
     r = json.loads(again.stdout)
     assert (r["steps"], r["padding_efficiency"], r["per_rank_steps"]) == (
@@ -102,7 +113,8 @@ def test_config_job_gives_defaults_flags_override(tmp_path, capsys):
     ("argv", "needle"),
     [
         (["--lengths", "L", "--data", "D"], "mutually exclusive"),
-        ([], "one of --lengths FILE or --data FILE is required"),
+        ([], "one of --lengths FILE, --data FILE or --config FILE (its job's source) is "
+             "required"),
         (["--data", "{missing}"], "source not found"),
         (["--lengths", "{missing}"], "lengths file not found"),
         (["--lengths", "L", "--export-lengths", "x.jsonl"], "--export-lengths needs --data"),

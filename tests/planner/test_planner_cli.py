@@ -158,6 +158,7 @@ def test_jsonl_input_with_visual_cap(capsys, tmp_path):
         (["--max-visual-tokens", "0"], "--max-visual-tokens = 0: Input should be greater than 0"),
         (["--max-visual-tokens", "3"], "below the 4 visual tokens of the smallest image"),
         (["--attn-a", "-1"], "--attn-a = -1.0: Input should be greater than or equal to 0"),
+        (["--global-token-budget", "99"], "global_token_budget (99) is below token_budget (100)"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, lengths_file, argv, message):
@@ -231,3 +232,29 @@ def test_subprocess_entry_point(tmp_path):
     )
     assert r.returncode == 2
     assert r.stderr.strip().startswith("odb-pipeline plan: error:") and "line 51" in r.stderr
+
+
+def test_global_steps_plan_the_same_steps_at_any_world_size(capsys, tmp_path, lengths_file):
+    """`--global-token-budget` (docs/global-steps.md): the same steps at W = 2 and 3, each
+    rank in every step, micro-batches within the budget; the emitted plan names them."""
+    plans = {}
+    for w in (2, 3):
+        out = tmp_path / f"plan{w}.jsonl"
+        d = run_json(capsys, "--lengths", str(lengths_file), "--world-size", str(w),
+                     "--token-budget", "16384", "--global-token-budget", str(8 * 16384),
+                     "--emit-plan", str(out))
+        assert d["global_token_budget"] == 8 * 16384 and d["budget_violations"] == 0
+        assert d["per_rank_steps"] == [d["steps"]] * w and d["partial_steps"] == 0
+        assert d["micro_batches_per_rank_step_max"] >= d["micro_batches_per_rank_step_p50"] >= 1
+        steps = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [s["optimizer_step"] for s in steps] == list(range(d["steps"]))
+        plans[w] = [sorted(i for b in s["batches"] if not b.get("filler") for i in b["samples"])
+                    for s in steps]
+        for s in steps:
+            for r in range(w):
+                micros = [b["micro"] for b in s["batches"] if b["rank"] == r]
+                assert micros == list(range(len(micros))) and micros
+    assert plans[2] == plans[3]
+    main(["plan", "--lengths", str(lengths_file), "--world-size", "2", "--token-budget", "16384",
+          "--global-token-budget", str(8 * 16384)])
+    assert "micro-batches of up to 16384, global steps of up to 131072" in capsys.readouterr().out

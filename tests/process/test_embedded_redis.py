@@ -1,6 +1,7 @@
 """The embedded Redis of `serve` (`LocalRedis.durable`): a password made on first start and kept
 0600 in the state dir, the same one after a restart (the AOF-backed state resumes behind it);
-a password file others can read is refused; the server runs in a session of its own."""
+a password file others can read is refused; the password never reaches the server's command
+line (other users read it in /proc); the server runs in a session of its own."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import socket
 import stat
 
 import pytest
+from support.process_tree import cmdline
 
 from pipeline.errors import UserError
 from pipeline.redis_client import connect
-from pipeline.redis_server import PASSWORD_FILE, LocalRedis
+from pipeline.redis_server import PASSWORD_FILE, LocalRedis, find_redis_binary
 
 
 def _unauthenticated_ping(port: int) -> bytes:
@@ -54,3 +56,30 @@ def test_a_password_file_others_can_read_is_refused(tmp_path):
         LocalRedis.durable(tmp_path)
     password_file.chmod(0o600)
     LocalRedis.durable(tmp_path).cleanup()  # the lock was released by the refusal
+
+
+def test_the_password_never_reaches_the_servers_command_line(tmp_path, monkeypatch):
+    """Any user reads another's command line in /proc/<pid>/cmdline (and a wrapper or a process
+    accounting tool records it): the password goes to the server in a file only we can read.
+    A `redis-server` wrapper first on PATH records the arguments it is started with."""
+    real = find_redis_binary()
+    seen = tmp_path / "argv"
+    wrapper = tmp_path / "bin" / "redis-server"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{seen}"\nexec "{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}")
+    server = LocalRedis.durable(tmp_path / "state").start()
+    try:
+        password = server.password
+        assert password and find_redis_binary() == str(wrapper)
+        assert "--port" in seen.read_text()  # the wrapper started the server
+        assert password not in seen.read_text()
+        running = cmdline(server.proc.pid)
+        assert "redis-server" in running and password not in running
+        client = connect(server.url)  # ... and the server wants it all the same
+        assert client.ping()
+        client.close()
+        assert _unauthenticated_ping(server.port).startswith(b"-NOAUTH")
+    finally:
+        server.cleanup()

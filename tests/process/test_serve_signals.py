@@ -146,3 +146,36 @@ def test_a_kill_9_of_serve_takes_everything_it_started_with_it(tmp_path):
             time.sleep(0.2)
     finally:
         tree.kill()
+
+
+
+_FAST_STOP = """
+import json, sys, time
+from pathlib import Path
+from pipeline.ray_runtime import PrivateRay
+ray = PrivateRay(num_cpus=1, object_store_mb=64, prefix="odb-test-fast-stop-")
+ray.start()
+deadline = time.monotonic() + 120
+while not any(Path(ray.tmp).glob("session_*")) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"tmp": ray.tmp, "node": ray.node.pid, "up": any(Path(ray.tmp).glob("s*"))}))
+ray.kill()
+"""
+
+
+def test_a_fast_stop_of_the_private_ray_leaves_no_temp_dir():
+    """A fast stop (a second signal, or the grace running out) kills the node's session: the
+    node cannot remove its temp dir then, so the fast stop does (#42: `/tmp/odb-serve-ray-*`
+    was left behind). (A process of its own: this one may have joined a Ray already.)"""
+    import subprocess
+    import sys
+
+    from support.process_tree import process_state
+
+    proc = subprocess.run([sys.executable, "-c", _FAST_STOP], capture_output=True, text=True,
+                          timeout=180, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["up"], "the node never started its session"
+    assert not Path(got["tmp"]).exists()
+    assert process_state(got["node"]) in ("", "Z")

@@ -4,7 +4,8 @@ keeps its name in Ray, so re-creating it by name finds the frozen one: the host 
 stay free while the actor is ALIVE and does not answer, and has Ray restart it. The new
 process takes the lease over (a new generation) and plans on from the checkpoint; nothing
 published changes. Two hosts supervise it (two replicas serve every job): the successor,
-starting or planning, is never restarted again."""
+starting or planning, is never restarted again. A process that is no longer the actor's ends
+alone, never the successor that has its actor id."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ from support.waiting import wait_for
 
 from pipeline.config import TrainingJobConfig
 from pipeline.coordinator import RedisJobState
-from pipeline.producer.actor import actor_process, find_producer, stop_producer
+from pipeline.producer.actor import (
+    ProcessId,
+    actor_process,
+    end_process,
+    find_producer,
+    stop_producer,
+)
 from pipeline.producer.hosting import ActorHost
 from pipeline.producer.producer import ProducerSettings
 
@@ -61,6 +68,21 @@ def test_a_frozen_producer_actor_is_restarted_and_a_successor_plans_on(ray_sessi
         new = ray.get(find_producer("frozen").info.remote(), timeout=30)
         assert new["pid"] == successor["pid"] != pid and new["generation"] > gen
         assert actor_process(find_producer("frozen")).process == 1, "the successor was restarted"
+        # How a producer process ends for good (planned, fenced, failed), here for the frozen
+        # one as if it had outlived its restart (cut off from Ray's GCS, not from Redis; Ray
+        # SIGKILLs a frozen process it restarts on one node): it is no longer the actor's
+        # process, so it exits alone (the exit is recorded, not done: this is the test's
+        # process), and the successor, which has the same actor id, plans on.
+        handle, exits = find_producer("frozen"), []
+        assert not end_process(handle, ProcessId(pid, info["node"]), exit_process=exits.append)
+        assert exits == [0]
+        assert ray.get(handle.info.remote(), timeout=30)["pid"] == successor["pid"]
+        assert actor_process(handle).process == 1
+        # The successor's end: the actor's current process, so the actor ends for good.
+        assert end_process(handle, ProcessId(successor["pid"], successor["node"]),
+                           exit_process=exits.append)
+        wait_for(lambda: find_producer("frozen") is None, 60, "the actor to end for good")
+        assert exits == [0]
     finally:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):

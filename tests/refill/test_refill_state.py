@@ -95,33 +95,38 @@ def test_concurrent_consumers_complete_every_request_exactly_once(redis_client, 
     cs = [(int(a), int(b)) for a, b in rng.integers(1, 120, size=(300, 2))]
     state = filled(redis_client, cs)
     seen: list[str] = []
+    asks: list[tuple[int, int, list[str], list[str]]] = []  # (free, admitted cost, stale, revoked)
     lock = threading.Lock()
 
-    def consume(name: str, seed: int) -> None:
+    def consume(name: str, seed: int) -> None:  # records; the test's thread asserts
         mine = RefillState.connect(redis_url, state.keys.job_id)
         r = np.random.default_rng(seed)
         held: list[str] = []
         n = 0
-        while True:
-            k = int(r.integers(0, len(held) + 1))
-            free = int(r.integers(0, 600))
-            res = mine.refill(name, free, held[:k], n)
-            n += 1
-            assert sum(x.request.cost for x in res.admitted) <= free
-            assert not res.stale
-            with lock:
-                seen.extend(res.completed)
-            assert not res.revoked
-            held = held[k:] + [x.request.request_id for x in res.admitted]
-            if mine.counts().done:
-                break
-        mine.close()
+        try:
+            while True:
+                k = int(r.integers(0, len(held) + 1))
+                free = int(r.integers(0, 600))
+                res = mine.refill(name, free, held[:k], n)
+                n += 1
+                with lock:
+                    asks.append((free, sum(x.request.cost for x in res.admitted),
+                                 list(res.stale), list(res.revoked)))
+                    seen.extend(res.completed)
+                held = held[k:] + [x.request.request_id for x in res.admitted]
+                if mine.counts().done:
+                    break
+        finally:
+            mine.close()
 
     threads = [threading.Thread(target=consume, args=(f"c{i}", i)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert asks and all(cost <= free and not stale and not revoked
+                        for free, cost, stale, revoked in asks)
     assert sorted(seen) == sorted(f"s:{i}" for i in range(300))
     assert len(state.completions()) == 300
 

@@ -38,7 +38,7 @@ class StreamJob:
                  lease_seconds: float = 5.0, policy: str = "fail",
                  rank_timeout_seconds: float = 60.0, prefetch: int = 2,
                  state: JobState | None = None, state_timeout_seconds: float = 5.0,
-                 **job: Any) -> None:
+                 resume_grace_s: float = 0.2, **job: Any) -> None:
         cfg = service_config(job_dict(job_id, world_size, **job))
         self.job = cfg.jobs[0]
         self.samples = synthetic_samples(samples, max_len=200)
@@ -49,10 +49,14 @@ class StreamJob:
         self.rt = JobRuntime(self.job, self.state, ArrayPayloads(array), host).start()
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="test-io")
         self.settings = StreamSettings(lease_seconds=lease_seconds, prefetch_steps=prefetch,
-                                       resume_grace_s=0.2,
+                                       resume_grace_s=resume_grace_s,
                                        state_timeout_seconds=state_timeout_seconds)
         self.streams = RankStreams(self.settings,
                                    policy_named(policy, rank_timeout_seconds), self.executor)
+
+    def replica(self) -> RankStreams:
+        """The rank streams of another replica of the job (its own vanished clients)."""
+        return RankStreams(self.settings, self.streams.policy, self.executor)
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
         async def bounded() -> Any:
@@ -75,15 +79,17 @@ def open_msg(job: str, rank: int, world_size: int, **kw: Any) -> pb.Open:
 
 class StreamClient:
     """One rank's client: `serve` runs as a task; `next()` is the next message it was written
-    (a `pb.ServerMessage`), `outcome()` how the stream ended (None, or the error it raised)."""
+    (a `pb.ServerMessage`), `outcome()` how the stream ended (None, or the error it raised),
+    `vanish()` goes away as a killed client does. `streams`: another replica's `RankStreams`
+    (`job.replica()`) instead of the job's own."""
 
-    def __init__(self, job: StreamJob, rank: int, world_size: int | None = None,
-                 **open_kw: Any) -> None:
+    def __init__(self, job: StreamJob, rank: int, world_size: int | None = None, *,
+                 streams: RankStreams | None = None, **open_kw: Any) -> None:
         self.job = job
         op = open_msg(job.job.job_id, rank, world_size or job.job.world_size, **open_kw)
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._written: asyncio.Queue = asyncio.Queue()
-        self.task = asyncio.ensure_future(job.streams.serve(
+        self.task = asyncio.ensure_future((streams or job.streams).serve(
             job.rt, op, op.client_id, self._requests(), self._write))
 
     async def _requests(self) -> AsyncIterator[pb.ClientMessage]:
@@ -106,6 +112,11 @@ class StreamClient:
     def close(self) -> None:
         """Half-close: the client sends nothing more."""
         self._inbox.put_nowait(None)
+
+    async def vanish(self) -> None:
+        """The client goes away without a word (killed, network gone): the call is cancelled."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
     async def next(self, timeout: float = 10.0) -> pb.ServerMessage:
         get = asyncio.ensure_future(self._written.get())

@@ -96,19 +96,22 @@ def test_a_rank_reads_only_its_own_batch_and_concurrent_reads_go_together():
 
     view = PlanView(Remote(inner), cache_size=8)
     calls = view.state.calls
-    barrier = threading.Barrier(16)
+    barrier = threading.Barrier(16, timeout=30)
+    got: dict[int, object] = {}  # reader -> what it read (checked here, in the test's thread)
 
-    def read(rank: int) -> None:
+    def read(i: int) -> None:
         barrier.wait()
-        step = view.step_for(4, rank)
-        assert [b.rank for b in step.batches] == [rank]
-        assert step.info == inner.get_step(4).info  # all-rank totals kept
+        got[i] = view.step_for(4, i % 4)
 
-    threads = [threading.Thread(target=read, args=(i % 4,)) for i in range(16)]
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(30)
+    assert not any(t.is_alive() for t in threads) and sorted(got) == list(range(16))
+    for i, step in got.items():
+        assert [b.rank for b in step.batches] == [i % 4]
+        assert step.info == inner.get_step(4).info  # all-rank totals kept
     assert calls["get_steps_for"] == 2  # the leader's, then one for all who waited meanwhile
     for n in range(6):
         assert view.step_for(n, 1).step == n

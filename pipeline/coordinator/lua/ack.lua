@@ -1,7 +1,7 @@
 -- A rank's lease taken or renewed (CLAIM) and/or its cursor moved (ACK), plus amortized trimming.
--- KEYS: meta, acked, lease_exp, lease, lapsed, counters, claimed
+-- KEYS: meta, acked, lease_exp, lease, lapsed, counters, claimed, lease_claim
 -- ARGV: base, rank, client_id ('' = no lease change), lease_ms, step (< 0 = no ack)
--- Returns {lease_expiry_ms (-1 if no lease change), now_ms}.
+-- Returns {lease_expiry_ms (-1 if no lease change), now_ms, the claim's number (0: none)}.
 --! include now
 --! include trim
 --! include lease
@@ -24,13 +24,14 @@ if step >= 0 then
   if not pt then return redis.error_reply('ODB_NOJOB') end
   if step > tonumber(pt) then return redis.error_reply('ODB_AHEAD ' .. step .. ' ' .. pt) end
 end
-local exp = -1
+local exp, claim = -1, 0
 if cid ~= '' then
   exp = now + tonumber(ARGV[4])
   lease_take(rank, cid, exp, took_over)
+  claim = redis.call('HINCRBY', KEYS[8], rank, 1)
 end
 if step >= 0 then
   redis.call('ZADD', KEYS[2], 'GT', step, rank)
   trim()
 end
-return {exp, now}
+return {exp, now, claim}

@@ -79,7 +79,7 @@ class Pong(_message.Message):
     def __init__(self, server_version: _Optional[str] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "resume_step", "resume_epoch", "client_id", "credits", "wire_version", "prefetch_bytes", "held_bytes")
+    __slots__ = ("job_id", "rank", "world_size", "resume_step", "resume_epoch", "client_id", "credits", "wire_version", "prefetch_bytes", "held_bytes", "group_size", "group_rank")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class Open(_message.Message):
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -100,7 +102,9 @@ class Open(_message.Message):
     wire_version: int
     prefetch_bytes: int
     held_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ..., wire_version: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    group_size: int
+    group_rank: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ..., wire_version: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., group_rank: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("consumed_step", "credits", "credit_bytes", "compute")
@@ -137,7 +141,7 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("step_samples", "step_tokens", "rank_samples", "rank_tokens", "step_loss_tokens", "rank_loss_tokens", "world_size")
+    __slots__ = ("step_samples", "step_tokens", "rank_samples", "rank_tokens", "step_loss_tokens", "rank_loss_tokens", "world_size", "micro_index", "micro_count", "optimizer_step")
     STEP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANK_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +149,9 @@ class StepInfo(_message.Message):
     STEP_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANK_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MICRO_COUNT_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_FIELD_NUMBER: _ClassVar[int]
     step_samples: int
     step_tokens: int
     rank_samples: int
@@ -152,7 +159,10 @@ class StepInfo(_message.Message):
     step_loss_tokens: int
     rank_loss_tokens: int
     world_size: int
-    def __init__(self, step_samples: _Optional[int] = ..., step_tokens: _Optional[int] = ..., rank_samples: _Optional[int] = ..., rank_tokens: _Optional[int] = ..., step_loss_tokens: _Optional[int] = ..., rank_loss_tokens: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    micro_index: int
+    micro_count: int
+    optimizer_step: int
+    def __init__(self, step_samples: _Optional[int] = ..., step_tokens: _Optional[int] = ..., rank_samples: _Optional[int] = ..., rank_tokens: _Optional[int] = ..., step_loss_tokens: _Optional[int] = ..., rank_loss_tokens: _Optional[int] = ..., world_size: _Optional[int] = ..., micro_index: _Optional[int] = ..., micro_count: _Optional[int] = ..., optimizer_step: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("step", "epoch", "rank", "sample_ids", "info", "collate", "over_budget", "tensors", "pixel_norm", "filler")
@@ -245,18 +255,40 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "acked_step", "client_id", "connected", "delivered_step")
+    __slots__ = ("rank", "acked_step", "client_id", "connected", "delivered_step", "members")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ACKED_STEP_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     acked_step: int
     client_id: str
     connected: bool
     delivered_step: int
-    def __init__(self, rank: _Optional[int] = ..., acked_step: _Optional[int] = ..., client_id: _Optional[str] = ..., connected: _Optional[bool] = ..., delivered_step: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
+    def __init__(self, rank: _Optional[int] = ..., acked_step: _Optional[int] = ..., client_id: _Optional[str] = ..., connected: _Optional[bool] = ..., delivered_step: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ...) -> None: ...
+
+class MemberStatus(_message.Message):
+    __slots__ = ("member", "client_id", "acked_step", "lag_steps", "connected", "delivered_step", "lapsed_seconds", "released")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAG_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    member: int
+    client_id: str
+    acked_step: int
+    lag_steps: int
+    connected: bool
+    delivered_step: int
+    lapsed_seconds: float
+    released: bool
+    def __init__(self, member: _Optional[int] = ..., client_id: _Optional[str] = ..., acked_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., connected: _Optional[bool] = ..., delivered_step: _Optional[int] = ..., lapsed_seconds: _Optional[float] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class EpochSummary(_message.Message):
     __slots__ = ("epoch", "steps", "final_step", "carried_over")
