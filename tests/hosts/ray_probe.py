@@ -89,12 +89,27 @@ def main() -> None:
                     if time.monotonic() > deadline:
                         raise TimeoutError("the producer was not restarted within 60 s")
                     time.sleep(0.2)
-            answer = ray.get(handle.info.remote(), timeout=30)
+            answer = _info(handle)
             row = state.actors(actor_id=actor_id)
             answer["node_ip"] = row["Address"]["IPAddress"]
         except Exception as exc:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(answer), file=answers, flush=True)
+
+
+def _info(handle: Any, timeout: float = 60.0) -> dict[str, Any]:
+    """The actor's `info()`, once it answers (it may be restarting: Ray says so at once)."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(handle.info.remote(), timeout=30)
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 if __name__ == "__main__":
