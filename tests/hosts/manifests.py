@@ -2,9 +2,9 @@
 written (no kubectl, no cluster): the multi-host harness starts exactly that, so a drift between
 the manifests and what runs fails its tests.
 
-    pod = Pod.of_deployment("odb-pipeline")          # k8s/base/odb-pipeline.yaml
-    secrets = Secrets.generate(job_ids)              # the Secrets an operator creates
-    files = pod.materialize(root, secrets, configs)  # volumes as folders, paths mapped
+    pod = Pod.find(BASE / "odb-pipeline.yaml", "Deployment", "odb-pipeline")
+    secrets = Secrets.generate(job_ids, tls_dir)     # the Secrets an operator creates
+    files = pod.materialize(root, secrets, config_maps=config_maps())  # volumes, paths mapped
     argv, env = files.argv, files.env                # the container's command, args, env
 
 A pod's volumes become folders of this machine (a ConfigMap's files, a Secret's items, a

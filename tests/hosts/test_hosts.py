@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from liveness.contract import FAILOVER_BOUND_S, LEASE_S, STATE_TIMEOUT_S
+from liveness.contract import FAILOVER_BOUND_S, LEASE_S, STATE_TIMEOUT_S, client_options
 from liveness.rank_process import RankProcess
 from liveness.scenario import (
     PAUSE_AFTER,
@@ -87,7 +87,7 @@ class Hosts:
         (`options`: their BatchStream options, the fault suite's short keepalive if None)."""
         env = self.cluster.trainer_env(job)
         ranks = [RankProcess(tmp, self.cluster.headless, job, r, W,
-                             options=CLIENT if options is None else options,
+                             options=client_options() if options is None else options,
                              sleep=sleep, pause_after=PAUSE_AFTER, next_ranks=next_ranks,
                              launcher=self.cluster.net.command(TRAINERS[r // 2], []), env=env)
                  for r in range(W)]
@@ -139,9 +139,6 @@ class Hosts:
     def whole_again(self) -> None:
         """Both replicas ready (a restarted one included), before the next scenario."""
         self.cluster.wait_ready(REPLICAS, 180.0)
-
-
-CLIENT = {"keepalive_time_s": 1.0, "keepalive_timeout_s": 1.0, "heartbeat_s": 0.5}
 
 
 def _jobs(chats: Path) -> list[dict]:
