@@ -44,7 +44,8 @@ whole: a connection cut mid-batch gets the batch again, whole, from the resumed 
 
 Endpoint: any gRPC target (`host:port`, `dns:///svc:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`);
 the channel fails over between the addresses it resolves with gRPC's own load-balancing policy
-(`load_balancing`, `pick_first` by default), and the reconnect loop resumes the stream there.
+(`load_balancing`: `round_robin` over the replicas whose gRPC health is SERVING by default,
+`trainer_client.channel`), and the reconnect loop resumes the stream there.
 Exit: a stream left open (a trainer that stops early, raises or gets Ctrl-C) is closed at
 interpreter exit, before gRPC's threads could abort the process.
 
@@ -113,6 +114,7 @@ from trainer_client.wire_format import (
     GROUP_REFUSED_PREFIX,
     MAX_GROUP_SIZE,
     MISMATCH_PREFIX,
+    STREAM_ACCEPTED,
     WIRE_VERSION,
 )
 
@@ -219,7 +221,7 @@ class BatchStream:
         root_certificates: bytes | None = None, private_key: bytes | None = None,
         certificate_chain: bytes | None = None, max_message_mb: int = 256,
         reconnect_timeout: float = 60.0, backoff: tuple[float, float] = (0.05, 2.0),
-        load_balancing: str = "pick_first", tensors: TensorKind = "auto",
+        load_balancing: str = "round_robin", tensors: TensorKind = "auto",
         keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S,
         keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
@@ -245,15 +247,13 @@ class BatchStream:
         self.client_id = client_id or f"{job}/{rank}{member}/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
         self.heartbeat_s = heartbeat_s
-        # A call that stayed up this long was a working connection: its failure starts a new
-        # outage (keepalive would have dropped a dead one sooner).
-        self._live_bound = keepalive_time_s + keepalive_timeout_s
         self.tensors = resolve_tensor_kind(tensors)
         self._backoff = backoff
         self.wait_log_s = wait_log_s  # how often a stream that waits says what for (a warning)
         self._outage: str | None = None  # why the stream is reconnecting (None: it is not)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._target = endpoint  # (a list of addresses: rotated at each reconnection)
+        self._target = endpoint  # (pick_first over a list of addresses: rotated at reconnects)
+        self._load_balancing = load_balancing
         self._opts = channel_options(max_message_mb=max_message_mb,
                                      load_balancing=load_balancing,
                                      keepalive_time_s=keepalive_time_s,
@@ -521,7 +521,6 @@ class BatchStream:
         told = 0.0  # when the current outage was last logged
         job_done = False  # (or this world ended: the server closes, nothing to resume)
         while not link.closing:
-            started = time.monotonic()
             reqs: queue.SimpleQueue = queue.SimpleQueue()
             with link.lock:
                 credits = max(1, self.prefetch - self._queued_batches)
@@ -539,6 +538,9 @@ class BatchStream:
                                                 metadata=self._metadata)
             reader = StreamReader(self.tensors)  # a batch cut off with its call is dropped
             try:
+                if _accepted(call):  # the call works: the outage, if any, is over
+                    outage_since = None
+                    delay = self._backoff[0]
                 for raw in call:
                     outage_since = self._outage = None
                     delay = self._backoff[0]
@@ -594,8 +596,11 @@ class BatchStream:
                 return
             retry = (code in _RETRYABLE and not final
                      and not details.startswith((MISMATCH_PREFIX, GROUP_REFUSED_PREFIX)))
+            # The outage runs from its first failed call: a call that failed (however long it
+            # took: a replica cut from the state answers only after its state timeout) never
+            # restarts it; only an accepted call or a message does.
             now = time.monotonic()
-            if outage_since is None or now - started > self._live_bound:
+            if outage_since is None:
                 outage_since = now
             if not retry or now - outage_since > self.reconnect_timeout:
                 self._items.put(StreamError(code, details))
@@ -608,7 +613,8 @@ class BatchStream:
                             self.reconnect_timeout, code.name, details)
             self._outage = f"{code.name}: {details}"
             self.reconnects += 1
-            self._next_address_first()
+            if self._load_balancing == "pick_first":
+                self._next_address_first()
             time.sleep(delay)
             delay = min(delay * 2, self._backoff[1])
 
@@ -627,6 +633,15 @@ class BatchStream:
             self._stub = pb_grpc.DataServiceStub(channel)
             self._stream = _raw_stream(channel)
         old.close()
+
+
+def _accepted(call: Any) -> bool:
+    """Whether the replica accepted the call's Open (its initial metadata, sent once the rank
+    is claimed; waits for it, the first message or the call's end)."""
+    try:
+        return STREAM_ACCEPTED in tuple(call.initial_metadata() or ())
+    except grpc.RpcError:
+        return False
 
 
 def _final(exc: grpc.RpcError) -> bool:

@@ -111,7 +111,7 @@ class RefillStream:
     def __init__(self, endpoint: str, job: str, *, token: str | None = None,
                  consumer_id: str | None = None, root_certificates: bytes | None = None,
                  max_message_mb: int = 256, reconnect_timeout: float = 30.0,
-                 load_balancing: str = "pick_first",
+                 load_balancing: str = "round_robin",
                  keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S,
                  keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
                  tensors: TensorKind = "numpy") -> None:

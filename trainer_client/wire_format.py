@@ -53,6 +53,11 @@ FINAL_STATUS_KEY = "odb-final"
 GROUP_REFUSED_PREFIX = "group refused"
 MAX_GROUP_SIZE = 1024  # clients of one rank's group (Open.group_size)
 
+# The initial metadata a replica sends on a Stream call once it accepted the Open (the rank is
+# claimed): the call works, so the client's outage (if any) is over, even before a batch comes.
+# (A server that does not send it: the outage ends with the first message.)
+STREAM_ACCEPTED = ("odb-stream", "accepted")
+
 # A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
 # tells what a job's largest batch means against it.
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024

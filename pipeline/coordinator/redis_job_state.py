@@ -862,5 +862,9 @@ class RedisJobState(JobState):
             raw = self.client.lrange(self.keys.quarantine, 0, limit - 1)
         return [step_codec.decode_quarantine(r) for r in raw]
 
+    def ping(self) -> None:
+        with unavailable_as_error(self._where):
+            self.client.ping()
+
     def close(self) -> None:
         self.client.close()

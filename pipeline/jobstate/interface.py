@@ -635,5 +635,9 @@ class JobState(ABC):
         """The first `limit` distinct quarantined records (each listed once however many
         epochs or restarts met it); `counters().quarantined` is the exact total."""
 
+    def ping(self) -> None:  # noqa: B027 (optional hook: an in-process state is always there)
+        """One round trip to where the state lives; raises `StateUnavailable` when it cannot
+        be made (the replica's readiness follows it: `service/readiness.py`)."""
+
     def close(self) -> None:  # noqa: B027 (optional hook: in-process states hold nothing)
         """Release connections."""

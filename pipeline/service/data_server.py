@@ -10,7 +10,7 @@ Health) and Refill are plain functions run in the server's thread pool.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
@@ -48,7 +48,7 @@ from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client.wire_format import FINAL_STATUS_KEY
+from trainer_client.wire_format import FINAL_STATUS_KEY, STREAM_ACCEPTED
 
 # The one table from the domain's errors to status codes (the most specific class wins).
 STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
@@ -144,12 +144,17 @@ async def _client_messages(requests: AsyncIterator[pb.ClientMessage]
 class DataServicer(pb_grpc.DataServiceServicer):
     def __init__(self, runtimes: dict[str, JobRuntime], tokens: dict[str, str | None], *,
                  streams: RankStreams, replica_id: str = "",
-                 refill: RefillServicer | None = None) -> None:
+                 refill: RefillServicer | None = None,
+                 state_reachable: Callable[[], bool] = lambda: True) -> None:
+        """`state_reachable`: False while the replica knows it cannot reach its jobs' state
+        (`readiness.StateWatch`): a new stream is then refused at once (UNAVAILABLE), its client
+        reconnects elsewhere instead of waiting out the state timeout here."""
         self.runtimes = runtimes
         self.tokens = tokens
         self.streams = streams
         self.replica_id = replica_id
         self.refill = refill  # the `mode: refill` jobs (refill_server.py), if any
+        self.state_reachable = state_reachable
 
     def _lookup(self, job_id: str, metadata: Iterable[tuple[str, str | bytes]] | None
                 ) -> JobRuntime:
@@ -216,8 +221,12 @@ class DataServicer(pb_grpc.DataServiceServicer):
             if problem:
                 raise WireMismatch(problem)
             rt = self._lookup(op.job_id, context.invocation_metadata())
-            await self.streams.serve(rt, op, op.client_id or context.peer(),
-                                     _client_messages(requests), context.write)
+            if not self.state_reachable():
+                raise ReplicaUnavailable(f"job {op.job_id!r}: this replica cannot reach the "
+                                         "job's state (NOT_SERVING); reconnect")
+            await self.streams.serve(
+                rt, op, op.client_id or context.peer(), _client_messages(requests),
+                context.write, accepted=lambda: context.send_initial_metadata((STREAM_ACCEPTED,)))
         except OdbError as exc:
             final = ((FINAL_STATUS_KEY, "1"),) if isinstance(exc, FINAL) else ()
             await context.abort(status_of(exc), str(exc), trailing_metadata=final)

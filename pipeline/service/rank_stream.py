@@ -245,10 +245,12 @@ class RankStreams:
             self._vanished[(rt.job.job_id, rank, _seat(member))] = (client_id, claim)
 
     async def serve(self, rt: JobRuntime, op: pb.Open, client_id: str,
-                    requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
+                    requests: AsyncIterator[pb.ClientMessage], write: Write,
+                    accepted: Callable[[], Awaitable[None]] | None = None) -> None:
         """Serve the rank of `op` (or its seat in the rank's group) until its END (or its
         world's END(reconfigure)), the client closes or goes away (cancellation), or the stream
-        must end (a domain error)."""
+        must end (a domain error). `accepted` runs once the Open is (the position resolved,
+        the rank claimed)."""
         if rt.job.batching.global_token_budget is not None:  # micro-batches: a newer client
             problem = wire_version_problem(op, global_steps=True)
             if problem:
@@ -262,6 +264,8 @@ class RankStreams:
         claim = 0
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
             claim = await jio.run(self.claim, rt, op.rank, client_id, member)
+        if accepted is not None:
+            await accepted()
         stream = RankStream(self, jio, op, client_id, start, credits, claim, member)
         await stream.run(requests, write)
 
@@ -312,12 +316,13 @@ class RankStream:
                 writing = asyncio.ensure_future(write(msg))
             if writing is not None:
                 await writing
-            # After the final END, wait (bounded) for the client's final ack and half-close so
-            # the last step is recorded as consumed. (After END(reconfigure) there is nothing to
-            # record: end at once, the rank is about to open its stream in the new world.)
-            deadline = time.monotonic() + (0.0 if s.left else self.settings.lease_seconds)
-            while not (s.client_closed or s.cancelled):
-                if time.monotonic() >= deadline:
+            # After the final END, wait for the client's final ack and half-close so the last
+            # step is recorded as consumed: while the client shows signs of life (a trainer
+            # still working through the batches it holds keeps its heartbeats), and a lease
+            # after its last one. (After END(reconfigure) there is nothing to record: end at
+            # once, the rank is about to open its stream in the new world.)
+            while not (s.client_closed or s.cancelled or s.left or self.rt.stopping):
+                if time.monotonic() - s.renewed_at >= self.settings.lease_seconds:
                     break
                 await s.wait(0.1)
         except asyncio.CancelledError:  # the client went away (or the server stops)

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from pipeline.config import GrpcConfig, RefillJobConfig, ServiceConfig, TrainingJobConfig
@@ -40,6 +40,7 @@ from pipeline.service.liveness import policy_named
 from pipeline.service.loop_server import LoopServer
 from pipeline.service.payloads import ArrayPayloads, PayloadSource, RayPayloads
 from pipeline.service.rank_stream import RankStreams, StreamSettings
+from pipeline.service.readiness import ReplicaHealth, StateWatch
 from pipeline.service.refill_server import RefillJob, RefillServicer, connect_refill_job
 from pipeline.service.state_factory import make_job_state
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -79,7 +80,7 @@ class RunningService:
     server: LoopServer
     port: int
     runtimes: dict[str, JobRuntime]
-    health: health.HealthServicer
+    health: ReplicaHealth
     replica_id: str
     on_stop: list = field(default_factory=list)  # callables run at stop (metrics server, ...)
     refill_jobs: dict[str, RefillJob] = field(default_factory=dict)  # `mode: refill` jobs
@@ -148,9 +149,9 @@ def start_service(
     variable). `ray_ready`: an event set once Ray is initialized, for a caller that starts Ray
     meanwhile (None: Ray is up already); until then Ray jobs are planned in this process."""
     enforce_exposure(config, tokens)  # no job open beyond loopback unless opted in (#28)
-    # Rank streams are coroutines of the server's loop; threads serve the unary calls, health
-    # watches and Refill (a refill consumer holds one: room for 32 per job), and the streams'
-    # blocking reads and writes (grouped: a few threads serve any number of streams).
+    # Rank streams and health watches are coroutines of the server's loop; threads serve the
+    # unary calls and Refill (a refill consumer holds one: room for 32 per job), and the
+    # streams' blocking reads and writes (grouped: a few threads serve any number of streams).
     # (Threads are started on demand, so the bounds cost nothing until used.)
     replica_id = replica_id or new_replica_id()
     n_refill = sum(isinstance(job, RefillJobConfig) for job in config.jobs)
@@ -172,25 +173,27 @@ def start_service(
         payload_timeout_seconds=config.payload_timeout_seconds)
     streams = RankStreams(settings, policy_named(config.rank_failure_policy,
                                                  config.rank_timeout_seconds), server.io)
+    replica_health = ReplicaHealth(server, services=("", SERVICE_NAME))
+    # NOT_SERVING while a job's state cannot be reached (/healthz follows: readiness).
+    watch = StateWatch(replica_health, {j: rt.state for j, rt in runtimes.items()},
+                       timeout_s=config.state_timeout_seconds)
     servicer = DataServicer(runtimes, toks, streams=streams, replica_id=replica_id,
-                            refill=_refill_servicer(refill_jobs, toks, runtimes))
+                            refill=_refill_servicer(refill_jobs, toks, runtimes),
+                            state_reachable=lambda: watch.serving)
     add_servicer(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     server.start()  # listening before any producer starts: ranks may connect at once
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    replica_health.set(serving=True)
     for rt in runtimes.values():
         rt.start()
-    on_stop = []
+    on_stop = [watch.start().stop]
     if servicer.refill is not None:
         servicer.refill.start()
         on_stop.append(servicer.refill.stop)
     log.info("replica %s serving %d job(s) on %s (tls=%s)", replica_id,
              len(runtimes) + len(refill_jobs), addr, tls)
-    return RunningService(server, port, runtimes, health_servicer, replica_id, on_stop,
+    return RunningService(server, port, runtimes, replica_health, replica_id, on_stop,
                           refill_jobs, frozenset(j for j, t in toks.items() if t is None))
 
 

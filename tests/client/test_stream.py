@@ -201,7 +201,7 @@ def test_a_rerun_on_a_finished_job_says_the_job_has_finished(caplog):
         with caplog.at_level("WARNING", logger="trainer_client.batch_stream"), \
                 BatchStream(svc.address, "j", 0, 1) as again:
             assert list(again) == [] and again.done
-    (said,) = [r.getMessage() for r in caplog.records]
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "trainer_client.batch_stream"]
     assert "job j rank 0: the job has finished" in said and "job reset j" in said
 
 

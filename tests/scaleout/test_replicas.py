@@ -36,8 +36,10 @@ def _ranks(endpoints: dict[int, str], job: str, epochs: int, sleep: float = 0.0)
     sys.path.insert(0, os.path.join(os.path.dirname(sys_path), "faults"))
     from fault_helpers import RankThread
 
-    return [RankThread(endpoints[r], job, r, 4, epochs=epochs, sleep=sleep).start()
-            for r in sorted(endpoints)]
+    # pick_first: each rank on the first address of its list (the default, round_robin,
+    # would spread them), so the test knows which replica serves it.
+    return [RankThread(endpoints[r], job, r, 4, epochs=epochs, sleep=sleep,
+                       load_balancing="pick_first").start() for r in sorted(endpoints)]
 
 
 def _coverage(ranks, state, epochs: int, tmp_path, rows: int) -> None:
