@@ -153,7 +153,8 @@ def processor_loop(proc, job: TrainingJobConfig) -> dict:
 
     m = Meter(ROLES["plain"])
     for c in plan_chunks(expand_sources(job.source), lambda f: rows_per_task(job, f)):
-        for part in proc.process_parts(c.file, read_chunk(c), task_bytes(job)):
+        for part in proc.process_parts([(c.file, r, 0, raw) for r, raw in read_chunk(c)],
+                                       task_bytes(job)):
             for it in part:
                 if isinstance(it, ProcessedSample):
                     m.add(it.pixel_values)

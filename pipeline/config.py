@@ -38,10 +38,16 @@ from pydantic import (
 
 from pipeline.errors import UserError
 from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy, RankFailurePolicy
+from pipeline.order.epoch_order import OrderSettings
+from pipeline.order.mixture import DEFAULT_SOURCE, NAME_PATTERN, MixSource, Mixture, ScheduleEntry
 from pipeline.planner.compute_fit import FitSettings
 from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES, BatchingPolicy
 
 ENV_PREFIX = "ODB_"
+# The order's defaults, chosen from measured shuffle quality (docs/data-order.md).
+READ_UNIT_ROWS = 64
+SHUFFLE_BLOCK_ROWS = 65536
+SHUFFLE_BLOCK_MB = 64
 
 
 class ConfigError(UserError):
@@ -52,9 +58,78 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-class SourceConfig(_Model):
+class MixtureSourceConfig(_Model):
+    """One named source of a mixture: its files, and at most one of repeat / choose / weight
+    (none: every row once per epoch). docs/data-order.md."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="how `mix`, `schedule` and status name it")
     paths: list[str] = Field(min_length=1, description="JSONL/Parquet files, dirs or URIs")
     format: Literal["auto", "jsonl", "parquet"] = "auto"
+    repeat: float | None = Field(None, ge=0, description="copies per epoch (1.5: every row once "
+                                 "and half of them again, rotated over epochs)")
+    choose: int | None = Field(None, ge=0, description="rows per epoch")
+    weight: float | None = Field(None, ge=0, description="share of the epoch (relative to the "
+                                 "other sources' weights)")
+
+
+class ScheduleEntryConfig(_Model):
+    from_step: int = Field(ge=0, description="the first step planned with these weights")
+    weights: dict[str, float] = Field(description="source name -> weight, every source")
+
+
+class SourceConfig(_Model):
+    """What a job reads, and in what order (docs/data-order.md): `paths` (one source), or a
+    `mixture` of named sources; shuffled by default."""
+
+    paths: list[str] | None = Field(None, min_length=1,
+                                    description="JSONL/Parquet files, dirs or URIs")
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    mixture: list[MixtureSourceConfig] | None = Field(
+        None, min_length=1, description="named sources instead of `paths`, each with at most "
+        "one of repeat / choose / weight")
+    mix_by: Literal["samples", "loss_tokens"] = Field(
+        "samples", description="what each source's share holds in every part of an epoch: its "
+        "samples, or its trained (loss) tokens in every window of steps")
+    epoch_samples: int | None = Field(None, ge=1, description="samples per epoch of a weighted "
+                                      "mixture (None: as many as all sources have rows)")
+    schedule: list[ScheduleEntryConfig] = Field(
+        default_factory=list, description="weight changes from a step on: "
+        "[{from_step: N, weights: {name: w}}]")
+    shuffle: bool = Field(True, description="a seeded permutation of every epoch (false: file "
+                          "order, each source's files one after another)")
+    read_unit_rows: int = Field(
+        READ_UNIT_ROWS, gt=0, multiple_of=64, description="JSONL rows per read unit (one "
+        "ranged read; Parquet reads whole row groups)")
+    shuffle_block_rows: int = Field(SHUFFLE_BLOCK_ROWS, gt=0, description="positions one "
+                                    "shuffle block spans (the shuffle's buffer)")
+    shuffle_block_mb: int = Field(SHUFFLE_BLOCK_MB, gt=0, description="raw source bytes one "
+                                  "shuffle block may hold (fewer rows for large rows)")
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self) -> SourceConfig:
+        if (self.paths is None) == (self.mixture is None):
+            raise ValueError("give exactly one of paths (one source) or mixture (named sources)")
+        if self.mixture is None and (self.schedule or self.mix_by != "samples"):
+            given = "schedule" if self.schedule else f"mix_by {self.mix_by}"
+            raise ValueError(f"{given} needs a mixture (source.mixture): a job of paths is one "
+                             "source")
+        self.mixture_value().check("mixture")  # the mixture owns the rules between fields
+        return self
+
+    def mixture_value(self) -> Mixture:
+        """The job's sources as a `Mixture` (a job of `paths` is one source, "default")."""
+        if self.mixture is None:
+            sources = (MixSource(DEFAULT_SOURCE, tuple(self.paths or ()), self.format),)
+        else:
+            sources = tuple(MixSource(m.name, tuple(m.paths), m.format, m.repeat, m.choose,
+                                      m.weight) for m in self.mixture)
+        schedule = tuple(ScheduleEntry(e.from_step, tuple(e.weights.items()))
+                         for e in self.schedule)
+        return Mixture(sources, self.mix_by, self.epoch_samples, schedule)
+
+    def order_settings(self) -> OrderSettings:
+        return OrderSettings(shuffle=self.shuffle, block_rows=self.shuffle_block_rows,
+                             block_bytes=self.shuffle_block_mb * 2**20)
 
 
 class AugmentConfig(_Model):
@@ -331,6 +406,13 @@ class TrainingJobConfig(_JobOptions):
         return mode
 
     @model_validator(mode="after")
+    def _sdo_plans_its_own_order(self) -> TrainingJobConfig:
+        if self.organization.kind == "sdo" and self.source.mixture is not None:
+            raise ValueError("source.mixture cannot go with organization.kind sdo: SDO's epochs "
+                             "are visits in traversal order, not a mixture's (docs/sdo.md)")
+        return self
+
+    @model_validator(mode="after")
     def _max_world_holds_the_first(self) -> TrainingJobConfig:
         if self.max_world_size is not None and self.max_world_size < self.world_size:
             raise ValueError(f"max_world_size ({self.max_world_size}) is below world_size "
@@ -412,6 +494,13 @@ class RefillJobConfig(_JobOptions):
         _refuse_options(data, _TRAINING_ONLY, "options of training jobs; a `mode: refill` job "
                         "has consumers, not ranks, and no plan")
         return data
+
+    @model_validator(mode="after")
+    def _no_mixture(self) -> RefillJobConfig:
+        if self.source.mixture is not None or self.source.epoch_samples is not None:
+            raise ValueError("source.mixture and source.epoch_samples are for training jobs: a "
+                             "refill job admits its requests in file order")
+        return self
 
     def max_sample_tokens(self) -> int:
         """The most tokens one preprocessed sample (a request's prompt and reference answer)

@@ -6,6 +6,7 @@
     │   ├── BadRequest       a request field out of its range (a rank, a credit count, ...)
     │   ├── PositionUnavailable  a resume position the plan cannot serve
     │   ├── WrongJobMode     a call made for another kind of job (refill vs training)
+    │   ├── MixRefused       a mixture change the job cannot take (no mixture, fully planned)
     │   ├── Unauthenticated  a call without the job's bearer token (or a wrong one)
     │   └── WireMismatch     a client that decodes another wire version
     ├── StateError           a refusal of a job's shared state (it is left unchanged)
@@ -77,6 +78,11 @@ class DurabilityUnavailable(UserError):
 class BadRequest(UserError):
     """A request field out of its range (a rank outside the world, a negative or too large
     credit count, a too long client id, ...): nothing was changed."""
+
+
+class MixRefused(UserError):
+    """A mixture change the job cannot take: it has no mixture (one source), or it is fully
+    planned (no step would be planned with it). Nothing was changed."""
 
 
 class PositionUnavailable(UserError):

@@ -43,9 +43,11 @@ def job_config(config: str | None, job_id: str | None, paths: list[str] | None, 
     elif job_id:
         raise UserError("--job needs --config")
     source = dict(base.get("source") or {})
-    if paths is not None:
+    if paths is not None:  # the command's data is the job's one source
+        for name in ("mixture", "schedule", "mix_by", "epoch_samples"):
+            source.pop(name, None)
         source["paths"] = list(paths)
-    elif not source.get("paths"):
+    elif not source.get("paths") and not source.get("mixture"):
         source["paths"] = ["<none>"]
     job = {**base, "job_id": base.get("job_id", default_job_id), "source": source}
     if base.get("mode") != JobMode.REFILL:  # a training job: one rank unless it says

@@ -68,7 +68,8 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
             measured = list(source.epoch(epoch))
             last = epoch == args.epochs - 1
             events = plan_epoch(none_planner, epoch_order(measured, epoch, seed=args.seed,
-                                                          shuffle=args.shuffle), last=last)
+                                                          shuffle=args.shuffle_flag is True),
+                                last=last)
             none_report.samples_in += len(measured)
             for ev in events:
                 none_report.observe(ev)

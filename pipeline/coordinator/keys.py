@@ -145,6 +145,14 @@ class JobKeys:
     def compute_fit(self) -> str:  # string: the compute fit's status (JSON, the producer's)
         return self.base + "compute_fit"
 
+    @property
+    def mix(self) -> str:  # hash: the latest mixture change asked for: seq, weights (JSON), ms
+        return self.base + "mix"
+
+    @property
+    def sources(self) -> str:  # string: each mixture source's part of the plan (JSON, producer's)
+        return self.base + "sources"
+
     def fixed(self) -> list[str]:
         """Every job's keys except the per-step ones (those are found from meta's step range)
         and the SDO ones (`organization_keys`)."""
@@ -154,7 +162,7 @@ class JobKeys:
                 self.quarantine_ids, self.quarantine, self.worlds, self.grants, self.draining,
                 self.world_times, self.pending_ends, self.fsyncs, self.compute,
                 self.compute_total, self.compute_fit, self.groups, self.members,
-                self.member_exp, self.member_acked]
+                self.member_exp, self.member_acked, self.mix, self.sources]
 
     # --- refill jobs (docs/refill.md): written by the scripts coordinator/lua/refill_*.lua ---
     @property

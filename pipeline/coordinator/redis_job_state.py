@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+import json
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,7 @@ from pipeline.jobstate.interface import (
     JobCounters,
     JobState,
     Member,
+    MixRequest,
     PlannerCheckpoint,
     ProducerFailure,
     ProducerLease,
@@ -54,6 +57,7 @@ from pipeline.jobstate.interface import (
     RankCompute,
     RankHealth,
     RankLease,
+    SourceStatus,
     grouped,
 )
 from pipeline.jobstate.worlds import (
@@ -103,7 +107,8 @@ class RedisJobState(JobState):
                  world_size: int, mode: JobMode | str = JobMode.JOIN, seed: int = 0,
                  config: str | None = None, retries: int = 5,
                  socket_timeout: float = 5.0, fsync_publish: bool = False,
-                 max_connections: int | None = None, pool_timeout: float = 30.0) -> None:
+                 max_connections: int | None = None, pool_timeout: float = 30.0,
+                 earlier_hash: str | None = None) -> None:
         self.client, self._where = open_client(client_or_url, retries=retries,
                                                socket_timeout=socket_timeout,
                                                max_connections=max_connections,
@@ -117,6 +122,14 @@ class RedisJobState(JobState):
         with unavailable_as_error(self._where):
             if fsync_publish:
                 self._waitaof()  # fail at start, not at the first publish
+            # A job an earlier build registered reading its files in order keeps that order
+            # (its plan was made with it): `earlier_hash` is its config's hash as that build
+            # had it (registry.earlier_hash); `registered_in_file_order` tells the caller.
+            self.registered_in_file_order = False
+            stored = registry.read_job(self.client, job_id)
+            if (earlier_hash is not None and stored is not None
+                    and stored.config_hash == earlier_hash != config_hash):
+                config_hash, self.registered_in_file_order = earlier_hash, True
             self.created = registry.register_job(
                 self.client, job_id, config_hash=config_hash, world_size=world_size,
                 mode=self.mode, seed=seed, config=config)
@@ -151,7 +164,8 @@ class RedisJobState(JobState):
                    world_size=job.world_size, mode=job.mode, seed=job.seed,
                    config=registry.config_record(job), retries=retries,
                    socket_timeout=socket_timeout, fsync_publish=fsync_publish,
-                   max_connections=max_connections, pool_timeout=pool_timeout)
+                   max_connections=max_connections, pool_timeout=pool_timeout,
+                   earlier_hash=registry.earlier_hash(job))
 
     @classmethod
     def attach(cls, client_or_url: redis.Redis | str, job_id: str, *, retries: int = 5,
@@ -609,6 +623,34 @@ class RedisJobState(JobState):
         with unavailable_as_error(self._where):
             raw = self.client.get(self.keys.compute_fit)
         return None if raw is None else ComputeFitStatus.from_json(raw)
+
+    # ------------------------------------------------------------ mixtures
+    def request_mix(self, weights: Mapping[str, float]) -> MixRequest:
+        key = self.keys.mix
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hincrby(key, "seq", 1)
+            pipe.hset(key, mapping={"weights": json.dumps(dict(weights)),
+                                    "ms": int(time.time() * 1000)})
+            seq, _ = pipe.execute()
+        return MixRequest(int(seq), dict(weights), time.time())
+
+    def mix_request(self) -> MixRequest | None:
+        with unavailable_as_error(self._where):
+            got = self.client.hgetall(self.keys.mix)
+        if not got:
+            return None
+        return MixRequest(int(got[b"seq"]), json.loads(got[b"weights"]),
+                          int(got[b"ms"]) / 1000.0)
+
+    def set_source_status(self, status: SourceStatus) -> None:
+        with unavailable_as_error(self._where):
+            self.client.set(self.keys.sources, status.to_json())
+
+    def source_status(self) -> SourceStatus | None:
+        with unavailable_as_error(self._where):
+            raw = self.client.get(self.keys.sources)
+        return None if raw is None else SourceStatus.from_json(raw)
 
     def release_rank(self, rank: int, client_id: str, claim: int | None = None, *,
                      member: Member | None = None) -> None:

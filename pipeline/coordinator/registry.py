@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import redis
 
-from pipeline.config import BatchingConfig, ComputeBalancingConfig, JobConfig, OrganizationConfig
+from pipeline.config import (
+    BatchingConfig,
+    ComputeBalancingConfig,
+    JobConfig,
+    OrganizationConfig,
+    TrainingJobConfig,
+)
 from pipeline.coordinator import keys, refill_scripts, scripts
 from pipeline.errors import JobMismatch, SchemaMismatch
 from pipeline.modes import JobMode
@@ -52,6 +58,20 @@ _ADDED_LATER: dict[tuple[str, str], object] = {
 }
 
 
+# The source options that decide the order (pipeline/order/), added after stored jobs were
+# hashed. Those jobs read their files in order with no mixture: a config that asks exactly
+# that hashes as before, without them; any other order is part of the hash (defaults too: a
+# later build that changed a default must not resume a job in another order).
+_ORDER_OPTIONS = ("mixture", "mix_by", "epoch_samples", "schedule", "shuffle", "read_unit_rows",
+                  "shuffle_block_rows", "shuffle_block_mb")
+
+
+def _in_file_order(source: dict) -> bool:
+    return (source.get("shuffle") is False and source.get("mixture") is None
+            and source.get("epoch_samples") is None and not source.get("schedule")
+            and source.get("mix_by", "samples") == "samples")
+
+
 def config_hash(job: JobConfig) -> str:
     """What a job's plan depends on, hashed: everything in its config but the auth token's env
     var name. Same hash = the stored plan is valid for this config.
@@ -69,7 +89,25 @@ def config_hash(job: JobConfig) -> str:
     for (section, name), default in _ADDED_LATER.items():
         if data.get(section, {}).get(name) == default:
             del data[section][name]
+    source = data.get("source", {})
+    if job.mode is JobMode.REFILL or _in_file_order(source):  # (refill: requests, no order)
+        for name in _ORDER_OPTIONS:
+            source.pop(name, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def in_file_order(job: TrainingJobConfig) -> TrainingJobConfig:
+    """The job reading its files in order, as builds before `source.shuffle` did."""
+    return job.model_copy(update={"source": job.source.model_copy(update={"shuffle": False})})
+
+
+def earlier_hash(job: TrainingJobConfig) -> str | None:
+    """The hash a build before order existed registered this config with (it read the files in
+    order), or None when that build could not have run it (a mixture, epoch_samples)."""
+    src = job.source
+    if src.mixture is not None or src.epoch_samples is not None:
+        return None
+    return config_hash(in_file_order(job))
 
 
 def config_record(job: JobConfig) -> str:

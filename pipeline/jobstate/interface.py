@@ -160,6 +160,59 @@ class ComputeFitStatus:
 
 
 @dataclass(frozen=True)
+class MixRequest:
+    """A change of a mixture's weights asked for while the job runs (`odb-pipeline mix`): the
+    producer applies it at its next step boundary, once (`seq` orders the requests)."""
+
+    seq: int
+    weights: Mapping[str, float]
+    requested_at: float  # unix seconds
+
+
+@dataclass(frozen=True)
+class SourceShare:
+    """One mixture source in the current epoch's plan: what its published steps hold, what its
+    share should be, and its records quarantined this epoch."""
+
+    name: str
+    samples: int = 0
+    loss_tokens: int = 0
+    quarantined: int = 0
+    target: float = 0.0  # its share of the samples (mix_by samples) or loss tokens in force
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    """Each source's part of a mixture job's plan this epoch (the producer writes it after each
+    publication, `status` shows it): counted in `mix_by`; `changes` are the epoch's mixture
+    changes as (first step, by, weights)."""
+
+    epoch: int
+    mix_by: str
+    sources: tuple[SourceShare, ...]
+    changes: tuple[tuple[int, str, tuple[tuple[str, float], ...]], ...] = ()
+
+    def share(self, i: int) -> float:
+        """Source i's share so far, in `mix_by` (0 before anything is planned)."""
+        key = "samples" if self.mix_by == "samples" else "loss_tokens"
+        total = sum(getattr(s, key) for s in self.sources)
+        return getattr(self.sources[i], key) / total if total else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({"epoch": self.epoch, "mix_by": self.mix_by,
+                           "sources": [s.__dict__ for s in self.sources],
+                           "changes": [[n, by, [list(w) for w in ws]]
+                                       for n, by, ws in self.changes]})
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> SourceStatus:
+        d = json.loads(data)
+        return cls(int(d["epoch"]), d["mix_by"], tuple(SourceShare(**s) for s in d["sources"]),
+                   tuple((int(n), str(by), tuple((str(a), float(w)) for a, w in ws))
+                         for n, by, ws in d["changes"]))
+
+
+@dataclass(frozen=True)
 class RankHealth:
     """One rank as the failure policy and operators see it (times: the state's clock)."""
 
@@ -230,14 +283,17 @@ class ProducerFailure:
 
 @dataclass(frozen=True)
 class PlannerCheckpoint:
-    """Where planning continues after a restart: the input position (`epoch`, source rows of it
-    already fed) and the planner's own state (window, pool, carry: JSON bytes)."""
+    """Where planning continues after a restart: the input position (`epoch`, positions of its
+    order already fed), the planner's own state (window, pool, carry: JSON bytes) and the
+    order's cursor beyond its position (`order`: the mixture changes in force, JSON bytes;
+    empty when the mixture never changed)."""
 
     epoch: int
-    samples_consumed: int  # source rows of `epoch` already fed to the planner
+    samples_consumed: int  # positions of `epoch`'s order (rows) already fed to the planner
     next_step: int  # the next step number the planner will publish
     state: bytes = b""
     world: int = 0  # the world generation the planner state is for
+    order: bytes = b""  # OrderCursor.extras() (pipeline/order/cursor.py)
 
     @property
     def position(self) -> tuple[int, int]:
@@ -481,6 +537,23 @@ class JobState(ABC):
     def compute_fit(self) -> ComputeFitStatus | None:
         """Where the job's compute fit stands; None: never recorded (not balancing by compute,
         or no report yet)."""
+
+    # --- mixtures (docs/data-order.md) ---
+    @abstractmethod
+    def request_mix(self, weights: Mapping[str, float]) -> MixRequest:
+        """Ask for a mixture change (weights already checked against the job's mixture): it
+        replaces any request not yet applied and gets the next sequence number."""
+
+    @abstractmethod
+    def mix_request(self) -> MixRequest | None:
+        """The latest mixture change asked for (the producer applies one it has not)."""
+
+    @abstractmethod
+    def set_source_status(self, status: SourceStatus) -> None:
+        """The producer's view of each source's part of the epoch's plan (status, metrics)."""
+
+    @abstractmethod
+    def source_status(self) -> SourceStatus | None: ...
 
     @abstractmethod
     def acked(self, rank: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from pipeline.errors import (
@@ -33,6 +33,7 @@ from pipeline.jobstate.interface import (
     JobCounters,
     JobState,
     Member,
+    MixRequest,
     PlannerCheckpoint,
     ProducerFailure,
     ProducerLease,
@@ -42,6 +43,7 @@ from pipeline.jobstate.interface import (
     RankCompute,
     RankHealth,
     RankLease,
+    SourceStatus,
     group_holder,
     grouped,
 )
@@ -98,6 +100,8 @@ class MemoryJobState(JobState):
         self._compute: deque[RankCompute] = deque(maxlen=COMPUTE_REPORTS_KEPT)
         self._compute_total = 0
         self._compute_fit: ComputeFitStatus | None = None
+        self._mix: MixRequest | None = None
+        self._sources: SourceStatus | None = None
 
     @property
     def world_size(self) -> int:
@@ -507,6 +511,22 @@ class MemoryJobState(JobState):
 
     def compute_fit(self) -> ComputeFitStatus | None:
         return self._compute_fit
+
+    # --- mixtures ---
+    def request_mix(self, weights: Mapping[str, float]) -> MixRequest:
+        with self._lock:
+            seq = self._mix.seq + 1 if self._mix is not None else 1
+            self._mix = MixRequest(seq, dict(weights), self._clock())
+            return self._mix
+
+    def mix_request(self) -> MixRequest | None:
+        return self._mix
+
+    def set_source_status(self, status: SourceStatus) -> None:
+        self._sources = status
+
+    def source_status(self) -> SourceStatus | None:
+        return self._sources
 
     def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
         now = self._clock()

@@ -248,6 +248,34 @@ class ComputeStatus:
 
 
 @dataclass(frozen=True)
+class SourceShareStatus:
+    """One source of a mixture in the current epoch's published steps (docs/data-order.md):
+    its share so far against its target, both counted as the job's `mix_by` says."""
+
+    name: str
+    samples: int
+    loss_tokens: int
+    quarantined: int  # its records quarantined this epoch
+    share: float
+    target: float
+
+
+@dataclass(frozen=True)
+class MixChangeStatus:
+    step: int  # the first step planned with it
+    by: str  # "mix <n>" | "schedule <i>"
+    weights: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class MixtureStatus:
+    epoch: int
+    mix_by: str  # samples | loss_tokens
+    sources: tuple[SourceShareStatus, ...]
+    changes: tuple[MixChangeStatus, ...] = ()
+
+
+@dataclass(frozen=True)
 class JobStatus:
     """One job. `state`: training jobs waiting (nothing published) | waiting for ranks (steps
     published, no rank acked one or holds a lease yet) | running | draining (planning over,
@@ -287,6 +315,7 @@ class JobStatus:
     # What the job's largest possible batch means for its trainers, when it is beyond a message
     # or a trainer's default byte window (`service/batch_bound.py`).
     batch_size_notice: str | None = None
+    sources: MixtureStatus | None = None  # a mixture job's sources (None: one source)
 
     @property
     def padding_efficiency(self) -> float | None:

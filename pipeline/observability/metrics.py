@@ -109,7 +109,22 @@ _OTHER = ("odb_replica_samples_fetched_total", "odb_samples_in_total", "odb_samp
           "odb_producer_generation", "odb_producer_live", "odb_service_start_time_seconds",
           "odb_world_generation", "odb_reconfiguration_seconds",
           "odb_reconfiguration_first_batch_seconds", "odb_compute_coefficient",
-          "odb_compute_rank_seconds")
+          "odb_compute_rank_seconds", "odb_source_samples", "odb_source_loss_tokens",
+          "odb_source_quarantined", "odb_source_share", "odb_source_target_share")
+# A mixture job's sources (docs/data-order.md): the current epoch's published steps, per
+# source (the `source` label is a source's name in the job's config: bounded).
+_SOURCE_GAUGES = (
+    ("odb_source_samples", "Samples of the source in the epoch's published steps",
+     lambda x: x.samples),
+    ("odb_source_loss_tokens", "Loss tokens of the source in the epoch's published steps",
+     lambda x: x.loss_tokens),
+    ("odb_source_quarantined", "The source's records quarantined this epoch",
+     lambda x: x.quarantined),
+    ("odb_source_share", "The source's share of the epoch's plan so far (in the job's mix_by)",
+     lambda x: x.share),
+    ("odb_source_target_share", "The share the mixture in force gives the source",
+     lambda x: x.target),
+)
 
 
 def _n(value: object) -> float:
@@ -183,8 +198,13 @@ class OdbCollector(Collector):
             "odb_compute_rank_seconds", "The newest fully reported step: a rank's measured "
             "compute seconds, and those its step's model predicted",
             labels=["job_id", "rank", "kind"])
+        sources = [(GaugeMetricFamily(n, d, labels=["job_id", "source", "mix_by"]), f)
+                   for n, d, f in _SOURCE_GAUGES]
         for job in status.jobs:
             jid = job.job_id
+            for x in job.sources.sources if job.sources else ():
+                for fam, f in sources:
+                    fam.add_metric([jid, x.name, job.sources.mix_by], _n(f(x)))
             c = job.compute
             if c is not None:
                 for feature, v in (c.coefficients or {}).items():
@@ -238,7 +258,7 @@ class OdbCollector(Collector):
                                   "Unix time the metrics view of this replica started")
         start.add_metric([], self.view.started_at)
         for group in (rank_counters, rank_gauges, replica_gauges, member_gauges, job_gauges,
-                      refill_counters, refill_gauges):
+                      refill_counters, refill_gauges, sources):
             yield from (fam for fam, _ in group)
         yield from (refill_epoch, fetched, samples_in, planned, quarantined, info, open_,
                     failed, generation, live, start, world_gen, switch, first_batch, coefficient,

@@ -88,7 +88,27 @@ def _training(job: JobStatus) -> str:
         "<th>batches</th><th>samples</th><th>tokens</th><th>client</th></tr>"
         + "".join(rows) + "</table>"
     )
-    return head + table
+    return head + table + _sources(job)
+
+
+def _sources(job: JobStatus) -> str:
+    """A mixture job's sources: each one's share of the epoch's plan against its target."""
+    m = job.sources
+    if m is None:
+        return ""
+    rows = "".join(
+        f'<tr data-source="{escape(x.name)}">' + _cell("source", x.name, num=False)
+        + _cell("samples", x.samples) + _cell("loss-tokens", x.loss_tokens)
+        + _cell("share", f"{x.share:.3f}") + _cell("target", f"{x.target:.3f}")
+        + _cell("quarantined", x.quarantined) + "</tr>" for x in m.sources)
+    changes = "".join(
+        f'<p class="mix-change">{escape(c.by)} from step {c.step}: '
+        + escape(", ".join(f"{n}={w:g}" for n, w in c.weights.items())) + "</p>"
+        for c in m.changes)
+    return (f'<table class="sources" data-job="{escape(job.job_id)}"><tr><th>source (epoch '
+            f'{m.epoch})</th><th>samples</th><th>loss tokens</th><th>share of '
+            f'{escape(m.mix_by.replace("_", " "))}</th><th>target</th><th>quarantined</th></tr>'
+            + rows + "</table>" + changes)
 
 
 _REFILL_CELLS = (("waiting", "waiting"), ("in_flight", "in flight"), ("completed", "completed"),

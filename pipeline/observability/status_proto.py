@@ -13,12 +13,15 @@ from pipeline.observability.job_status import (
     EpochEndStatus,
     JobStatus,
     MemberStatus,
+    MixChangeStatus,
+    MixtureStatus,
     QuarantineStatus,
     RankOnReplica,
     RankStatus,
     RefillEpoch,
     RefillStatus,
     ReplicaStatus,
+    SourceShareStatus,
     WorldStatus,
 )
 from pipeline.observability.status_view import refill_state, training_state
@@ -66,6 +69,15 @@ def to_proto(job: JobStatus) -> pb.JobStatus:
             requested_at=w.requested_at, returned_samples=w.returned_samples,
             adopted_seconds=-1.0 if w.adopted_s is None else w.adopted_s,
             first_batch_seconds=-1.0 if w.first_batch_s is None else w.first_batch_s)
+    mix = job.sources
+    if mix is not None:
+        out.sources.CopyFrom(pb.MixtureStatus(
+            epoch=mix.epoch, mix_by=mix.mix_by,
+            sources=[pb.SourceShare(name=x.name, samples=x.samples, loss_tokens=x.loss_tokens,
+                                    quarantined=x.quarantined, share=x.share, target=x.target)
+                     for x in mix.sources],
+            changes=[pb.MixChange(step=c.step, by=c.by, weights=dict(c.weights))
+                     for c in mix.changes]))
     rf = job.refill
     if rf is not None:
         out.refill.CopyFrom(pb.RefillCounts(
@@ -115,6 +127,7 @@ def from_proto(m: pb.JobStatus) -> JobStatus:
         world_size=m.world_size, published_through=m.published_through, ranks=ranks,
         lapsed_ranks=tuple(m.lapsed_ranks), reconfiguring=m.reconfiguring, epoch_ends=ends,
         batch_size_notice=m.batch_size_notice or None,
+        sources=_mixture(m.sources) if m.HasField("sources") else None,
         worlds=tuple(WorldStatus(
             generation=w.generation, world_size=w.world_size, first_step=w.first_step,
             last_step=None if w.last_step < 0 else w.last_step,
@@ -122,3 +135,11 @@ def from_proto(m: pb.JobStatus) -> JobStatus:
             requested_at=w.requested_at, returned_samples=w.returned_samples,
             adopted_s=_none(w.adopted_seconds), first_batch_s=_none(w.first_batch_seconds))
             for w in m.worlds))
+
+
+def _mixture(m: pb.MixtureStatus) -> MixtureStatus:
+    return MixtureStatus(
+        m.epoch, m.mix_by,
+        tuple(SourceShareStatus(x.name, x.samples, x.loss_tokens, x.quarantined, x.share,
+                                x.target) for x in m.sources),
+        tuple(MixChangeStatus(c.step, c.by, dict(c.weights)) for c in m.changes))

@@ -24,6 +24,8 @@ from pipeline.observability.job_status import (
     EpochEndStatus,
     JobStatus,
     MemberStatus,
+    MixChangeStatus,
+    MixtureStatus,
     Planned,
     ProducerStatus,
     ProducerTrouble,
@@ -36,6 +38,7 @@ from pipeline.observability.job_status import (
     RefillStatus,
     ReplicaStatus,
     ServiceStatus,
+    SourceShareStatus,
     Throughput,
     Totals,
     WorldStatus,
@@ -46,7 +49,12 @@ from pipeline.planner.compute_fit import FEATURES
 if TYPE_CHECKING:
     from pipeline.config import TrainingJobConfig
     from pipeline.coordinator.refill_state import RefillCounts
-    from pipeline.jobstate.interface import ComputeFitStatus, GroupHealth, JobState
+    from pipeline.jobstate.interface import (
+        ComputeFitStatus,
+        GroupHealth,
+        JobState,
+        SourceStatus,
+    )
     from pipeline.service.job_runtime import JobRuntime, ReplicaFacts
     from pipeline.service.refill_server import RefillJob
     from pipeline.service.server import RunningService
@@ -233,7 +241,20 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
                                     _records(state.quarantine(records)) if records else None),
         replica=None if replica_id is None else ReplicaStatus(
             replica_id, facts.uptime_s if facts else None),
-        batch_size_notice=batch_size_notice, compute=compute_status(state.compute_fit()))
+        batch_size_notice=batch_size_notice, compute=compute_status(state.compute_fit()),
+        sources=mixture_status(state.source_status()))
+
+
+def mixture_status(status: SourceStatus | None) -> MixtureStatus | None:
+    """A mixture job's sources as status shows them (None: one source, or nothing planned)."""
+    if status is None:
+        return None
+    return MixtureStatus(
+        status.epoch, status.mix_by,
+        tuple(SourceShareStatus(s.name, s.samples, s.loss_tokens, s.quarantined,
+                                round(status.share(i), 6), s.target)
+              for i, s in enumerate(status.sources)),
+        tuple(MixChangeStatus(n, by, dict(w)) for n, by, w in status.changes))
 
 
 def compute_status(fit: ComputeFitStatus | None) -> ComputeStatus | None:

@@ -1,11 +1,11 @@
 """The odb.v1 DataService servicer: a thin gRPC adapter over the replica's domain code.
 
 It decodes requests, checks the job and its token, calls the domain (`rank_stream` for Stream,
-`scaling` for Scale, the job's state for GetJob) and turns the domain errors they raise into
-status codes with one table, `STATUS_OF` (nothing else in the service knows gRPC's codes; the
-Refill RPC has its own handler, `refill_server`). The rank streams are coroutines on the
-replica's event loop (`loop_server`); the unary calls (GetJob, Scale, Health) and Refill are
-plain functions run in the server's thread pool.
+`scaling` for Scale, `mix` for Mix, the job's state for GetJob) and turns the domain errors
+they raise into status codes with one table, `STATUS_OF` (nothing else in the service knows
+gRPC's codes; the Refill RPC has its own handler, `refill_server`). The rank streams are
+coroutines on the replica's event loop (`loop_server`); the unary calls (GetJob, Scale, Mix,
+Health) and Refill are plain functions run in the server's thread pool.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pipeline.errors import (
     BadRequest,
     GroupRefused,
     JobFinished,
+    MixRefused,
     OdbError,
     PositionUnavailable,
     ProducerFailed,
@@ -38,7 +39,7 @@ from pipeline.errors import (
 )
 from pipeline.observability.status_proto import to_proto
 from pipeline.observability.status_view import training_job_status
-from pipeline.service import scaling
+from pipeline.service import mix, scaling
 from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.liveness import LivenessPolicy, reported_failure
@@ -62,6 +63,7 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     RankHeld: grpc.StatusCode.FAILED_PRECONDITION,
     GroupRefused: grpc.StatusCode.FAILED_PRECONDITION,
     ScaleRefused: grpc.StatusCode.FAILED_PRECONDITION,
+    MixRefused: grpc.StatusCode.FAILED_PRECONDITION,
     RankTimedOut: grpc.StatusCode.ABORTED,
     ProducerFailed: grpc.StatusCode.INTERNAL,  # a bug
     ProducerMisconfigured: grpc.StatusCode.FAILED_PRECONDITION,  # an operator must fix it
@@ -106,6 +108,9 @@ def add_servicer(servicer: DataServicer, server: grpc.aio.Server) -> None:
         "Scale": grpc.unary_unary_rpc_method_handler(
             servicer.Scale, request_deserializer=pb.ScaleRequest.FromString,
             response_serializer=pb.ScaleReply.SerializeToString),
+        "Mix": grpc.unary_unary_rpc_method_handler(
+            servicer.Mix, request_deserializer=pb.MixRequest.FromString,
+            response_serializer=pb.MixReply.SerializeToString),
     }
     if servicer.refill is not None:
         add_refill_handler(servicer.refill, handlers)
@@ -187,6 +192,13 @@ class DataServicer(pb_grpc.DataServiceServicer):
         try:
             rt = self._lookup(request.job_id, context.invocation_metadata())
             return scaling.scale_reply(rt, scaling.scale(rt, request.world_size))
+        except OdbError as exc:
+            context.abort(status_of(exc), str(exc))
+
+    def Mix(self, request: pb.MixRequest, context: grpc.ServicerContext) -> pb.MixReply:
+        try:
+            rt = self._lookup(request.job_id, context.invocation_metadata())
+            return mix.mix_reply(rt, mix.mix(rt, dict(request.weights)))
         except OdbError as exc:
             context.abort(status_of(exc), str(exc))
 

@@ -235,7 +235,10 @@ def _jobs(config: ServiceConfig, job_states: Mapping[str, JobState],
         if isinstance(job, RefillJobConfig):
             refill_jobs[job.job_id] = connect_refill_job(config, job, replica_id)
             continue
-        state = job_states.get(job.job_id) or make_job_state(config, job)
+        if job.job_id in job_states:
+            state = job_states[job.job_id]
+        else:
+            state, job = make_job_state(config, job)  # the job as served (registry.py)
         payloads, host = _job_parts(config, job, state, sample_sources.get(job.job_id),
                                     replica_id, settings, ray_ready)
         runtimes[job.job_id] = JobRuntime(job, state, payloads, host,

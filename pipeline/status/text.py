@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.observability.job_status import ComputeStatus, JobStatus, RefillStatus, WorldStatus
+from pipeline.observability.job_status import (
+    ComputeStatus,
+    JobStatus,
+    MixtureStatus,
+    RefillStatus,
+    WorldStatus,
+)
 from pipeline.status.report import StatusReport
 
 
@@ -137,6 +143,8 @@ def _job(job: JobStatus, show_records: bool) -> list[str]:
                      f"longest unseen run {ex['max_epochs_unseen']} epoch(s)")
     if job.compute is not None:
         lines += _compute(job.compute)
+    if job.sources is not None:
+        lines += _mixture(job.sources)
     if job.coordinator is not None:
         c = job.coordinator
         lines.append(f"  redis: state={c.state}  retained_steps={c.retained_steps}  "
@@ -184,4 +192,17 @@ def _compute(c: ComputeStatus) -> list[str]:
         lines.append(f"    step {c.last_step} per rank, measured (predicted) s: " + "  ".join(
             f"{r}: {m:.3g}" + (f" ({pred[r]:.3g})" if r in pred else "")
             for r, m in sorted(c.rank_measured_s.items())))
+    return lines
+
+
+def _mixture(m: MixtureStatus) -> list[str]:
+    """Each source's part of the epoch's plan: share against target (in mix_by)."""
+    lines = [f"  sources (epoch {m.epoch}, shares of {m.mix_by.replace('_', ' ')}):"]
+    for x in m.sources:
+        lines.append(f"    {x.name:<16} samples={x.samples}  loss_tokens={x.loss_tokens}  "
+                     f"share={x.share:.3f}  target={x.target:.3f}  "
+                     f"quarantined={x.quarantined}")
+    for c in m.changes:
+        weights = ", ".join(f"{n}={w:g}" for n, w in c.weights.items())
+        lines.append(f"    {c.by} from step {c.step}: {weights}")
     return lines

@@ -10,6 +10,7 @@ from jobstate.builders import make_end, make_step, publication, steps
 from pipeline.coordinator import RedisJobState, job_summary, keys, list_jobs, registry
 from pipeline.errors import JobMismatch, SchemaMismatch, UnknownJob, UserError
 from pipeline.jobstate import QuarantineEntry, ScaleRequest
+from pipeline.modes import JobMode
 
 
 def test_resume_matching_job_and_refuse_mismatches(new_state, redis_url):
@@ -161,10 +162,44 @@ def test_connect_from_job_config(redis_client, redis_url):
 ])
 def test_a_job_registered_by_the_one_job_model_of_earlier_builds_resumes(job, registered_hash):
     """The hashes these configs were registered with before jobs had a type per kind (the
-    one JobConfig of earlier builds): a stored job keeps resuming after the upgrade."""
+    one JobConfig of earlier builds, which read every source in file order): a stored job
+    keeps resuming after the upgrade (a training job in the order it started with)."""
     from pipeline.config import parse_job
 
-    assert registry.config_hash(parse_job(job)) == registered_hash
+    parsed = parse_job(job)
+    if parsed.mode is JobMode.REFILL:
+        assert registry.config_hash(parsed) == registered_hash
+    else:
+        assert registry.earlier_hash(parsed) == registered_hash
+        assert registry.config_hash(registry.in_file_order(parsed)) == registered_hash
+        assert registry.config_hash(parsed) != registered_hash  # shuffled: another plan
+
+
+def test_a_job_an_earlier_build_registered_keeps_file_order_and_a_new_one_shuffles(redis_url):
+    """The service resumes a job stored with the earlier build's hash in file order (its
+    steps were planned so), with no change to its stored hash; a new job with the same config
+    registers its own hash and is shuffled; options only a later build knows (a mixture) have
+    no earlier hash."""
+    from pipeline.config import ServiceConfig, parse_job
+    from pipeline.service.state_factory import make_job_state
+
+    cfg = ServiceConfig.model_validate({"redis_url": redis_url, "jobs": [
+        {"job_id": "old", "world_size": 1, "source": {"paths": ["a.jsonl"]}},
+        {"job_id": "new", "world_size": 1, "source": {"paths": ["a.jsonl"]}}]})
+    old, new = cfg.jobs
+    earlier = registry.earlier_hash(old)
+    RedisJobState(redis_url, "old", config_hash=earlier, world_size=1).close()  # the old build
+    state, served = make_job_state(cfg, old)
+    assert served.source.shuffle is False and state.registered_in_file_order
+    assert registry.read_job(state.client, "old").config_hash == earlier
+    state.close()
+    state, served = make_job_state(cfg, new)
+    assert served.source.shuffle is True and not state.registered_in_file_order
+    assert registry.read_job(state.client, "new").config_hash == registry.config_hash(new)
+    state.close()
+    mixed = parse_job({"job_id": "m", "world_size": 1, "source": {"mixture": [
+        {"name": "a", "paths": ["a.jsonl"]}, {"name": "b", "paths": ["b.jsonl"]}]}})
+    assert registry.earlier_hash(mixed) is None
 
 
 def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, redis_url):

@@ -15,6 +15,8 @@ from pipeline.observability.job_status import (
     CoordinatorStatus,
     EpochEndStatus,
     JobStatus,
+    MixChangeStatus,
+    MixtureStatus,
     Planned,
     ProducerStatus,
     ProducerTrouble,
@@ -26,6 +28,7 @@ from pipeline.observability.job_status import (
     RefillRates,
     RefillStatus,
     ReplicaStatus,
+    SourceShareStatus,
     Throughput,
     Totals,
     WorldStatus,
@@ -57,7 +60,11 @@ TRAINING = JobStatus(
                                                      QuarantineRecord("f:2", "bad_json"))),
     replica=ReplicaStatus("host:1:ab", 12.5),
     coordinator=CoordinatorStatus("planning", 41, -1, 42, 6, 1, 1, 100.0),
-    exposure={"epochs": 1, "min": 1, "max": 2, "p50": 1, "max_epochs_unseen": 0})
+    exposure={"epochs": 1, "min": 1, "max": 2, "p50": 1, "max_epochs_unseen": 0},
+    sources=MixtureStatus(1, "loss_tokens", (
+        SourceShareStatus("chat", 300, 9000, 1, 0.6, 0.5),
+        SourceShareStatus("code", 180, 6000, 0, 0.4, 0.5)),
+        (MixChangeStatus(30, "mix 1", {"chat": 1.0, "code": 1.0}),)))
 REFILL = JobStatus(
     job_id="gen", mode="refill", state="serving", open=False, epochs=2, samples_in=90,
     quarantine=QuarantineStatus(4, {"over_budget": 4}),
@@ -88,6 +95,7 @@ def test_getjob_carries_what_the_wire_has() -> None:
     assert [(w.world_size, w.last_step, w.adopted_s, w.first_batch_s) for w in back.worlds] == [
         (4, 37, None, None), (2, None, 0.04, 0.31)]
     assert back.totals is None and back.throughput is None  # not on the wire: unknown
+    assert back.sources == TRAINING.sources
     rf = from_proto(to_proto(REFILL))
     assert rf.refill == dataclasses.replace(REFILL.refill, rates=None)
     assert (rf.state, rf.epochs, rf.world_size, rf.ranks) == ("serving", 2, None, None)

@@ -1,4 +1,5 @@
-"""`odb-pipeline plan --data`: the real preprocessing feeds the planner; --export-lengths
+"""`odb-pipeline plan --data`: the real preprocessing feeds the planner the served order (the plan
+is the service's plan of the same job); --export-lengths
 round-trips through --lengths; --config job settings are defaults that flags override; input
 errors are one line, exit 2."""
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from support.reference_plan import reference_plan
 
 from pipeline.cli import main
 from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES
@@ -75,6 +77,12 @@ def test_plan_data_reports_quarantine_and_exports_lengths(chats_slice, tmp_path)
     ids = [b_id for ln in steps_out.read_text().splitlines()
            for b in json.loads(ln)["batches"] for b_id in b["samples"]]
     assert sorted(ids) == sorted(e["sample_id"] for e in exported)  # real string ids, once each
+    # The plan is the one the service makes of the same job: its order, shuffled by default.
+    served = reference_plan({"job_id": "plan", "world_size": 2, "source": {"paths": [
+        str(chats_slice)]}, "batching": {"token_budget": 4096}})
+    planned = {(s["epoch"], s["step"], b["rank"]): b["samples"] for s in map(
+        json.loads, steps_out.read_text().splitlines()) for b in s["batches"]}
+    assert planned == served
 
     again = _cli("--lengths", str(lengths), "--world-size", "2", "--token-budget", "4096",
                  "--json")
@@ -82,6 +90,26 @@ def test_plan_data_reports_quarantine_and_exports_lengths(chats_slice, tmp_path)
     r = json.loads(again.stdout)
     assert (r["steps"], r["padding_efficiency"], r["per_rank_steps"]) == (
         d["steps"], d["padding_efficiency"], d["per_rank_steps"])
+
+
+def test_plan_of_a_mixture_job_is_the_services_plan(chats_slice, tmp_path):
+    """`plan --config` of a mixture job (one source repeated): the service's plan, the share
+    of each source kept by the planner as the producer keeps it."""
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(b"\n".join(SAMPLE_CHATS.read_bytes().split(b"\n")[:20]) + b"\n")
+    job = {"job_id": "mixed", "world_size": 2, "batching": {"token_budget": 4096},
+           "source": {"mixture": [{"name": "a", "paths": [str(chats_slice)]},
+                                  {"name": "b", "paths": [str(other)], "repeat": 2}]}}
+    cfg = tmp_path / "svc.json"
+    cfg.write_text(json.dumps({"jobs": [job]}))
+    steps_out = tmp_path / "plan.jsonl"
+    proc = _cli("--config", str(cfg), "--emit-plan", str(steps_out), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(proc.stdout)
+    assert d["samples"] + d["quarantined_records"]["total"] == ROWS + 2 * 20  # b twice
+    planned = {(s["epoch"], s["step"], b["rank"]): b["samples"] for s in map(
+        json.loads, steps_out.read_text().splitlines()) for b in s["batches"]}
+    assert planned == reference_plan(job)
 
 
 def test_config_job_gives_defaults_flags_override(tmp_path, capsys):

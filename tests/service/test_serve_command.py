@@ -84,6 +84,15 @@ def test_a_source_that_cannot_be_read_is_refused_before_anything_starts(
     err = capsys.readouterr().err
     assert "job 'sft': source data/chat.jsonl: the first row of data/chat.jsonl does not " \
            "parse as jsonl" in err, err
+    # A mixture's source is named by its name and its field.
+    (tmp_path / "data" / "ok.jsonl").write_text('{"messages": []}\n')
+    cfg["jobs"][0]["source"] = {"mixture": [{"name": "a", "paths": ["data/ok.jsonl"]},
+                                            {"name": "b", "paths": ["data/chat.jsonl"]}]}
+    path.write_text(json.dumps(cfg))
+    assert cli.main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "job 'sft': source 'b': data/chat.jsonl: the first row of data/chat.jsonl does " \
+           "not parse as jsonl" in err and "source.mixture[1].format" in err, err
     assert not (tmp_path / "state").exists()
 
 
@@ -316,10 +325,17 @@ def test_serve_plans_the_first_steps_while_ray_starts_then_the_actor_takes_over(
         assert state.error() is None
         assert_every_row_once([i for r in got for _, b in got[r] for i in b.info.sample_ids],
                               data, rows, state)
-        # A batch the bootstrap planned holds exactly what Ray's preprocessing would give.
-        _, b0 = got[0][0]
+        # The same samples at every (epoch, step, rank) as a run on a fresh state in this
+        # process: the bootstrap and the actor read one order (Guarantee 11).
+        from support.reference_plan import assert_same_plan, reference_plan
+
         from pipeline.config import load_config
 
+        plan = reference_plan(load_config(str(path)).jobs[0])
+        assert assert_same_plan(plan, [(b.info.epoch, b.info.step, r, b.info.sample_ids)
+                                       for r in got for _, b in got[r]]) == len(plan)
+        # A batch the bootstrap planned holds exactly what Ray's preprocessing would give.
+        _, b0 = got[0][0]
         sample = SampleStore(load_config(str(path)).jobs[0]).get(b0.info.sample_ids[0], 0)
         assert b0["input_ids"][0, : sample.num_tokens].tolist() == sample.input_ids.tolist()
         proc.send_signal(signal.SIGTERM)

@@ -346,8 +346,85 @@ class ScaleReply(_message.Message):
     previous: World
     def __init__(self, job_id: _Optional[str] = ..., changed: _Optional[bool] = ..., world: _Optional[_Union[World, _Mapping]] = ..., previous: _Optional[_Union[World, _Mapping]] = ...) -> None: ...
 
+class SourceShare(_message.Message):
+    __slots__ = ("name", "samples", "loss_tokens", "quarantined", "share", "target")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    samples: int
+    loss_tokens: int
+    quarantined: int
+    share: float
+    target: float
+    def __init__(self, name: _Optional[str] = ..., samples: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., quarantined: _Optional[int] = ..., share: _Optional[float] = ..., target: _Optional[float] = ...) -> None: ...
+
+class MixChange(_message.Message):
+    __slots__ = ("step", "by", "weights")
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    by: str
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., by: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class MixtureStatus(_message.Message):
+    __slots__ = ("epoch", "mix_by", "sources", "changes")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MIX_BY_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    mix_by: str
+    sources: _containers.RepeatedCompositeFieldContainer[SourceShare]
+    changes: _containers.RepeatedCompositeFieldContainer[MixChange]
+    def __init__(self, epoch: _Optional[int] = ..., mix_by: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourceShare, _Mapping]]] = ..., changes: _Optional[_Iterable[_Union[MixChange, _Mapping]]] = ...) -> None: ...
+
+class MixRequest(_message.Message):
+    __slots__ = ("job_id", "weights")
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, job_id: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class MixReply(_message.Message):
+    __slots__ = ("job_id", "seq", "weights")
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    seq: int
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "open", "batch_size_notice", "refill")
+    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "open", "batch_size_notice", "sources", "refill")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +442,7 @@ class JobStatus(_message.Message):
     RECONFIGURING_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_NOTICE_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     REFILL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
@@ -383,8 +461,9 @@ class JobStatus(_message.Message):
     reconfiguring: bool
     open: bool
     batch_size_notice: str
+    sources: MixtureStatus
     refill: RefillCounts
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., open: _Optional[bool] = ..., batch_size_notice: _Optional[str] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., open: _Optional[bool] = ..., batch_size_notice: _Optional[str] = ..., sources: _Optional[_Union[MixtureStatus, _Mapping]] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
 
 class RefillOpen(_message.Message):
     __slots__ = ("job_id", "consumer_id", "held_ids", "retry_seq")
