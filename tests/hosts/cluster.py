@@ -37,9 +37,11 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -126,6 +128,7 @@ class Cluster:
         self.kubelet: Kubelet | None = None
         self.redis_proc: subprocess.Popen | None = None
         self.bin = root / "bin"  # what the hosts' PATH adds before the virtualenv
+        self.ray_tmp: Path | None = None
 
     # --- names ---
     def addr(self, host: str, net: str = "front") -> str:
@@ -191,8 +194,10 @@ class Cluster:
                 "RAY_USAGE_STATS_ENABLED": "0", **(extra or {})}
 
     def _start_head(self) -> subprocess.Popen:
-        tmp = self.root / "ray"
-        tmp.mkdir(parents=True, exist_ok=True)
+        # Ray's sockets live in its temp dir, and a Unix socket's path has at most 107 bytes: a
+        # pytest tmp path under an xdist worker (/tmp/pytest-of-root/pytest-NNN/popen-gwN/...)
+        # is too long for it, so the head's temp dir is a short one of its own.
+        tmp = self.ray_tmp = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-ray-", dir="/tmp"))
         argv = ["ray", "start", "--head", "--block", f"--node-ip-address={self.addr('head')}",
                 f"--port={GCS_PORT}", "--num-cpus=2", "--object-store-memory=268435456",
                 "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp}"]
@@ -337,7 +342,10 @@ class Cluster:
         """Everything: processes, namespaces, hosts files; what is left (empty when all went)."""
         if self.kubelet is not None:
             self.kubelet.stop()
-        return self.net.destroy()
+        left = self.net.destroy()
+        if self.ray_tmp is not None:
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        return left
 
 
 def token_env(job_id: str) -> str:
