@@ -31,18 +31,21 @@ def samples(n: int, seed: int = 1) -> list:
 
 @contextmanager
 def served(redis_url: str, job_id: str, world_size: int, items: list, *,
-           token: str | None = None, **service: Any):
+           token: str | None = None, twins: tuple[str, ...] = (), **service: Any):
     """The job on a real gRPC server over RedisJobState (the session's redis-server); `service`
-    holds ServiceConfig fields, `job` TrainingJobConfig fields."""
+    holds ServiceConfig fields, `job` TrainingJobConfig fields; `twins`: more jobs of the same
+    config and samples on the same server, by id."""
     job = {"job_id": job_id, "world_size": world_size, "seed": 3,
            "source": {"paths": ["arrays"]},
            "batching": {"token_budget": 1024, "max_window_samples": 64, "pool_steps": 2},
            **service.pop("job", {})}
+    ids = (job_id, *twins)
     cfg = ServiceConfig.model_validate({
         "redis_url": redis_url, "metrics_port": None, "grpc": {"port": 0},
-        "lease_seconds": service.pop("lease_seconds", 5.0), "jobs": [job], **service})
-    svc: RunningService = start_service(cfg, sample_sources={job_id: ArraySource(items)},
-                                        tokens={job_id: token})
+        "lease_seconds": service.pop("lease_seconds", 5.0),
+        "jobs": [{**job, "job_id": j} for j in ids], **service})
+    svc: RunningService = start_service(cfg, sample_sources={j: ArraySource(items) for j in ids},
+                                        tokens=dict.fromkeys(ids, token))
     try:
         yield svc
     finally:
