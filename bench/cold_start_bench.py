@@ -8,7 +8,7 @@ Ray, the README's kind of config) on generated chats, and 2 rank streams in this
 imports done beforehand, as a trainer's are when it asks for its first batch) that open as soon
 as the server prints that it listens. Measured from the launch: the server listening, the first
 batch at any rank and at every rank; then, per rank, the gap between the END of epoch 0 and the
-first batch of epoch 1. Writes bench/results/cold_start/cold_start_bench{,_quick}.json and .png.
+first batch of epoch 1. Writes cold_start_bench{,_quick}.json and .png.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from results_dir import add_out_argument, out_dir  # noqa: E402
+
 from pipeline.sample_data.generate import generate  # noqa: E402
 from trainer_client import BatchStream  # noqa: E402
 
-OUT_DIR = ROOT / "bench" / "results" / "cold_start"
 WORLD = 2
 
 
@@ -142,6 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, a smaller dataset")
     ap.add_argument("--repeats", type=int, default=None, help="launches (default 5, quick 1)")
+    add_out_argument(ap, "cold_start")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 5)
     rows = 1500 if args.quick else 3000
@@ -161,10 +163,10 @@ def main() -> None:
               "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "load_avg_at_end": os.getloadavg()[0]},
               "rows": rows, "world_size": WORLD, "runs": runs, "median": med}
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "cold_start")
     stem = "cold_start_bench_quick" if args.quick else "cold_start_bench"
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    _plot(result, OUT_DIR / f"{stem}.png")
+    (out_path / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    _plot(result, out_path / f"{stem}.png")
     print(json.dumps(med, indent=2))
 
 

@@ -11,7 +11,8 @@ all-reduces its gradients by hand (gloo) and times that wait apart. Two arms ove
 samples: `tokens` (compute balancing off) and `calibrated` (on: the gate opens once the fit
 predicts held-out batches within 10%). Per step: max/mean of the ranks' measured compute (p50,
 p90, over the steps after the gate opened for `calibrated`), the exposed wait (max minus own,
-mean over ranks), steps/s; where the gate opened. JSON and a PNG go to bench/results/compute/.
+mean over ranks), steps/s; where the gate opened. JSON and a PNG go to --out (the committed
+ones: bench/results/compute/).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 VOCAB = 512
 IMAGE = 1  # the token id that marks an image patch position (its visual tokens)
@@ -210,12 +213,12 @@ def main() -> None:
                     help="the planner's balancing pool in steps (default: ~256 batches); a "
                     "model applies from the next pool released after the gate opens")
     ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/compute")
+    add_out_argument(ap, "compute")
     args = ap.parse_args()
     if args.quick:
         args.samples, args.budget, args.dim, args.pool_steps = 1200, 2048, 32, 4
     samples = make_samples(args.samples, 0, args.image_share, args.patches, 1024)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out = out_dir(args, "compute")
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_arm(arm, args, samples, Path(tmp)) for arm in ("tokens", "calibrated")]
     name = "quick" if args.quick else "full"

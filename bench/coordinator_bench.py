@@ -13,7 +13,7 @@ Every run starts its own private redis-server (never the shared one on :6379).
    a W-rank job of S steps of one tiny sample per batch to W `BatchStream`s (threads in P
    consumer processes, each process talking to its own replica). Wall time to the last END,
    rank-steps/s, Redis commands per step, peak Redis memory, steps retained after trimming.
-Writes bench/results/coordinator/coordinator_bench{,_quick}.json and .png, prints Markdown.
+Writes coordinator_bench{,_quick}.json and .png, prints Markdown.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from replica_procs import Replica, StartLine, array_job, consume_threads  # noqa: E402
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 from pipeline.coordinator import RedisJobState  # noqa: E402
 from pipeline.jobstate import PlannerCheckpoint, Publication, RankAck  # noqa: E402
@@ -42,7 +43,6 @@ from pipeline.planner.types import Batch, MeasuredSample, Step, StepInfo, WorldS
 from pipeline.redis_client import connect  # noqa: E402
 from pipeline.redis_server import LocalRedis  # noqa: E402
 
-OUT_DIR = ROOT / "bench" / "results" / "coordinator"
 SAMPLES_PER_BATCH = 8  # e.g. 16k token budget, ~2k-token samples
 LEASE_S = 30.0
 _TEMPLATES: dict[int, tuple[Batch, ...]] = {}
@@ -262,6 +262,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--replicas", type=int, default=4)
+    add_out_argument(ap, "coordinator")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     W = args.ranks or (256 if args.quick else 1024)
@@ -285,11 +286,11 @@ def main() -> None:
             "python": platform.python_version(), "cpus": mp.cpu_count(),
             "loadavg_1m_at_start": load, "loadavg_1m_at_end": os.getloadavg()[0],
             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "coordinator")
     stem = "coordinator_bench_quick" if args.quick else "coordinator_bench"
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, **strip(results)},
+    (out_path / f"{stem}.json").write_text(json.dumps({"meta": meta, **strip(results)},
                                                      indent=1))
-    plot(results, OUT_DIR / f"{stem}.png")
+    plot(results, out_path / f"{stem}.png")
 
     print(f"\n`{meta['command']}` ({meta['cpus']} CPUs, {meta['utc']}, load avg "
           f"{load:.1f} -> {meta['loadavg_1m_at_end']:.1f})\n")

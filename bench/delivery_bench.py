@@ -22,7 +22,7 @@ Replicas are separate processes (`start_service` over a private redis-server) se
 in-memory synthetic job: delivery, not preprocessing, is measured. Every replica holds the same
 deterministic samples; the job's producer is a process of its own (as its Ray actor is when
 deployed) and the measured replicas only serve; any replica serves any rank.
-Writes bench/results/delivery/delivery_bench{,_quick}.json and .png, and delivery_vlm{,_quick}.json.
+Writes delivery_bench{,_quick}.json and .png, and delivery_vlm{,_quick}.json.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from replica_procs import (  # noqa: E402
     start_producer,
     vlm_samples,
 )
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 from pipeline.service.chunk_framing import DEFAULT_CHUNK_BYTES  # noqa: E402
 
-OUT_DIR = ROOT / "bench" / "results" / "delivery"
 RANKS = 8
 WARMUP = 8  # batches per rank: the first prefetch windows filling at connect
 
@@ -579,9 +579,9 @@ def vlm_delivery(redis_url: str, images: tuple[int, ...], round_mb: float, round
     return out
 
 
-def vlm_main(quick: bool) -> dict:
+def vlm_main(quick: bool, out_path: Path) -> dict:
     """The VLM-size part: per batch size, the service, raw TCP and bare gRPC carrying the same
-    chunked bytes. Writes bench/results/delivery/delivery_vlm{,_quick}.json."""
+    chunked bytes. Writes delivery_vlm{,_quick}.json."""
     log = lambda m: print(m, flush=True)  # noqa: E731
     images = (2, 13) if quick else VLM_IMAGES
     log(f"VLM-size batches, {VLM_RANKS} ranks, chunks of {DEFAULT_CHUNK_BYTES >> 20} MiB ...")
@@ -594,9 +594,8 @@ def vlm_main(quick: bool) -> dict:
               "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "load_avg_at_end": os.getloadavg()[0]},
               "ranks": VLM_RANKS, "chunk_bytes": DEFAULT_CHUNK_BYTES, "sizes": rows}
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
     name = "delivery_vlm_quick" if quick else "delivery_vlm"
-    (OUT_DIR / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out_path / f"{name}.json").write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -691,10 +690,11 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=32768, help="token budget per batch")
     ap.add_argument("--part", choices=["all", "text", "vlm"], default="all",
                     help="text: the 289 KB text batches; vlm: 10-80 MB VLM batches in chunks")
+    add_out_argument(ap, "delivery")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.part == "vlm":
-        vlm_main(args.quick)
+        vlm_main(args.quick, out_dir(args, "delivery"))
         return 0
     from pipeline.redis_server import LocalRedis
 
@@ -761,10 +761,10 @@ def main() -> int:
             "cpu_ms_per_batch": {k: tls_runs["cpu_ms_per_batch"][k] / v if v else None
                                  for k, v in plain["cpu_ms_per_batch"].items()}},
     }
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "delivery")
     name = "delivery_bench_quick" if args.quick else "delivery_bench"
-    (OUT_DIR / f"{name}.json").write_text(json.dumps(result, indent=2))
-    _plot(result, OUT_DIR / f"{name}.png")
+    (out_path / f"{name}.json").write_text(json.dumps(result, indent=2))
+    _plot(result, out_path / f"{name}.png")
     print(json.dumps({"mb_per_s": [d["mb_per_s"] for d in delivery],
                       "raw_mb_per_s": raw["mb_per_s"], "grpc_vs_raw": result["grpc_vs_raw"],
                       "bare_grpc_mb_per_s": bare["mb_per_s"],
@@ -778,7 +778,7 @@ def main() -> int:
                       "cpu_ms_per_batch": {c["world_size"]: c["cpu_ms_per_batch"] for c in cpu}},
                      indent=2))
     if args.part == "all":
-        vlm_main(args.quick)
+        vlm_main(args.quick, out_dir(args, "delivery"))
     return 0
 
 

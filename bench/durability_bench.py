@@ -18,7 +18,7 @@ Parts, each mode alternated round by round:
 3. served: a real replica in this process (`start_service` over the mode's Redis, its producer
    thread planning a job of N in-memory samples) and W `BatchStream` rank threads reading to
    the end: wall time from the first Open to the last END, batches/s, the first batch's wait.
-Writes bench/results/durability/durability_bench{,_quick}.json and .png, prints Markdown.
+Writes durability_bench{,_quick}.json and .png, prints Markdown.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordinator_bench import make_step, pct, strip  # noqa: E402
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 from pipeline.config import ServiceConfig  # noqa: E402
 from pipeline.coordinator import RedisJobState  # noqa: E402
@@ -50,7 +51,6 @@ from pipeline.redis_client import connect  # noqa: E402
 from pipeline.redis_server import free_port  # noqa: E402
 from pipeline.service.server import start_service  # noqa: E402
 
-OUT_DIR = ROOT / "bench" / "results" / "durability"
 MODES = {  # name -> (appendfsync, fsync_publish)
     "everysec": ("everysec", False),
     "fsync_publish": ("everysec", True),
@@ -190,6 +190,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 round, small sizes (checks it runs)")
     ap.add_argument("--rounds", type=int, default=None)
+    add_out_argument(ap, "durability")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rounds = args.rounds or (1 if args.quick else 3)
@@ -214,11 +215,11 @@ def main() -> None:
             "rounds": rounds, "python": platform.python_version(), "cpus": os.cpu_count(),
             "loadavg_1m_at_start": load, "loadavg_1m_at_end": os.getloadavg()[0],
             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "durability")
     stem = "durability_bench_quick" if args.quick else "durability_bench"
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, **strip(results)},
+    (out_path / f"{stem}.json").write_text(json.dumps({"meta": meta, **strip(results)},
                                                      indent=1))
-    plot(results, OUT_DIR / f"{stem}.png")
+    plot(results, out_path / f"{stem}.png")
 
     print(f"\n`{meta['command']}` ({meta['cpus']} CPUs, {meta['utc']}, load avg {load:.1f} -> "
           f"{meta['loadavg_1m_at_end']:.1f}); W={W}, medians over {rounds} round(s)\n")

@@ -16,7 +16,10 @@ buckets) doing forward + backward + AdamW with one torch thread:
 3. scaling: Ray preprocessing with 1 vs 2 workers; a simulated 256-rank job (no model) with
    the server's time split (planner / collate / encode / gRPC+rest), in-memory and Redis state;
 4. alignment: gloo all_gather of per-rank token counts per step vs odb-pipeline's in-band
-   step info (no collective).
+   step info (no collective);
+5. order: the cost of the shuffled order (docs/data-order.md) with Ray preprocessing in the
+   loop: samples/s and the first batch, shuffled vs file order, and the producer actor's peak
+   memory with a source 10x larger (the shuffle's buffer is bounded, not a share of the data).
 
 Run:  .venv/bin/python bench/e2e_bench.py [--quick] [--out bench/results/e2e] [--parts ...]
 Writes e2e_bench{,_quick}.json and e2e_{throughput,loss,stall,scaling}{,_quick}.png.
@@ -42,21 +45,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from e2e import align, common, scaling, stall, throughput  # noqa: E402
 from e2e.serve import ServiceProcess  # noqa: E402
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 from pipeline.planner.oracle import gmt_batches  # noqa: E402
 
-PARTS = ("throughput", "stall", "scaling", "align")
+PARTS = ("throughput", "stall", "scaling", "align", "order")
 QUICK = {"scale": 16, "n_synth": 400, "n_real": 72, "real_budget": 8192, "buffer": 256,
          "reps": 1, "stall_s": 8.0, "stall_copies": 12, "speeds": [10], "ray_copies": 4,
          "ray_order": [1, 2], "sim_steps": 6, "sim_scale": 16, "sim_deadline_s": 20.0,
          "sim_states": [("memory", None, 256), ("redis", 1088, 256), ("redis", None, 32)],
-         "align_worlds": [2], "align_iters": 300}
+         "align_worlds": [2], "align_iters": 300, "order_copies": 4, "order_s": 20.0,
+         "order_reps": 1}
 FULL = {"scale": 8, "n_synth": 1200, "n_real": None, "real_budget": 16384, "buffer": 1024,
         "reps": 3, "stall_s": 20.0, "stall_copies": 10, "speeds": [1, 10], "ray_copies": 10,
         "ray_order": [1, 2, 2, 1], "sim_steps": 12, "sim_scale": 8, "sim_deadline_s": 30.0,
         "sim_states": [("memory", None, 256), ("redis", None, 256), ("redis", 1088, 256),
                        ("redis", None, 32)],
-        "align_worlds": [2, 4, 8], "align_iters": 1000}
+        "align_worlds": [2, 4, 8], "align_iters": 1000, "order_copies": 10, "order_s": 45.0,
+        "order_reps": 3}
 
 
 def log(msg: str) -> None:
@@ -78,7 +84,7 @@ def replicated_chats(copies: int, tmp: Path) -> str:
 
 
 def part_throughput(cfg: dict, svc: ServiceProcess) -> dict:
-    log("[1/4] training throughput (standard | peer odb 0.1.2 | ours over gRPC)")
+    log("[1/5] training throughput (standard | peer odb 0.1.2 | ours over gRPC)")
     ws = common.build_workloads(cfg["n_synth"], cfg["scale"], cfg["n_real"], cfg["real_budget"])
     out = {}
     for i, w in enumerate(ws):
@@ -149,7 +155,7 @@ def _log_stall(source: str, world: int, speed: float, r: dict) -> None:
 
 
 def part_stall(cfg: dict, svc: ServiceProcess, tmp: Path, tok_s: float) -> list[dict]:
-    log(f"[2/4] data stall (ranks simulate a device at {tok_s:,.0f} padded tokens/s = 1x)")
+    log(f"[2/5] data stall (ranks simulate a device at {tok_s:,.0f} padded tokens/s = 1x)")
     out = []
     chats = common.tokenize_chats()
     arr = [s for _ in range(cfg["stall_copies"]) for s in chats]
@@ -184,7 +190,7 @@ def part_stall(cfg: dict, svc: ServiceProcess, tmp: Path, tok_s: float) -> list[
 
 
 def part_scaling(cfg: dict, svc: ServiceProcess, tmp: Path) -> dict:
-    log("[3/4] scaling")
+    log("[3/5] scaling")
     out: dict = {}
     path = replicated_chats(cfg["ray_copies"], tmp)
     out["ray"] = scaling.ray_workers(path, cfg["ray_order"], 256, log)
@@ -229,8 +235,54 @@ def part_scaling(cfg: dict, svc: ServiceProcess, tmp: Path) -> dict:
     return out
 
 
+def part_order(cfg: dict, svc: ServiceProcess, tmp: Path, tok_s: float) -> dict:
+    """Shuffled vs file order through Ray (W=2, a device 10x the tiny model: the data plane is
+    the bottleneck), alternating per round; then the shuffled order on a source 10x larger:
+    the producer's peak memory must not grow with the data."""
+    log("[5/5] order: shuffled vs file order, and a source 10x larger")
+    out: dict = {"rounds": [], "memory": []}
+    try:
+        svc.call("ray_init", 2, timeout=300)
+    except Exception as exc:  # (already started by the stall part)
+        if "already" not in str(exc).lower():
+            log(f"    ray_init: {exc}")
+    small = replicated_chats(cfg["order_copies"], tmp)
+    big = replicated_chats(10 * cfg["order_copies"], tmp)
+    svc.call("ray_warm", common.service_overrides(
+        [common.job_config_dict("warm", 1, 4096, cfg["buffer"], small)]), timeout=300)
+    for rep in range(cfg["order_reps"]):
+        for shuffle in ((False, True) if rep % 2 == 0 else (True, False)):
+            r = stall.run_stall(svc, 2, 4096, cfg["buffer"], tok_s * 10, cfg["order_s"],
+                                data_path=small, shuffle=shuffle,
+                                label=f"shuffle={shuffle}, round {rep}")
+            r["shuffle"] = shuffle
+            out["rounds"].append(r)
+            _log_stall(f"shuffle={shuffle}", 2, 10, r)
+    for path, label in ((small, "1x"), (big, "10x")):
+        r = stall.run_stall(svc, 2, 4096, cfg["buffer"], tok_s * 10, cfg["order_s"],
+                            data_path=path, label=f"source {label}")
+        peak = (r.get("server") or {}).get("producer_peak_rss_mb") or {}
+        out["memory"].append({"source": label, "producer_peak_rss_mb": max(
+            (v for v in peak.values() if v is not None), default=None),
+            "samples_per_s": r["samples_per_s"], "first_batch_s": r["first_batch_s"]})
+        log(f"    source {label}: producer peak {out['memory'][-1]['producer_peak_rss_mb']} MB")
+
+    def mean(shuffle: bool, key: str) -> float:
+        return _mean([r[key] for r in out["rounds"] if r["shuffle"] == shuffle])
+
+    out["summary"] = {
+        "shuffled_vs_file_order_samples_per_s": mean(True, "samples_per_s")
+        / mean(False, "samples_per_s"),
+        "first_batch_s": {"shuffled": mean(True, "first_batch_s"),
+                          "file_order": mean(False, "first_batch_s")},
+        "producer_peak_rss_mb": {m["source"]: m["producer_peak_rss_mb"] for m in out["memory"]},
+    }
+    log(f"    {out['summary']}")
+    return out
+
+
 def part_align(cfg: dict, ours_wait_us: float | None) -> dict:
-    log("[4/4] per-step alignment cost")
+    log("[4/5] per-step alignment cost")
     ags = []
     for w in cfg["align_worlds"]:
         r = align.all_gather_cost(w, cfg["align_iters"])
@@ -470,6 +522,20 @@ def plots(res: dict, out: Path, suffix: str) -> list[str]:
     return written
 
 
+def order_table(o: dict) -> str:
+    rows = ["| order | samples/s | first batch (s) | producer peak RSS (MB) |", "|---|---|---|---|"]
+    for shuffle in (False, True):
+        rs = [r for r in o["rounds"] if r["shuffle"] == shuffle]
+        rows.append(f"| {'shuffled' if shuffle else 'file order'} | "
+                    f"{_mean([r['samples_per_s'] for r in rs]):.0f} | "
+                    f"{_mean([r['first_batch_s'] for r in rs]):.2f} | |")
+    for m in o["memory"]:
+        rows.append(f"| shuffled, source {m['source']} | {m['samples_per_s']:.0f} | "
+                    f"{m['first_batch_s']:.2f} | {m['producer_peak_rss_mb']} |")
+    ratio = o["summary"]["shuffled_vs_file_order_samples_per_s"]
+    return "\n".join(rows) + f"\n\nshuffled / file order samples/s: {ratio:.3f}"
+
+
 def report(res: dict, out: Path, suffix: str) -> None:
     written = plots(res, out, suffix)
     if res.get("throughput"):
@@ -480,6 +546,8 @@ def report(res: dict, out: Path, suffix: str) -> None:
         print("\n## Scaling\n\n" + scaling_tables(res["scaling"]))
     if res.get("align"):
         print("\n## Alignment cost\n\n" + align_table(res["align"]))
+    if res.get("order"):
+        print("\n## Order (shuffled vs file order)\n\n" + order_table(res["order"]))
     print(f"\nwrote {out / ('e2e_bench' + suffix + '.json')} and {', '.join(written)} "
           f"({res['meta']['wall_seconds']} s)")
 
@@ -490,7 +558,7 @@ def report(res: dict, out: Path, suffix: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: < 5 minutes")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e"))
+    add_out_argument(ap, "e2e")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
     ap.add_argument("--from-json", help="only re-render tables and plots from a results JSON")
     args = ap.parse_args(argv)
@@ -504,8 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown parts {sorted(bad)}")
     cfg = dict(QUICK if args.quick else FULL)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args, "e2e")
     suffix = "_quick" if args.quick else ""
     import torch
 
@@ -537,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         if "align" in parts:
             res["align"] = part_align(cfg, ours_wait)
             res["align"]["take_batch_p50_us"] = waits
+        if "order" in parts:
+            res["order"] = part_order(cfg, svc, tmp, tok_s)
     finally:
         svc.close()
     meta = {

@@ -17,7 +17,7 @@ open as soon as the Scale call returned. Measured per repeat:
   first batch: what that many streams cost this machine whatever the reconfiguration.
 
 Run:  .venv/bin/python bench/elastic_bench.py [--quick] [--repeats N]
-Writes bench/results/elastic/elastic_bench{,_quick}.json and .png, prints Markdown. Other work
+Writes elastic_bench{,_quick}.json and .png, prints Markdown. Other work
 on the machine shares its cores: the load average is recorded with the results.
 """
 
@@ -37,7 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-OUT_DIR = ROOT / "bench" / "results" / "elastic"
+from results_dir import add_out_argument, out_dir  # noqa: E402
+
 JOB = "elastic-bench"
 CASES = ((8, 4), (64, 128))
 
@@ -304,6 +305,7 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=4, help="client processes")
     ap.add_argument("--no-lockstep", action="store_true",
                     help="old ranks consume independently (not in DDP lockstep)")
+    add_out_argument(ap, "elastic")
     args = ap.parse_args()
     from pipeline.redis_server import LocalRedis
 
@@ -322,10 +324,10 @@ def main() -> None:
             "warm": args.warm, "client_processes": args.procs, "target_s": 1.0,
             "lockstep": not args.no_lockstep,
             "command": "bench/elastic_bench.py" + (" --quick" if args.quick else "")}
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "elastic")
     stem = "elastic_bench_quick" if args.quick else "elastic_bench"
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, **results}, indent=1))
-    plot(results, OUT_DIR / f"{stem}.png")
+    (out_path / f"{stem}.json").write_text(json.dumps({"meta": meta, **results}, indent=1))
+    plot(results, out_path / f"{stem}.png")
     print("| change | new plan (adopted) | old ranks drained | first batch everywhere "
           "(service) | first batch everywhere (client) | p50 new rank (client) | baseline: "
           "that many fresh streams of a static job |")

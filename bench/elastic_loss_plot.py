@@ -4,21 +4,27 @@ are, from the `losses.json` that tests/elastic/test_torchrun_example.py writes i
 temporary directory.
 
     .venv/bin/python -m pytest -n0 tests/elastic/test_torchrun_example.py --basetemp=/tmp/el
-    .venv/bin/python bench/elastic_loss_plot.py /tmp/el [--out docs/images/elastic-losses.png]
+    .venv/bin/python bench/elastic_loss_plot.py /tmp/el [--out docs/images]
 
-(A directory is searched for its losses.json.) The losses do not depend on the machine's speed
-or load: the figure can be made on a busy machine.
+(A directory is searched for its newest losses.json.) Writes elastic-losses.png into `--out`
+(the committed figure: `--out docs/images`; default: the cache dir, as every benchmark). The
+losses do not depend on the machine's speed or load: the figure can be made on a busy machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "docs" / "images" / "elastic-losses.png"
+sys.path.insert(0, str(ROOT))
+from results_dir import add_out_argument, out_dir  # noqa: E402
+
+NAME = "elastic_loss"
+FIGURE = "elastic-losses.png"
 # Where a relative difference of exactly 0 is drawn on the log scale.
 EQUAL = 1e-18
 
@@ -70,7 +76,6 @@ def plot(data: dict, out: Path, tolerance: float) -> None:
     bottom.set_xlabel("optimizer step")
     bottom.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     print(f"wrote {out}: {len(opts)} optimizer steps, {len(data['elastic'])} elastic losses, "
           f"largest relative difference {data['max_relative_difference']:.2e}")
@@ -79,10 +84,11 @@ def plot(data: dict, out: Path, tolerance: float) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("losses", type=Path, help="losses.json, or a directory holding one")
-    p.add_argument("--out", type=Path, default=OUT)
+    add_out_argument(p, NAME)
     p.add_argument("--tolerance", type=float, default=1e-12, help="the test's LOSS_RTOL")
     args = p.parse_args()
-    plot(json.loads(find(args.losses).read_text()), args.out, args.tolerance)
+    plot(json.loads(find(args.losses).read_text()), out_dir(args, NAME) / FIGURE,
+         args.tolerance)
 
 
 if __name__ == "__main__":

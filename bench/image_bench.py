@@ -31,7 +31,7 @@ round is shown, every round is in the JSON.
 contender, the share of CPU samples by what the frame does (decode, resize, patchify, Arrow
 block, Ray serialization, driver row conversion, ...) into the JSON.
 
-Writes bench/results/image/image_bench{,_quick}.{json,png}. TOKENIZERS_PARALLELISM=false and
+Writes image_bench{,_quick}.{json,png}. TOKENIZERS_PARALLELISM=false and
 OMP_NUM_THREADS=1 everywhere (PIL and numpy run single-threaded): one process = one core.
 """
 
@@ -59,12 +59,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from preprocess_bench import cpu_since, tree_cpu  # noqa: E402
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 from pipeline.config import TrainingJobConfig  # noqa: E402
 from pipeline.preprocess.sources import expand_sources  # noqa: E402
 from pipeline.preprocess.task_size import rows_per_task  # noqa: E402
 
-OUT = ROOT / "bench" / "results" / "image"
 # skimage.data pictures that ship with the wheel (no pooch download).
 PICTURES = ["astronaut", "coffee", "chelsea", "rocket", "retina", "hubble_deep_field", "camera",
             "coins", "moon", "logo", "brick", "page", "text"]
@@ -153,7 +153,8 @@ def processor_loop(proc, job: TrainingJobConfig) -> dict:
 
     m = Meter(ROLES["plain"])
     for c in plan_chunks(expand_sources(job.source), lambda f: rows_per_task(job, f)):
-        for part in proc.process_parts(c.file, read_chunk(c), task_bytes(job)):
+        for part in proc.process_parts([(c.file, r, 0, raw) for r, raw in read_chunk(c)],
+                                       task_bytes(job)):
             for it in part:
                 if isinstance(it, ProcessedSample):
                     m.add(it.pixel_values)
@@ -315,6 +316,7 @@ def main() -> int:
     ap.add_argument("--max-workers", type=int, default=os.cpu_count() or 1,
                     help="Ray workers up to this many (default: the cores)")
     ap.add_argument("--profile", action="store_true", help="py-spy each contender once more")
+    add_out_argument(ap, "image")
     args = ap.parse_args()
     n = args.images or (32 if args.quick else 192)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -331,7 +333,7 @@ def main() -> int:
         got = run(job, data, tmp, rounds, args.max_workers, args.profile)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    OUT.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "image")
     stem = "image_bench" + ("_quick" if args.quick else "")
     meta = {"images": n, "rounds": rounds, "pictures": PICTURES, "long_side_px": LONG_SIDE,
             "image_max_pixels": job.preprocess.image_max_pixels,
@@ -341,8 +343,8 @@ def main() -> int:
             "loadavg_start": load0, "loadavg_end": os.getloadavg(),
             "python": sys.version.split()[0], "platform": platform.platform(),
             "command": " ".join(["python", "bench/image_bench.py", *sys.argv[1:]])}
-    (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, **got}, indent=2))
-    plot(got["results"], OUT / f"{stem}.png")
+    (out_path / f"{stem}.json").write_text(json.dumps({"meta": meta, **got}, indent=2))
+    plot(got["results"], out_path / f"{stem}.png")
     print(f"{n} images (~{got['results'][0]['patch_mb'] / max(1, n):.1f} MB of patches each), "
           f"{rounds} round(s); 1-min load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     print("| contender | images/s | per core | per core vs plain | CPU ms/image | CPU vs plain "
@@ -354,7 +356,7 @@ def main() -> int:
               f"| {r.get('scaling_vs_1_worker', '-')} | {r['cpu_ms_per_image_by_role']} |")
     for key, p in got["profiles"].items():
         print(f"profile {key}: {p}")
-    print(f"wrote {OUT / (stem + '.json')} and .png")
+    print(f"wrote {out_path / (stem + '.json')} and .png")
     return 0
 
 

@@ -8,7 +8,7 @@ plasma usage is sampled every 0.25 s. A batch's payload object is released once 
 acknowledged the step and the epoch's blocks once every row of them is staged, so the peak
 stays near `preprocess.object_store_mb` plus the staged steps (`max_ahead` per rank), whatever
 the dataset's size: the run reports the peak next to the bytes delivered.
-Writes bench/results/object_store/object_store_bench{,_quick}.json and .png.
+Writes object_store_bench{,_quick}.json and .png.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-OUT_DIR = ROOT / "bench" / "results" / "object_store"
+from results_dir import add_out_argument, out_dir  # noqa: E402
+
 WORLD = 4
 
 
@@ -41,6 +42,7 @@ def _plasma_mib() -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1,500 chats instead of 6,000")
+    add_out_argument(ap, "object_store")
     args = ap.parse_args()
     from pipeline.config import ServiceConfig
     from pipeline.producer.actor import stop_producer
@@ -103,9 +105,9 @@ def main() -> int:
         "mean_plasma_mib": sum(m for _, m in samples) / len(samples),
         "load_avg_at_end": os.getloadavg()[0], "series": samples,
     }
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "object_store")
     stem = "object_store_bench_quick" if args.quick else "object_store_bench"
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out_path / f"{stem}.json").write_text(json.dumps(result, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,7 +121,7 @@ def main() -> int:
     ax.set_title(f"{rows} chats, {delivered[0] / 2**20:.0f} MiB delivered: peak {peak:.0f} MiB")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(OUT_DIR / f"{stem}.png", dpi=110)
+    fig.savefig(out_path / f"{stem}.png", dpi=110)
     print(json.dumps({k: v for k, v in result.items() if k != "series"}, indent=2))
     return 0
 

@@ -30,7 +30,7 @@ every W, with and without the ramp-up and with a window as big as the epoch (wha
 end cuts): where steps over the oracle's come from. Deterministic counts.
 
 Run:  .venv/bin/python bench/planner_bench.py [--quick]   (needs the `bench` extra)
-Writes bench/results/planner/planner_bench{,_quick}.json and .png, prints Markdown tables.
+Writes planner_bench{,_quick}.json and .png, prints Markdown tables.
 `--export-heavy-lengths FILE --heavy-samples N` writes the heavy set's lengths instead
 (tests/planner/data/heavy_tailed_chats.txt is N=6600).
 """
@@ -51,6 +51,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_dir import add_out_argument, out_dir  # noqa: E402
+
 from pipeline.planner.epochs import plan_epoch  # noqa: E402
 from pipeline.planner.oracle import gmt_batches  # noqa: E402
 from pipeline.planner.plan_report import PlanReport  # noqa: E402
@@ -64,7 +66,6 @@ WORKLOADS = [
     ("cv0.48_mean1400", 0.48, 1400),
     ("cv1.00_mean1000", 1.0, 1000),
 ]
-OUT_DIR = ROOT / "bench" / "results" / "planner"
 WORLD_SIZES = (1, 2, 4, 8)
 GLOBAL_BUDGETS = 8  # the global steps' G, in token budgets
 GLOBAL_WORLD_SIZES = tuple(range(1, 9))
@@ -549,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export-heavy-lengths", metavar="FILE", default=None,
                     help="only write the heavy-tailed set's lengths, one per line (a lengths "
                     "file for `odb-pipeline plan --lengths` and the planner tests), and exit")
+    add_out_argument(ap, "planner")
     args = ap.parse_args(argv)
     n = args.samples or (4000 if args.quick else 20000)
     n_heavy = args.heavy_samples or (12000 if args.quick else 50000)
@@ -561,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     results, by_epoch = run(n, n_heavy, PEER_BUFFERS, repeats)
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "planner")
     stem = "planner_bench_quick" if args.quick else "planner_bench"
     meta = {
         "command": "bench/planner_bench.py" + (" --quick" if args.quick else ""),
@@ -577,14 +579,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "wall_seconds": round(time.perf_counter() - t0, 1),
     }
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps(
+    (out_path / f"{stem}.json").write_text(json.dumps(
         {"meta": meta, "results": results, "epoch_sizes": by_epoch}, indent=1))
-    plot(results, by_epoch, OUT_DIR / f"{stem}.png")
+    plot(results, by_epoch, out_path / f"{stem}.png")
     print(table(results))
     print(f"\nglobal steps (G = {GLOBAL_BUDGETS} budgets; the same steps at every W):\n"
           + global_table(results))
     print("\nheavy-tailed chats by epoch size (deterministic counts):\n" + epoch_table(by_epoch))
-    print(f"\nwrote {OUT_DIR / (stem + '.json')} and .png ({meta['wall_seconds']} s, load average "
+    print(f"\nwrote {out_path / (stem + '.json')} and .png ({meta['wall_seconds']} s, load average "
           f"{meta['load_average_before_after'][0]} -> {meta['load_average_before_after'][1]})")
     return 0
 

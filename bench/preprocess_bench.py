@@ -11,7 +11,7 @@ CPU per sample counts the processes a contender runs on (plain: this process; Po
 workers; Ray: + its workers, daemons and actors) and is also given against the plain loop and
 the Pool of the same warm round, with the median over the rounds.
 TOKENIZERS_PARALLELISM=false everywhere, so one process = one core of tokenizer work.
-Writes bench/results/preprocess/preprocess_bench.{json,png} (`_text` suffix with
+Writes preprocess_bench.{json,png} (`_text` suffix with
 --image-frac 0).
 """
 
@@ -34,10 +34,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from results_dir import add_out_argument, out_dir
+
 from pipeline.config import TrainingJobConfig
 from pipeline.preprocess.sample import ProcessedSample
 
-OUT = Path(__file__).resolve().parent / "results" / "preprocess"
 CHUNK_ROWS = 256
 
 
@@ -269,6 +270,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=None)
     ap.add_argument("--image-frac", type=float, default=0.15)
     ap.add_argument("--rounds", type=int, default=None, help="warm rounds (default 5, quick 2)")
+    add_out_argument(ap, "preprocess")
     args = ap.parse_args()
     n = args.n or (1500 if args.quick else 4000)
     args.rounds = args.rounds or (2 if args.quick else 5)
@@ -294,15 +296,15 @@ def main() -> int:
         r["vs_plain"] = round(r["samples_per_s"] / base[("plain (1 process)", r["phase"])], 2)
         r["vs_pool2"] = round(r["samples_per_s"] / base[("multiprocessing.Pool(2)", r["phase"])],
                               2)
-    OUT.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "preprocess")
     meta = {"records": n, "image_frac": args.image_frac, "chunk_rows": CHUNK_ROWS,
             "warm_rounds": args.rounds, "loadavg_start": load0,
             "cpus": os.cpu_count(), "loadavg_end": os.getloadavg(),
             "python": sys.version.split()[0], "platform": platform.platform(),
             "command": " ".join(["python", "bench/preprocess_bench.py", *sys.argv[1:]])}
     stem = "preprocess_bench" + ("_text" if args.image_frac == 0 else "")
-    (OUT / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    plot(results, OUT / f"{stem}.png")
+    (out_path / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    plot(results, out_path / f"{stem}.png")
     print(f"{n} records, {results[0]['samples']} samples, {results[0]['tokens']} tokens; "
           f"1-min load avg {load0[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print("| contender | run | wall s | first item s | samples/s | tokens/s | vs plain | "

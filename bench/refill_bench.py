@@ -11,7 +11,7 @@ eviction + token-budgeted refill through `odb-pipeline`'s Refill RPC (in-process
 loopback gRPC, a private redis-server, `trainer_client.RefillStream`). Convergence heterogeneity
 is the spread of the per-request confidence threshold (0 = every request the same threshold).
 For every level it checks output equality (each request's tokens identical under both
-schedulers) and reports requests/s and tokens/s. Writes bench/results/refill/<name>.json and .png.
+schedulers) and reports requests/s and tokens/s. Writes <name>.json and .png.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from mdlm.decode import start  # noqa: E402
 from mdlm.model import MaskedDiffusionLM, ModelConfig, train  # noqa: E402
 from mdlm.schedulers import refill_through_service, static_batches  # noqa: E402
 from mdlm.vocab import Vocab  # noqa: E402
-
-OUT = ROOT / "bench" / "results" / "refill"
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 
 def fetch_all(endpoint: str, job: str) -> list:
@@ -117,6 +116,7 @@ def main() -> int:
                     "(--quick: 0,1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name")
+    add_out_argument(ap, "refill")
     args = ap.parse_args()
     if args.replot:
         src = Path(args.replot)
@@ -203,11 +203,11 @@ def main() -> int:
         "generation_lengths": list(data.GEN_LENGTHS), "block": 32,
         "training": training, "wall_seconds": time.monotonic() - t0, "levels": levels,
     }
-    OUT.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "refill")
     name = args.name or ("quick" if args.quick else "full")
-    (OUT / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, OUT / f"{name}.png")
-    print(f"wrote {OUT / name}.json and .png", flush=True)
+    (out_path / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out_path / f"{name}.png")
+    print(f"wrote {out_path / name}.json and .png", flush=True)
     return 0 if all(r["outputs_equal"] == r["outputs_total"] for r in levels) else 1
 
 

@@ -18,7 +18,7 @@ embedding locality; the exposure histogram after the epochs; padding efficiency 
 over a sweep of `locality` (the padding price of locality).
 
 Run:  .venv/bin/python bench/sdo_bench.py [--quick] [--exposure-epochs N]
-Writes bench/results/sdo/sdo_bench{,_quick}.json and .png, and the exposure histograms (after
+Writes sdo_bench{,_quick}.json and .png, and the exposure histograms (after
 the trained epochs and after N planned epochs, default 20) to sdo_exposure{,_quick}.png.
 """
 
@@ -40,7 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-OUT_DIR = ROOT / "bench" / "results" / "sdo"
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -374,6 +374,7 @@ def main() -> int:
     ap.add_argument("--locality", type=float, default=1.0,
                     help="the sdo arm's knob (default 1: with the job's 128-budget window a "
                     "small dataset fits one window, and locality <= 0.5 plans exactly like odb)")
+    add_out_argument(ap, "sdo")
     args = ap.parse_args()
     q = args.quick
     args.epochs = 2 if q else 4
@@ -453,10 +454,10 @@ def main() -> int:
         "note": "measured on a shared, loaded 2-core machine: compare arms within this run only",
     }
     stem = "sdo_bench_quick" if q else "sdo_bench"
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    plot(res, OUT_DIR / f"{stem}.png")
-    plot_exposure(res, OUT_DIR / f"{stem.replace('bench', 'exposure')}.png")
+    out_path = out_dir(args, "sdo")
+    (out_path / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    plot(res, out_path / f"{stem}.png")
+    plot_exposure(res, out_path / f"{stem.replace('bench', 'exposure')}.png")
     print("\n| arm | steps | final held-out loss | grad coherence init / end | emb. cosine "
           "| pad eff |")
     print("|---|---|---|---|---|---|")
@@ -468,7 +469,7 @@ def main() -> int:
     print(f"exposure after {args.epochs} epochs (sdo): {exposure}")
     print(f"exposure after {args.exposure_epochs} planned epochs (sdo): "
           f"{long_ledger.summary()}")
-    print(f"\nwrote {OUT_DIR / (stem + '.json')}, .png and "
+    print(f"\nwrote {out_path / (stem + '.json')}, .png and "
           f"{stem.replace('bench', 'exposure')}.png ({res['wall_seconds']} s)")
     return 0
 

@@ -13,7 +13,7 @@ real Qwen2-VL processor, once per pixel storage. Also timed, in one run: the cli
 on a GPU trainer those run on the device after the transfer).
 
 Run:  .venv/bin/python bench/wire_bench.py [--quick]
-Writes bench/results/wire/wire_bench{,_quick}.json and .png.
+Writes into --out (committed: bench/results/wire/) wire_bench{,_quick}.json and .png.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_dir import add_out_argument, out_dir  # noqa: E402
+
 from pipeline.config import PreprocessConfig  # noqa: E402
 from pipeline.preprocess.array_source import synthetic_samples  # noqa: E402
 from pipeline.preprocess.sample import ProcessedSample  # noqa: E402
@@ -39,7 +41,6 @@ from pipeline.service.wire_codec import batch_message_bytes  # noqa: E402
 from trainer_client.decode import decode_batch  # noqa: E402
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb  # noqa: E402
 
-OUT_DIR = ROOT / "bench" / "results" / "wire"
 BUDGET = 16384
 PICTURES = ["astronaut", "chelsea", "coffee", "camera", "rocket", "hubble_deep_field"]
 
@@ -175,6 +176,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer samples and repeats")
+    add_out_argument(ap, "wire")
     args = ap.parse_args()
     n, reps, repeats = (600, 3, 1) if args.quick else (6000, 20, 3)
     results = {}
@@ -184,14 +186,14 @@ def main() -> int:
     print("images ...", flush=True)
     results["images"] = bench_images(repeats, reps)
     stem = "wire_bench_quick" if args.quick else "wire_bench"
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir(args, "wire")
     meta = {"command": "bench/wire_bench.py" + (" --quick" if args.quick else ""),
             "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "load_average": os.getloadavg(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results},
+    (out_path / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results},
                                                      indent=1))
-    plot(results, OUT_DIR / f"{stem}.png")
+    plot(results, out_path / f"{stem}.png")
     for mode in ("padded", "packed"):
         r = results[mode]
         print(f"{mode}: {r['v0_bytes_per_token']:.2f} -> {r['v2_bytes_per_token']:.2f} B/token "

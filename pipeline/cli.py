@@ -20,6 +20,8 @@ COMMANDS: dict[str, str] = {
     "inspect": "show samples after preprocessing (tokens, visual tokens, cost, quarantine)",
     "status": "operator queries: jobs, ranks, throughput, quarantine (from Redis and the service)",
     "scale": "move the rest of a job onto a new world size (reconfiguration)",
+    "mix": "change a mixture job's source weights from the next step (every rank at once)",
+    "job": "delete a job's state, or reset it to start over (where serve keeps it)",
     "demo": "everything local: embedded Redis, local Ray, the service and N trainer ranks",
 }
 

@@ -15,7 +15,9 @@ for one, is `batching.pool_steps` and nothing else.
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -36,10 +38,16 @@ from pydantic import (
 
 from pipeline.errors import UserError
 from pipeline.modes import DGAP_MODES, JobMode, OverBudgetPolicy, RankFailurePolicy
+from pipeline.order.epoch_order import OrderSettings
+from pipeline.order.mixture import DEFAULT_SOURCE, NAME_PATTERN, MixSource, Mixture, ScheduleEntry
 from pipeline.planner.compute_fit import FitSettings
 from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES, BatchingPolicy
 
 ENV_PREFIX = "ODB_"
+# The order's defaults, chosen from measured shuffle quality (docs/data-order.md).
+READ_UNIT_ROWS = 64
+SHUFFLE_BLOCK_ROWS = 65536
+SHUFFLE_BLOCK_MB = 64
 
 
 class ConfigError(UserError):
@@ -50,9 +58,78 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-class SourceConfig(_Model):
+class MixtureSourceConfig(_Model):
+    """One named source of a mixture: its files, and at most one of repeat / choose / weight
+    (none: every row once per epoch). docs/data-order.md."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="how `mix`, `schedule` and status name it")
     paths: list[str] = Field(min_length=1, description="JSONL/Parquet files, dirs or URIs")
     format: Literal["auto", "jsonl", "parquet"] = "auto"
+    repeat: float | None = Field(None, ge=0, description="copies per epoch (1.5: every row once "
+                                 "and half of them again, rotated over epochs)")
+    choose: int | None = Field(None, ge=0, description="rows per epoch")
+    weight: float | None = Field(None, ge=0, description="share of the epoch (relative to the "
+                                 "other sources' weights)")
+
+
+class ScheduleEntryConfig(_Model):
+    from_step: int = Field(ge=0, description="the first step planned with these weights")
+    weights: dict[str, float] = Field(description="source name -> weight, every source")
+
+
+class SourceConfig(_Model):
+    """What a job reads, and in what order (docs/data-order.md): `paths` (one source), or a
+    `mixture` of named sources; shuffled by default."""
+
+    paths: list[str] | None = Field(None, min_length=1,
+                                    description="JSONL/Parquet files, dirs or URIs")
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    mixture: list[MixtureSourceConfig] | None = Field(
+        None, min_length=1, description="named sources instead of `paths`, each with at most "
+        "one of repeat / choose / weight")
+    mix_by: Literal["samples", "loss_tokens"] = Field(
+        "samples", description="what each source's share holds in every part of an epoch: its "
+        "samples, or its trained (loss) tokens in every window of steps")
+    epoch_samples: int | None = Field(None, ge=1, description="samples per epoch of a weighted "
+                                      "mixture (None: as many as all sources have rows)")
+    schedule: list[ScheduleEntryConfig] = Field(
+        default_factory=list, description="weight changes from a step on: "
+        "[{from_step: N, weights: {name: w}}]")
+    shuffle: bool = Field(True, description="a seeded permutation of every epoch (false: file "
+                          "order, each source's files one after another)")
+    read_unit_rows: int = Field(
+        READ_UNIT_ROWS, gt=0, multiple_of=64, description="JSONL rows per read unit (one "
+        "ranged read; Parquet reads whole row groups)")
+    shuffle_block_rows: int = Field(SHUFFLE_BLOCK_ROWS, gt=0, description="positions one "
+                                    "shuffle block spans (the shuffle's buffer)")
+    shuffle_block_mb: int = Field(SHUFFLE_BLOCK_MB, gt=0, description="raw source bytes one "
+                                  "shuffle block may hold (fewer rows for large rows)")
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self) -> SourceConfig:
+        if (self.paths is None) == (self.mixture is None):
+            raise ValueError("give exactly one of paths (one source) or mixture (named sources)")
+        if self.mixture is None and (self.schedule or self.mix_by != "samples"):
+            given = "schedule" if self.schedule else f"mix_by {self.mix_by}"
+            raise ValueError(f"{given} needs a mixture (source.mixture): a job of paths is one "
+                             "source")
+        self.mixture_value().check("mixture")  # the mixture owns the rules between fields
+        return self
+
+    def mixture_value(self) -> Mixture:
+        """The job's sources as a `Mixture` (a job of `paths` is one source, "default")."""
+        if self.mixture is None:
+            sources = (MixSource(DEFAULT_SOURCE, tuple(self.paths or ()), self.format),)
+        else:
+            sources = tuple(MixSource(m.name, tuple(m.paths), m.format, m.repeat, m.choose,
+                                      m.weight) for m in self.mixture)
+        schedule = tuple(ScheduleEntry(e.from_step, tuple(e.weights.items()))
+                         for e in self.schedule)
+        return Mixture(sources, self.mix_by, self.epoch_samples, schedule)
+
+    def order_settings(self) -> OrderSettings:
+        return OrderSettings(shuffle=self.shuffle, block_rows=self.shuffle_block_rows,
+                             block_bytes=self.shuffle_block_mb * 2**20)
 
 
 class AugmentConfig(_Model):
@@ -177,6 +254,12 @@ class BatchingConfig(_Model):
         "(TrainingJobConfig.max_sample_tokens); "
         "`alone` = a batch of its own, flagged; `quarantine` = set aside as over_budget")
     compute_balancing: ComputeBalancingConfig = ComputeBalancingConfig()
+    pad_to_multiple: int | None = Field(
+        None, ge=1, description="pad every sequence to a multiple of this, with no loss tokens "
+        "on the padding (context parallelism needs 2 x CP, sequence parallelism TP, FP8 "
+        "kernels 8 or 16; docs/trainer-client.md); the budget caps the padded lengths. "
+        "None = no padding. A job served to model-parallel groups (BatchStream(group_size=k), "
+        "k > 1) must set it, to 1 when its layout needs no multiple")
     global_token_budget: int | None = Field(
         None, gt=0, description="the tokens of one optimizer step, all ranks together "
         "(>= token_budget): a step's samples then do not depend on the world size, and each "
@@ -195,6 +278,7 @@ class BatchingConfig(_Model):
             attn_b=self.attn_b, max_visual_tokens=self.max_visual_tokens,
             lookahead_tokens=self.lookahead_tokens, max_window_samples=self.max_window_samples,
             over_budget=self.over_budget, ramp_up=self.ramp_up,
+            pad_to_multiple=self.pad_to_multiple,
             global_token_budget=self.global_token_budget,
         )
 
@@ -206,7 +290,8 @@ class EmbeddingConfig(_Model):
                               "(all-MiniLM-L6-v2) or a local sentence-transformers folder; "
                               "None with no column = all-MiniLM-L6-v2")
     column: str | None = Field(None, description="record field holding a precomputed vector")
-    cache_dir: str | None = Field(None, description="None = .odb-embeddings/ beside the dataset")
+    cache_dir: str | None = Field(None, description="None = embeddings/ in the cache dir "
+                                  "($XDG_CACHE_HOME/odb-pipeline, else ~/.cache/odb-pipeline)")
 
     @model_validator(mode="after")
     def _one_source(self) -> EmbeddingConfig:
@@ -321,6 +406,13 @@ class TrainingJobConfig(_JobOptions):
         return mode
 
     @model_validator(mode="after")
+    def _sdo_plans_its_own_order(self) -> TrainingJobConfig:
+        if self.organization.kind == "sdo" and self.source.mixture is not None:
+            raise ValueError("source.mixture cannot go with organization.kind sdo: SDO's epochs "
+                             "are visits in traversal order, not a mixture's (docs/sdo.md)")
+        return self
+
+    @model_validator(mode="after")
     def _max_world_holds_the_first(self) -> TrainingJobConfig:
         if self.max_world_size is not None and self.max_world_size < self.world_size:
             raise ValueError(f"max_world_size ({self.max_world_size}) is below world_size "
@@ -349,10 +441,12 @@ class TrainingJobConfig(_JobOptions):
         sample fits a batch alone, the planner never cuts one and the loss tokens measured in
         preprocessing stay exact. Otherwise preprocess.max_seq_len (the planner then applies
         `alone` / `quarantine` to samples over the budget). A sample's cost alone is its token
-        count under both collates, so fitting the budget alone means num_tokens <= token_budget.
+        count under both collates (rounded up to `batching.pad_to_multiple`), so fitting the
+        budget alone means num_tokens <= token_budget (with a multiple: the largest multiple
+        within the budget, `BatchingPolicy.max_alone_tokens`).
         """
         if self.batching.over_budget is OverBudgetPolicy.TRUNCATE:
-            return min(self.preprocess.max_seq_len, self.batching.token_budget)
+            return min(self.preprocess.max_seq_len, self.batching.policy().max_alone_tokens)
         return self.preprocess.max_seq_len
 
     def max_sample_visual_tokens(self) -> int | None:
@@ -365,20 +459,25 @@ class TrainingJobConfig(_JobOptions):
     def sample_limit_text(self) -> str:
         """Where `max_sample_tokens()` (and the visual cap) come from, for messages."""
         if self.batching.over_budget is OverBudgetPolicy.TRUNCATE:
+            m = self.batching.pad_to_multiple
             text = (f"limit {self.max_sample_tokens()} = min(preprocess.max_seq_len "
                     f"{self.preprocess.max_seq_len}, batching.token_budget "
-                    f"{self.batching.token_budget})")
+                    f"{self.batching.token_budget}"
+                    + (f" rounded down to batching.pad_to_multiple {m}" if m else "") + ")")
         else:
             text = f"limit preprocess.max_seq_len {self.preprocess.max_seq_len}"
         cap = self.max_sample_visual_tokens()
         return text + (f", batching.max_visual_tokens {cap}" if cap is not None else "")
 
     def sample_cost(self, num_tokens: int) -> int:
-        """A sample's cost alone: its tokens (padded or packed), or a*L + b*L^2 when b > 0."""
+        """A sample's cost alone: its tokens (padded or packed), or a*L + b*L^2 when b > 0;
+        on its length as sent (rounded up to `batching.pad_to_multiple`)."""
         b = self.batching
+        m = b.pad_to_multiple or 1
+        n = -(-num_tokens // m) * m
         if b.attn_b > 0:
-            return math.ceil(b.attn_a * num_tokens + b.attn_b * num_tokens**2)
-        return num_tokens
+            return math.ceil(b.attn_a * n + b.attn_b * n**2)
+        return n
 
 
 class RefillJobConfig(_JobOptions):
@@ -395,6 +494,13 @@ class RefillJobConfig(_JobOptions):
         _refuse_options(data, _TRAINING_ONLY, "options of training jobs; a `mode: refill` job "
                         "has consumers, not ranks, and no plan")
         return data
+
+    @model_validator(mode="after")
+    def _no_mixture(self) -> RefillJobConfig:
+        if self.source.mixture is not None or self.source.epoch_samples is not None:
+            raise ValueError("source.mixture and source.epoch_samples are for training jobs: a "
+                             "refill job admits its requests in file order")
+        return self
 
     def max_sample_tokens(self) -> int:
         """The most tokens one preprocessed sample (a request's prompt and reference answer)
@@ -506,6 +612,13 @@ def default_state_dir() -> str:
     return os.path.join(base, "odb-pipeline")
 
 
+def default_cache_dir() -> str:
+    """Where caches go unless configured (never beside the data: a checkout stays clean):
+    $XDG_CACHE_HOME/odb-pipeline, else ~/.cache/odb-pipeline."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "odb-pipeline")
+
+
 class ServiceConfig(_Model):
     redis_url: str | None = Field(
         None, description="None = the embedded default: a private Redis with its AOF in "
@@ -564,6 +677,45 @@ class ServiceConfig(_Model):
             seen.add(job.job_id)
         return self
 
+    def client_problems(self) -> list[str]:
+        """What in these settings cannot work with the trainers' clients at their defaults
+        (`trainer_client.wire_format`): each problem names the fields and the fix. `serve`
+        refuses such a config (Guarantee 7); tests that tune their clients may start a service
+        with tighter settings in-process."""
+        from trainer_client.wire_format import (
+            DEFAULT_HEARTBEAT_S,
+            DEFAULT_KEEPALIVE_TIME_S,
+            DEFAULT_KEEPALIVE_TIMEOUT_S,
+        )
+
+        out = []
+        ping = self.grpc.min_client_ping_interval_s
+        if ping > DEFAULT_KEEPALIVE_TIME_S:
+            out.append(
+                f"grpc.min_client_ping_interval_s = {ping:g} is above the trainers' keepalive "
+                f"interval (BatchStream keepalive_time_s {DEFAULT_KEEPALIVE_TIME_S:g} s): the "
+                "service would answer their pings with GOAWAY \"too_many_pings\" and they would "
+                f"stop noticing a dead replica; set it to at most {DEFAULT_KEEPALIVE_TIME_S:g}")
+        if self.lease_seconds <= DEFAULT_HEARTBEAT_S:
+            out.append(
+                f"lease_seconds = {self.lease_seconds:g} is not above the trainers' heartbeat "
+                f"period (BatchStream heartbeat_s {DEFAULT_HEARTBEAT_S:g} s): a rank busy in a "
+                "long step would lose its lease between two heartbeats; set it above "
+                f"{DEFAULT_HEARTBEAT_S:g} (default 10)")
+        # A replica cut off from the state ends a stream UNAVAILABLE after state_timeout_seconds:
+        # a call that failed only after the clients' detection bound looks like a working
+        # connection to their outage clock. (resume_grace_seconds waits on an open stream and
+        # ends it OUT_OF_RANGE, which clients do not retry: it is no part of this.)
+        bound = DEFAULT_KEEPALIVE_TIME_S + DEFAULT_KEEPALIVE_TIMEOUT_S
+        if self.state_timeout_seconds >= bound:
+            out.append(
+                f"state_timeout_seconds = {self.state_timeout_seconds:g} is not below the "
+                "trainers' detection bound (BatchStream keepalive_time_s + keepalive_timeout_s "
+                f"= {bound:g} s): a stream that fails only after that long looks like a working "
+                "connection to the client, which would then reconnect without end instead of "
+                f"giving up after its reconnect_timeout; set it below {bound:g} (default 5)")
+        return out
+
     def status_token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The status pages' bearer token, read from `status_token_env` at use (None: unset)."""
         if self.status_token_env is None:
@@ -606,6 +758,43 @@ def _env_overrides(environ: Mapping[str, str], model: type[BaseModel], prefix: s
             # Empty string means "unset" (None) for optional fields, as in k8s env blocks.
             out[name] = None if raw == "" else raw
     return out
+
+
+def _spelling(name: str) -> str:
+    return name.upper().replace("_", "")
+
+
+def _misspelt(name: str, setting: str) -> bool:
+    """`name` is `setting` with its separators wrong or a letter or two off (not another name
+    that merely resembles it, such as a token variable `ODB_STATUS_TOKEN`)."""
+    a, b = _spelling(name), _spelling(setting)
+    return a == b or (abs(len(a) - len(b)) <= 2
+                      and difflib.SequenceMatcher(None, a, b).ratio() >= 0.9)
+
+
+def check_env_names(environ: Mapping[str, str], config: ServiceConfig) -> None:
+    """An `ODB_*` variable that names no setting (nor a token the config names) would be
+    ignored: one that looks like a misspelt setting (`ODB_GRPC_PORT` for `ODB_GRPC__PORT`) is
+    refused, any other is warned about; both name the closest setting."""
+    settings = env_var_names()
+    tokens = {j.token_env for j in config.jobs} | {config.status_token_env}
+    typos = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in settings or name in tokens:
+            continue
+        near = difflib.get_close_matches(name, settings, n=1, cutoff=0.6)
+        closest = next((s for s in settings if _spelling(s) == _spelling(name)),
+                       near[0] if near else None)
+        if closest is not None and _misspelt(name, closest):
+            typos.append(f"{name} (did you mean {closest}?)")
+        else:
+            logging.getLogger(__name__).warning(
+                "environment variable %s names no setting and is ignored%s", name,
+                f" (the closest setting is {closest})" if closest else "")
+    if typos:
+        raise ConfigError(f"environment variables that name no setting: {', '.join(typos)}; "
+                          "a nested setting joins its path with two underscores "
+                          "(ODB_GRPC__PORT is grpc.port): rename or unset them")
 
 
 def deep_merge(base: dict, top: Mapping) -> dict:
@@ -660,11 +849,13 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
 ) -> ServiceConfig:
     """File, then ODB_* environment, then explicit overrides (CLI flags); validated once."""
+    environ = os.environ if environ is None else environ
     data = read_config_file(path) if path is not None else {}
-    data = deep_merge(data, _env_overrides(os.environ if environ is None else environ,
-                                           ServiceConfig, ENV_PREFIX))
+    data = deep_merge(data, _env_overrides(environ, ServiceConfig, ENV_PREFIX))
     data = deep_merge(data, overrides or {})
     try:
-        return ServiceConfig.model_validate(data)
+        config = ServiceConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+    check_env_names(environ, config)
+    return config

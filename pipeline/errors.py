@@ -6,6 +6,7 @@
     │   ├── BadRequest       a request field out of its range (a rank, a credit count, ...)
     │   ├── PositionUnavailable  a resume position the plan cannot serve
     │   ├── WrongJobMode     a call made for another kind of job (refill vs training)
+    │   ├── MixRefused       a mixture change the job cannot take (no mixture, fully planned)
     │   ├── Unauthenticated  a call without the job's bearer token (or a wrong one)
     │   └── WireMismatch     a client that decodes another wire version
     ├── StateError           a refusal of a job's shared state (it is left unchanged)
@@ -20,6 +21,7 @@
     │   ├── ScaleRefused     a reconfiguration the state cannot make now
     │   │   ├── ScaleInProgress   the previous one is not complete yet
     │   │   ├── PlanningComplete  fully planned, and a live rank may hold the final END
+    │   │   ├── JobFinished       every rank acknowledged its last step: the world stays
     │   │   └── RanksLive         (implicit switch) ranks of the current world still hold leases
     │   └── StateUnavailable the state could not be reached (Redis down after retries)
     │       └── DurabilityTimeout  a write not confirmed on disk in time (fsync_publish)
@@ -49,6 +51,10 @@ class UserError(OdbError):
 class JobMismatch(UserError):
     """The job id exists in the state with a different config hash or mode."""
 
+    def __init__(self, message: str, *, job_id: str = "") -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
 
 class SchemaMismatch(UserError):
     """Redis holds coordinator state of another schema version than this build speaks."""
@@ -56,6 +62,13 @@ class SchemaMismatch(UserError):
 
 class UnknownJob(UserError):
     """No such job in this state."""
+
+    @classmethod
+    def named(cls, job_id: str) -> UnknownJob:
+        """What a caller of the service is told: how to list the jobs, never the list (the
+        caller is not known yet, Guarantee 9)."""
+        return cls(f"unknown job {job_id!r}: check the job id (`odb-pipeline status` where the "
+                   "service runs lists its jobs)")
 
 
 class DurabilityUnavailable(UserError):
@@ -65,6 +78,11 @@ class DurabilityUnavailable(UserError):
 class BadRequest(UserError):
     """A request field out of its range (a rank outside the world, a negative or too large
     credit count, a too long client id, ...): nothing was changed."""
+
+
+class MixRefused(UserError):
+    """A mixture change the job cannot take: it has no mixture (one source), or it is fully
+    planned (no step would be planned with it). Nothing was changed."""
 
 
 class PositionUnavailable(UserError):
@@ -113,6 +131,13 @@ class RankHeld(StateError):
     """Another live client holds this rank's lease."""
 
 
+class GroupRefused(StateError):
+    """A model-parallel group the job cannot serve as asked (`Member`): two clients of one rank
+    disagree on its group size, or the job does not say how its sequences are padded
+    (`batching.pad_to_multiple`: its message starts with `GROUP_REFUSED_PREFIX`, which the
+    client does not retry)."""
+
+
 class Fenced(StateError):
     """A producer tried to act with a lease generation that is no longer the job's current one
     (another producer took over): it must stop, it can never publish again."""
@@ -135,6 +160,11 @@ class ScaleInProgress(ScaleRefused):
 class PlanningComplete(ScaleRefused):
     """Every epoch of the job is planned and a live rank may already hold the job's final END
     (it was sent its last batch): batches of gone ranks cannot move onto a new world."""
+
+
+class JobFinished(ScaleRefused):
+    """The job has finished (every rank of its world acknowledged its last step): its world is
+    what it ran, and nothing is left to move onto another one."""
 
 
 class RanksLive(ScaleRefused):

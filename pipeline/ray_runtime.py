@@ -49,6 +49,21 @@ NODE_STOP_S = 5.0  # the node's own stop on SIGTERM takes ~1-2 s; then its sessi
 DRIVER_SHUTDOWN_S = 3.0
 
 
+class _RayNotices(logging.Filter):
+    """Ray's notices about what this project does on purpose, dropped at the default verbosity
+    (a DEBUG log keeps them): `ray.init` from a thread that is not the main one (serve joins
+    its private Ray from one, and keeps its own SIGTERM handler anyway: `_sigterm_kept`)."""
+
+    NOISE = ("SIGTERM handler is not set",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (logging.getLogger().isEnabledFor(logging.DEBUG)
+                or not record.getMessage().startswith(self.NOISE))
+
+
+logging.getLogger("ray._private.worker").addFilter(_RayNotices())
+
+
 def join_cluster(address: str) -> None:
     import ray
 
@@ -183,6 +198,9 @@ class PrivateRay:
             self.tmp = None
 
     def kill(self) -> None:
-        """Fast stop (a second signal): the node's whole session at once, no driver shutdown."""
+        """Fast stop (a second signal): the node's whole session at once, no driver shutdown;
+        its temp dir goes too (the node, killed, cannot remove it)."""
         if self.node is not None:
             owned_processes.kill_session(self.node)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)

@@ -83,7 +83,34 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+# Ports handed out for a process to bind later come from just below the kernel's ephemeral
+# range: a port of that range can be taken by any outgoing connection between our check and
+# the bind (a torch rendezvous got EADDRINUSE that way), one below it only by an explicit bind.
+_BELOW_EPHEMERAL = 12000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process to bind soon after (chosen at random
+    below the ephemeral range where there is room, so connections never take it meanwhile)."""
+    low = _ephemeral_low()
+    if low > _BELOW_EPHEMERAL + 1024:
+        rng = secrets.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(low - _BELOW_EPHEMERAL, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -32,6 +32,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # 64 -> 47 worker processes, -10% of their CPU).
 os.environ.setdefault("RAY_idle_worker_killing_time_threshold_ms", "600000")
 os.environ.setdefault("RAY_num_workers_soft_limit", "8")
+# S3 reads against the tests' own S3-protocol server (moto, tests/order/test_remote_sources.py):
+# credentials it accepts, set before any Ray worker starts (workers inherit them), and no wait
+# on a cloud metadata service for others.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
 @pytest.fixture(scope="session")

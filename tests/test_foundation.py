@@ -80,6 +80,22 @@ def test_env_var_names_are_derived_from_the_model():
     assert not any(n.startswith("ODB_JOBS") for n in names)
 
 
+def test_an_env_variable_naming_no_setting_is_refused_or_warned_about(caplog):
+    """#42: `ODB_GRPC_PORT` (for `ODB_GRPC__PORT`) was ignored without a word, so a second
+    `serve` took the default port. A misspelt setting is refused naming the setting meant; any
+    other `ODB_*` name the config does not read is warned about; a token the config names is
+    neither."""
+    for typo, meant in (("ODB_GRPC_PORT", "ODB_GRPC__PORT"), ("ODB_REDIS__URL", "ODB_REDIS_URL"),
+                        ("ODB_LEASE_SECOND", "ODB_LEASE_SECONDS")):
+        with pytest.raises(ConfigError, match=f"{typo} \\(did you mean {meant}\\?\\)"):
+            load_config(environ={typo: "1"})
+    with caplog.at_level("WARNING", logger="pipeline.config"):
+        load_config(environ={"ODB_TOKEN": "x", "ODB_SFT_TOKEN": "s3cret"},
+                    overrides={"jobs": [{**JOB, "token_env": "ODB_SFT_TOKEN"}]})
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "ODB_TOKEN names no setting" in warned[0], warned
+
+
 def test_job_token_comes_from_named_env():
     cfg = load_config(environ={}, overrides={"jobs": [{**JOB, "token_env": "SFT_TOKEN"}]})
     assert cfg.job("sft-1").token({"SFT_TOKEN": "s3cret"}) == "s3cret"

@@ -1,5 +1,7 @@
 """Every shell command in README.md's code blocks runs as written, from the repository root, and
-what the README says survives a restart of `serve` does.
+what the README says survives a restart of `serve` does. Beside the served README: a second
+`serve` on its port is refused before it starts anything, and neither the README's commands nor
+a benchmark write into the checkout.
 
 Not run here: `make demo` and `make test` (CI runs both from a fresh clone; `make test` would also
 run this file inside itself; the demo has its own tests in test_demo.py). A `serve` command is
@@ -17,6 +19,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from support.process_tree import comm, descendants, process_state
@@ -46,11 +49,12 @@ def _strip_comment(cmd: str) -> str:
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):
     """Runs the README's commands once; yields (results, env, the serve command and process)."""
-    state = tmp_path_factory.mktemp("readme") / "state"
+    tmp = tmp_path_factory.mktemp("readme")
     port, metrics = free_port(), free_port()
-    env = {**os.environ, "ODB_STATE_DIR": str(state), "ODB_GRPC__PORT": str(port),
+    env = {**os.environ, "ODB_STATE_DIR": str(tmp / "state"), "ODB_GRPC__PORT": str(port),
            "ODB_METRICS_PORT": str(metrics), "PIPELINE_ENDPOINT": f"127.0.0.1:{port}",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(tmp / "cache")}
+    checkout = _porcelain()
     results: dict[str, subprocess.CompletedProcess] = {}
     serve: ServeProcess | None = None
     serve_cmd = None
@@ -70,7 +74,7 @@ def readme_run(tmp_path_factory):
             results[cmd] = subprocess.run(["bash", "-c", cmd], cwd=REPO, env=env, text=True,
                                           capture_output=True, timeout=600)
             print(f"{time.monotonic() - t0:6.1f} s  {bare}")
-        yield results, env, serve_cmd, serve
+        yield results, env, serve_cmd, serve, checkout
     finally:
         if serve is not None:
             serve.stop()
@@ -83,8 +87,13 @@ def test_the_readme_shows_the_commands_this_test_runs():
     assert any(c.startswith(".venv/bin/odb-pipeline status") for c in cmds)
 
 
+def _porcelain() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO,
+                          text=True, capture_output=True, check=True).stdout
+
+
 def test_every_readme_command_runs_as_written(readme_run):
-    results, _, _, serve = readme_run
+    results, _, _, serve, _ = readme_run
     for cmd, proc in results.items():
         assert proc.returncode == 0, f"{cmd}\nexit {proc.returncode}\n{proc.stderr[-3000:]}"
         if "--json" in cmd and "--watch" not in cmd:
@@ -92,6 +101,9 @@ def test_every_readme_command_runs_as_written(readme_run):
     bare_status = next(p for c, p in results.items()
                        if _strip_comment(c) == ".venv/bin/odb-pipeline status")
     assert "job sft-1" in bare_status.stdout
+    # Before any trainer: waiting (for the plan, or for ranks), no raw -1 for "no step yet".
+    assert "state=waiting" in bare_status.stdout, bare_status.stdout
+    assert not re.search(r"(?<![\w.])-1\b", bare_status.stdout), bare_status.stdout
     # The trainer ran both ranks to the job's end; status --json then shows every rank there.
     trainer = next(p for c, p in results.items() if "train_example.py" in c)
     assert "rank 0:" in trainer.stdout and "rank 1:" in trainer.stdout, trainer.stdout
@@ -115,10 +127,44 @@ def _status_json(env: dict[str, str]) -> dict:
     return _job(proc)
 
 
+def test_a_second_serve_is_refused_and_nothing_is_written_into_the_checkout(readme_run, tmp_path):
+    """#42: a second `serve` (another state dir) shared the first one's gRPC port (SO_REUSEPORT),
+    so clients alternated between two services. It is refused before it starts anything.
+    Neither the README's commands nor a benchmark run write into the checkout: git sees what
+    it saw before them."""
+    _, env, serve_cmd, serve, checkout = readme_run
+    other = tmp_path / "other-state"
+    t0 = time.monotonic()
+    second = subprocess.run(["bash", "-c", serve_cmd], cwd=REPO, text=True, capture_output=True,
+                            env={**env, "ODB_STATE_DIR": str(other)}, timeout=120)
+    print(f"{time.monotonic() - t0:6.1f} s  the second serve's refusal")
+    assert second.returncode == 2, second.stdout + second.stderr
+    port = env["ODB_GRPC__PORT"]
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in second.stderr
+    assert not other.exists()  # refused before its embedded Redis (or anything) started
+    assert serve.proc.poll() is None, serve.output()
+    assert "job sft-1" in _status_text(env)  # the first one still answers on its port
+
+    t0 = time.monotonic()
+    bench = subprocess.run([".venv/bin/python", "bench/wire_bench.py", "--quick"], cwd=REPO,
+                           env=env, text=True, capture_output=True, timeout=600)
+    print(f"{time.monotonic() - t0:6.1f} s  bench/wire_bench.py --quick")
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    assert list(Path(env["XDG_CACHE_HOME"], "odb-pipeline", "bench", "wire").glob("*.json"))
+    assert _porcelain() == checkout
+
+
+def _status_text(env: dict[str, str]) -> str:
+    proc = subprocess.run(["bash", "-c", ".venv/bin/odb-pipeline status"], cwd=REPO, env=env,
+                          text=True, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def test_what_survives_a_kill_9_of_serve(readme_run):
     """README, "What survives a restart": kill -9 `serve` (its embedded Redis goes with it),
     start it again on the same state dir: the job is where it was and does not start over."""
-    results, env, serve_cmd, serve = readme_run
+    results, env, serve_cmd, serve, _ = readme_run
     before = _status_json(env)
     redis_pids = [p for p in descendants(serve.proc.pid) if "redis" in comm(p)
                   or "valkey" in comm(p)]
@@ -144,6 +190,7 @@ def test_what_survives_a_kill_9_of_serve(readme_run):
                                capture_output=True, timeout=600)
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         assert re.findall(r"rank \d: (\d+) steps", rerun.stdout) == ["0", "0"], rerun.stdout
+        assert rerun.stderr.count("the job has finished") == 2, rerun.stderr[-3000:]
     finally:
         assert again.stop() == 0, again.output()
 

@@ -44,7 +44,8 @@ whole: a connection cut mid-batch gets the batch again, whole, from the resumed 
 
 Endpoint: any gRPC target (`host:port`, `dns:///svc:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`);
 the channel fails over between the addresses it resolves with gRPC's own load-balancing policy
-(`load_balancing`, `pick_first` by default), and the reconnect loop resumes the stream there.
+(`load_balancing`: `round_robin` over the replicas whose gRPC health is SERVING by default,
+`trainer_client.channel`), and the reconnect loop resumes the stream there.
 Exit: a stream left open (a trainer that stops early, raises or gets Ctrl-C) is closed at
 interpreter exit, before gRPC's threads could abort the process.
 
@@ -55,6 +56,16 @@ took to compute; the reports ride on the next Ack (no round trip of their own), 
 only: the wait inside collectives (the all-reduce of a faster rank) is what balancing removes;
 `trainer_client.compute_clock.ComputeClock` times a DDP model's step without it (the framework
 adapters report with it by themselves).
+
+Model-parallel groups (docs/trainer-client.md): the tensor/context/pipeline-parallel members of
+one data-parallel rank each open `BatchStream(endpoint, job, dp_rank, dp_size, group_size=k,
+group_rank=j)` and all receive that rank's batches, byte-identical; the group holds the rank's
+one lease and its acks count once (the rank moves with its slowest member, so a member that
+restarts without a state gets the group's position); a lost member is a lost rank to the job's
+`rank_failure_policy`. Any member's `state_dict()` restores any member. A group size another
+live member disagrees with is refused (FAILED_PRECONDITION naming both): retried like a held
+rank (a previous launch's member lapses) and raised after `reconnect_timeout`; a job that
+cannot serve groups (no `batching.pad_to_multiple`) is raised at once.
 
 Global steps (docs/global-steps.md): a job with a global token budget sends this rank several
 batches per step, its micro-batches (`batch.info.micro_index` of `micro_count`), to accumulate
@@ -76,6 +87,7 @@ again raises `Reconfigured`.
 from __future__ import annotations
 
 import gc
+import logging
 import queue
 import threading
 import time
@@ -93,7 +105,18 @@ from trainer_client.channel import channel_options, open_channel, rotated
 from trainer_client.decode import StreamBatch, TensorKind, resolve_tensor_kind
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
-from trainer_client.wire_format import DEFAULT_PREFETCH_BYTES, MISMATCH_PREFIX, WIRE_VERSION
+from trainer_client.wire_format import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_KEEPALIVE_TIME_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    DEFAULT_PREFETCH_BYTES,
+    FINAL_STATUS_KEY,
+    GROUP_REFUSED_PREFIX,
+    MAX_GROUP_SIZE,
+    MISMATCH_PREFIX,
+    STREAM_ACCEPTED,
+    WIRE_VERSION,
+)
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
@@ -104,6 +127,7 @@ RESUME_FROM_CURSOR = -1  # Open.resume_step: where the service's cursor says the
 _STATE_VERSION = 2  # 2 adds epoch_first_step; version 1 states still load
 _MAX_COMPUTE_PER_ACK = 64  # the service's bound per Ack; more wait for the next one
 _MAX_COMPUTE_HELD = 1024  # reports not yet sent (a stream not acking): the oldest are dropped
+log = logging.getLogger(__name__)
 
 
 class StreamError(RuntimeError):
@@ -197,10 +221,17 @@ class BatchStream:
         root_certificates: bytes | None = None, private_key: bytes | None = None,
         certificate_chain: bytes | None = None, max_message_mb: int = 256,
         reconnect_timeout: float = 60.0, backoff: tuple[float, float] = (0.05, 2.0),
-        load_balancing: str = "pick_first", tensors: TensorKind = "auto",
-        keepalive_time_s: float = 4.0, keepalive_timeout_s: float = 4.0,
-        heartbeat_s: float = 2.0, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        load_balancing: str = "round_robin", tensors: TensorKind = "auto",
+        keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S,
+        keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        group_size: int = 1, group_rank: int = 0, wait_log_s: float = 5.0,
     ) -> None:
+        if not 1 <= group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}], got {group_size}")
+        if not 0 <= group_rank < group_size:
+            raise ValueError(f"group_rank must be in [0, group_size={group_size}), got "
+                             f"{group_rank}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if prefetch_bytes < 0:
@@ -209,18 +240,20 @@ class BatchStream:
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self.endpoint, self.job, self.rank, self.world_size = endpoint, job, rank, world_size
+        self.group_size, self.group_rank = group_size, group_rank
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
-        self.client_id = client_id or f"{job}/{rank}/{uuid.uuid4().hex[:12]}"
+        member = f".{group_rank}" if group_size > 1 else ""
+        self.client_id = client_id or f"{job}/{rank}{member}/{uuid.uuid4().hex[:12]}"
         self.reconnect_timeout = reconnect_timeout
         self.heartbeat_s = heartbeat_s
-        # A call that stayed up this long was a working connection: its failure starts a new
-        # outage (keepalive would have dropped a dead one sooner).
-        self._live_bound = keepalive_time_s + keepalive_timeout_s
         self.tensors = resolve_tensor_kind(tensors)
         self._backoff = backoff
+        self.wait_log_s = wait_log_s  # how often a stream that waits says what for (a warning)
+        self._outage: str | None = None  # why the stream is reconnecting (None: it is not)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._target = endpoint  # (a list of addresses: rotated at each reconnection)
+        self._target = endpoint  # (pick_first over a list of addresses: rotated at reconnects)
+        self._load_balancing = load_balancing
         self._opts = channel_options(max_message_mb=max_message_mb,
                                      load_balancing=load_balancing,
                                      keepalive_time_s=keepalive_time_s,
@@ -323,6 +356,7 @@ class BatchStream:
         if self._reconfigured:
             raise Reconfigured(self.job, self.rank, self._reconfigured)
         self._ensure_receiver()
+        yielded = False
         while True:
             item = self._take()
             if isinstance(item, EpochEndInfo) and item.reason == "reconfigure":
@@ -334,6 +368,11 @@ class BatchStream:
                         self._link.reqs.put(None)
                 return
             if isinstance(item, EpochEndInfo):
+                if item.job_done and not yielded:
+                    log.warning("job %s rank %d: the job has finished: every step was already "
+                                "delivered and acknowledged, nothing is left to train (a new "
+                                "job_id starts a new run; `odb-pipeline job reset %s` starts "
+                                "this one over)", self.job, self.rank, self.job)
                 first = self.epoch_first_step
                 self.last_end = replace(item, first_step=first)
                 self._epoch = item.epoch + 1
@@ -355,6 +394,7 @@ class BatchStream:
                 self._next_step = info.step
                 self._partial = (info.step, info.micro_index)
             self._positioned = True
+            yielded = True
             yield item
 
     def report_compute(self, batch: StreamBatch, seconds: float) -> None:
@@ -415,6 +455,8 @@ class BatchStream:
 
     # --- internals ---
     def _take(self) -> StreamBatch | EpochEndInfo:
+        since = time.monotonic()
+        told = since
         while True:
             try:
                 item = self._items.get(timeout=1.0)
@@ -424,6 +466,13 @@ class BatchStream:
                 if thread is None or not thread.is_alive():
                     raise StreamError(grpc.StatusCode.UNAVAILABLE,
                                       "stream receiver stopped") from None
+                now = time.monotonic()
+                if now - told >= self.wait_log_s and self._outage is None:
+                    told = now  # (while reconnecting, the receiver says why it waits)
+                    log.warning("job %s rank %d: no batch from %s for %.0f s; the stream is "
+                                "open and waits for the service to prepare the next one "
+                                "(`odb-pipeline status` shows the job)", self.job, self.rank,
+                                self.endpoint, now - since)
         if isinstance(item, StreamError):
             raise item
         with self._link.lock:
@@ -452,6 +501,7 @@ class BatchStream:
         link = self._link
         if link.thread is None or not link.thread.is_alive():
             link.closing = False
+            self._outage = None
             self._items = queue.Queue()
             self._queued_batches = self._queued_bytes = 0
             self._unsent_credits = self._unsent_credit_bytes = 0
@@ -468,9 +518,9 @@ class BatchStream:
         epoch = self._epoch
         delay = self._backoff[0]
         outage_since: float | None = None  # the first failure of the current outage
+        told = 0.0  # when the current outage was last logged
         job_done = False  # (or this world ended: the server closes, nothing to resume)
         while not link.closing:
-            started = time.monotonic()
             reqs: queue.SimpleQueue = queue.SimpleQueue()
             with link.lock:
                 credits = max(1, self.prefetch - self._queued_batches)
@@ -481,14 +531,18 @@ class BatchStream:
                     job_id=self.job, rank=self.rank, world_size=self.world_size,
                     resume_step=pos, resume_epoch=epoch, client_id=self.client_id,
                     credits=credits, wire_version=WIRE_VERSION,
-                    prefetch_bytes=self.prefetch_bytes, held_bytes=self._queued_bytes)))
+                    prefetch_bytes=self.prefetch_bytes, held_bytes=self._queued_bytes,
+                    group_size=self.group_size, group_rank=self.group_rank)))
                 link.reqs = reqs
                 link.call = call = self._stream(_requests(reqs, self.heartbeat_s),
                                                 metadata=self._metadata)
             reader = StreamReader(self.tensors)  # a batch cut off with its call is dropped
             try:
-                for raw in call:
+                if _accepted(call):  # the call works: the outage, if any, is over
                     outage_since = None
+                    delay = self._backoff[0]
+                for raw in call:
+                    outage_since = self._outage = None
                     delay = self._backoff[0]
                     item = reader.read(raw)
                     if isinstance(item, StreamBatch):
@@ -522,6 +576,7 @@ class BatchStream:
                 if job_done:  # the server closes after our final ack (see __iter__)
                     return
                 code, details = grpc.StatusCode.UNAVAILABLE, "stream ended without END"
+                final = False
             except ChunkError as exc:  # the service sent a batch that does not add up
                 call.cancel()
                 self._items.put(StreamError(grpc.StatusCode.INTERNAL, str(exc)))
@@ -533,20 +588,33 @@ class BatchStream:
                 # in this frame makes a cycle that only the interpreter's final GC frees, whose
                 # grpc __del__ can then deadlock on a lock of a frozen daemon thread.
                 code, details = exc.code(), exc.details() or ""
+                final = _final(exc)
             finally:
                 reqs.put(None)  # ends the request iterator of this call
             del call
             if link.closing:
                 return
-            retry = code in _RETRYABLE and not details.startswith(MISMATCH_PREFIX)
+            retry = (code in _RETRYABLE and not final
+                     and not details.startswith((MISMATCH_PREFIX, GROUP_REFUSED_PREFIX)))
+            # The outage runs from its first failed call: a call that failed (however long it
+            # took: a replica cut from the state answers only after its state timeout) never
+            # restarts it; only an accepted call or a message does.
             now = time.monotonic()
-            if outage_since is None or now - started > self._live_bound:
+            if outage_since is None:
                 outage_since = now
             if not retry or now - outage_since > self.reconnect_timeout:
                 self._items.put(StreamError(code, details))
                 return
+            if self._outage is None or now - told >= self.wait_log_s:
+                told = now
+                log.warning("job %s rank %d: waiting for the service at %s for %.0f s (giving "
+                            "up after reconnect_timeout %g s); it says %s: %s", self.job,
+                            self.rank, self.endpoint, now - outage_since,
+                            self.reconnect_timeout, code.name, details)
+            self._outage = f"{code.name}: {details}"
             self.reconnects += 1
-            self._next_address_first()
+            if self._load_balancing == "pick_first":
+                self._next_address_first()
             time.sleep(delay)
             delay = min(delay * 2, self._backoff[1])
 
@@ -565,6 +633,23 @@ class BatchStream:
             self._stub = pb_grpc.DataServiceStub(channel)
             self._stream = _raw_stream(channel)
         old.close()
+
+
+def _accepted(call: Any) -> bool:
+    """Whether the replica accepted the call's Open (its initial metadata, sent once the rank
+    is claimed; waits for it, the first message or the call's end)."""
+    try:
+        return STREAM_ACCEPTED in tuple(call.initial_metadata() or ())
+    except grpc.RpcError:
+        return False
+
+
+def _final(exc: grpc.RpcError) -> bool:
+    """The service says not to retry (`FINAL_STATUS_KEY`): the job failed for good."""
+    try:
+        return any(k == FINAL_STATUS_KEY for k, _ in exc.trailing_metadata() or ())
+    except Exception:  # an error raised before the call had trailers
+        return False
 
 
 def _raw_stream(channel: grpc.Channel) -> Any:

@@ -1,6 +1,13 @@
 """The gRPC channel both clients open (`BatchStream`, `RefillStream`): message limits, gRPC's own
 load-balancing failover over the target's addresses, and liveness.
 
+Failover (#40 item 2): the default policy, `round_robin`, connects to every address the target
+resolves to (a `dns:///` name, a list, a host name) and checks each replica's gRPC health
+(`healthCheckConfig`): a replica that reports NOT_SERVING (it cannot reach the job's state, or
+it drains) is not picked while its connection stays up, and each new call goes to the next
+healthy one. `pick_first` (one connection, no health checking) stays on the first address that
+answers; only a list of addresses is then rotated after a failure (`rotated`).
+
 Liveness (Guarantee 8): the channel pings the replica every `keepalive_time_s` when nothing
 arrives (also between calls) and drops the connection when a ping is unanswered for
 `keepalive_timeout_s`, so a silent replica (frozen, or cut off in either direction) is noticed
@@ -26,7 +33,10 @@ def channel_options(*, max_message_mb: int, load_balancing: str, keepalive_time_
 
     n = max_message_mb * 1024 * 1024
     return [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
-            ("grpc.service_config", json.dumps({"loadBalancingConfig": [{load_balancing: {}}]})),
+            ("grpc.service_config", json.dumps({
+                "loadBalancingConfig": [{load_balancing: {}}],
+                # The server's overall health (""): NOT_SERVING replicas are not picked.
+                "healthCheckConfig": {"serviceName": ""}})),
             ("grpc.keepalive_time_ms", ms(keepalive_time_s)),
             ("grpc.keepalive_timeout_ms", ms(keepalive_timeout_s)),
             # (gRPC core >= 1.6x times a keepalive ping out by its ping timeout, 1 min by
@@ -42,9 +52,9 @@ def channel_options(*, max_message_mb: int, load_balancing: str, keepalive_time_
 
 def rotated(endpoint: str) -> str | None:
     """A target listing several addresses (`ipv4:a:1,b:2`, `ipv6:...`) with the first moved
-    last; None for any other target. A stream the replica itself ended UNAVAILABLE (it could
-    not reach the job's state) reconnects through the next address first: gRPC's `pick_first`
-    would pick the same, still connected, replica again."""
+    last; None for any other target. Under `pick_first`, a stream the replica itself ended
+    UNAVAILABLE (it could not reach the job's state) reconnects through the next address
+    first: `pick_first` would pick the same, still connected, replica again."""
     scheme, sep, rest = endpoint.partition(":")
     addresses = rest.split(",") if sep and scheme in ("ipv4", "ipv6") else []
     if len(addresses) < 2:

@@ -29,6 +29,7 @@ if sys.byteorder != "little":  # the wire is little-endian; views would be wrong
 
 TensorKind = Literal["auto", "torch", "numpy"]
 _INT64_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids", "image_grid_thw")
+_NOT_INPUTS = ("max_seqlen", "cu_seqlens_unpadded")  # read by the varlen names, or kept apart
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,10 @@ class StreamBatch(dict):
 
         int64 `input_ids`, `labels`, `attention_mask`, `position_ids`, `image_grid_thw`;
         `pixel_values` normalized in `dtype` (default float32); packed batches get the
-        flash-attention varlen names HF models take (`cu_seq_lens_q/k`, `max_length_q/k`).
+        flash-attention varlen names HF models take (`cu_seq_lens_q/k`, `max_length_q/k`: the
+        segments as sent, padding included). A job's `pad_to_multiple` adds
+        `cu_seqlens_unpadded` (the real tokens' bounds): it stays on the batch
+        (`batch["cu_seqlens_unpadded"]`, for Transformer Engine / Megatron), not in the inputs.
         numpy batches (no torch installed) convert in host memory; `device` must be None.
         """
         if self and _is_numpy(next(iter(self.values()))):
@@ -149,7 +153,7 @@ def _torch_inputs(batch: StreamBatch, device: Any, dtype: Any) -> dict[str, Any]
 
     out: dict[str, Any] = {}
     for name, t in batch.items():
-        if name == "max_seqlen":
+        if name in _NOT_INPUTS:
             continue
         moved = t.to(device, non_blocking=True) if device is not None else t
         if name in _INT64_INPUTS:
@@ -171,7 +175,7 @@ def _torch_inputs(batch: StreamBatch, device: Any, dtype: Any) -> dict[str, Any]
 def _numpy_inputs(batch: StreamBatch, dtype: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, a in batch.items():
-        if name == "max_seqlen":
+        if name in _NOT_INPUTS:
             continue
         if name in _INT64_INPUTS:
             a = a.astype(np.int64)

@@ -54,6 +54,7 @@ from trainer_client.decode import (
 from trainer_client.pixels import PixelNorm
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN}
@@ -110,8 +111,10 @@ class RefillStream:
     def __init__(self, endpoint: str, job: str, *, token: str | None = None,
                  consumer_id: str | None = None, root_certificates: bytes | None = None,
                  max_message_mb: int = 256, reconnect_timeout: float = 30.0,
-                 load_balancing: str = "pick_first", keepalive_time_s: float = 4.0,
-                 keepalive_timeout_s: float = 4.0, tensors: TensorKind = "numpy") -> None:
+                 load_balancing: str = "round_robin",
+                 keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S,
+                 keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
+                 tensors: TensorKind = "numpy") -> None:
         """`keepalive_time_s`, `keepalive_timeout_s`: a silent replica is dropped within their
         sum and the consumer fails over (`trainer_client.channel`). `tensors`: how a request's
         tensors are returned ("numpy", "torch" or "auto", as `BatchStream`)."""

@@ -44,10 +44,30 @@ NUMPY_DTYPES: dict[int, np.dtype] = {
 WIRE_DTYPES: dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
 
 MISMATCH_PREFIX = "wire version mismatch"
+# Trailing metadata of a status the client must not retry whatever its code: the job failed
+# for good (its producer's permanent failure) or has nothing left to give. A client ends at
+# once with it instead of reconnecting until its reconnect_timeout.
+FINAL_STATUS_KEY = "odb-final"
+# A model-parallel group the job cannot serve (no batching.pad_to_multiple): configuration, not
+# a passing state, so the client does not retry it.
+GROUP_REFUSED_PREFIX = "group refused"
+MAX_GROUP_SIZE = 1024  # clients of one rank's group (Open.group_size)
+
+# The initial metadata a replica sends on a Stream call once it accepted the Open (the rank is
+# claimed): the call works, so the client's outage (if any) is over, even before a batch comes.
+# (A server that does not send it: the outage ends with the first message.)
+STREAM_ACCEPTED = ("odb-stream", "accepted")
 
 # A client's byte window unless it sets its own (`BatchStream(prefetch_bytes=...)`); `serve`
 # tells what a job's largest batch means against it.
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
+
+# A client's liveness settings unless it sets its own (`BatchStream(keepalive_time_s=...,
+# keepalive_timeout_s=..., heartbeat_s=...)`); `serve` refuses settings of its own that cannot
+# work with them (`pipeline.config.ServiceConfig.client_problems`).
+DEFAULT_KEEPALIVE_TIME_S = 4.0  # a keepalive ping when nothing arrived for this long
+DEFAULT_KEEPALIVE_TIMEOUT_S = 4.0  # a ping unanswered this long drops the connection
+DEFAULT_HEARTBEAT_S = 2.0  # a Heartbeat on the stream when nothing else went out for this long
 
 
 def version_mismatch(client_version: int, server_version: int = WIRE_VERSION, *,

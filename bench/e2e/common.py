@@ -118,10 +118,14 @@ def build_workloads(n_synth: int, scale: int, n_real: int | None, real_budget: i
 
 
 def job_config_dict(job_id: str, world: int, budget: int, buffer: int, path: str,
-                    max_seq_len: int = 8192) -> dict:
+                    max_seq_len: int = 8192, shuffle: bool | None = None) -> dict:
+    """`shuffle`: the source's order (None: the config's default, shuffled)."""
+    source: dict = {"paths": [path]}
+    if shuffle is not None:
+        source["shuffle"] = shuffle
     return {
         "job_id": job_id, "world_size": world, "mode": "join", "seed": 0,
-        "source": {"paths": [path]},
+        "source": source,
         "preprocess": {"max_seq_len": max_seq_len, "augment": {"enabled": False}},
         "batching": {"token_budget": budget, "collate": "padded", "max_window_samples": buffer,
                      "over_budget": "truncate"},

@@ -196,6 +196,8 @@ def _worker(conn) -> None:  # runs in the spawned process
             elif cmd == "stop":
                 prof = _stop_profile(cpu0, wall0)
                 prof["threads"] = _thread_groups(tbase)
+                if svc is not None and ray_started:
+                    prof["producer_peak_rss_mb"] = _producer_peaks(svc.runtimes)
                 if svc is not None:
                     svc.stop(grace=0.5)
                     if ray_started:
@@ -220,6 +222,28 @@ def _worker(conn) -> None:  # runs in the spawned process
             import traceback
 
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _producer_peaks(job_ids) -> dict[str, float | None]:
+    """Each Ray job's producer actor's peak resident memory (VmHWM, MB), if it still runs."""
+    import ray
+
+    from pipeline.producer.actor import find_producer
+
+    out: dict[str, float | None] = {}
+    for job_id in job_ids:
+        actor = find_producer(job_id)
+        out[job_id] = None
+        if actor is None:
+            continue
+        try:
+            pid = ray.get(actor.info.remote(), timeout=10)["pid"]
+            with open(f"/proc/{pid}/status") as fh:
+                kb = next(int(ln.split()[1]) for ln in fh if ln.startswith("VmHWM:"))
+            out[job_id] = kb / 1024
+        except Exception:  # it ended (planned, payloads released): no figure
+            continue
+    return out
 
 
 def _stop_profile(cpu0: float, wall0: float) -> dict[str, Any]:

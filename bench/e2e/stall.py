@@ -48,10 +48,10 @@ def _rank(addr: str, job: str, rank: int, world: int, tok_s: float, deadline: fl
 
 def run_stall(svc: ServiceProcess, world: int, budget: int, buffer: int, tok_s: float,
               duration: float, data_path: str | None = None, samples: list | None = None,
-              label: str = "") -> dict:
+              label: str = "", shuffle: bool | None = None) -> dict:
     job = f"stall-w{world}"
     overrides = service_overrides([job_config_dict(job, world, budget, buffer,
-                                                   data_path or "unused")])
+                                                   data_path or "unused", shuffle=shuffle)])
     addr = svc.start(overrides, samples={job: samples} if samples is not None else None)
     out: list = [None] * world
     deadline = time.perf_counter() + duration

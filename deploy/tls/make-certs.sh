@@ -11,6 +11,8 @@
 #            .NAMESPACE.svc and .NAMESPACE.svc.cluster.local, a StatefulSet's pods under it
 #            (*.SERVICE...), and localhost / 127.0.0.1 (`odb-pipeline status` inside a replica)
 #   tls.key  its private key (only the service mounts it)
+#   .gitignore  `*`: git ignores the folder wherever it is made (a checkout included), so the
+#            CA's key is never one `git add -A` away from a commit
 # NAMESPACE defaults to odb. Then, on Kubernetes:
 #   kubectl -n NAMESPACE create secret generic odb-pipeline-tls \
 #     --from-file=OUT_DIR/tls.crt --from-file=OUT_DIR/tls.key --from-file=OUT_DIR/ca.crt
@@ -25,6 +27,7 @@ services=("$@")
 [ ${#services[@]} -gt 0 ] || services=(odb-pipeline odb-pipeline-headless)
 umask 077
 mkdir -p "$out"
+printf '# made by deploy/tls/make-certs.sh: private keys, never committed\n*\n' > "$out/.gitignore"
 
 sans="DNS:localhost,IP:127.0.0.1"
 for svc in "${services[@]}"; do

@@ -1,16 +1,23 @@
 """The job the one-shot CLI commands (`inspect`, `plan --data`) preprocess with: the job config
 (training or refill) of `--config FILE [--job ID]` (or defaults) with the sources replaced by
-the command's data and optional overrides (explicit CLI flags) on top.
+the command's data and optional overrides (explicit CLI flags) on top; and their progress lines
+(on stderr: stdout keeps what `--json` prints).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from pipeline.config import ConfigError, JobConfig, deep_merge, parse_job, read_config_file
 from pipeline.errors import UserError
 from pipeline.modes import JobMode
+
+
+def progress(command: str, text: str) -> None:
+    """One progress line of a one-shot command (Ray's start and preprocessing take seconds)."""
+    print(f"odb-pipeline {command}: {text}", file=sys.stderr, flush=True)
 
 
 def job_config(config: str | None, job_id: str | None, paths: list[str] | None, *,
@@ -36,9 +43,11 @@ def job_config(config: str | None, job_id: str | None, paths: list[str] | None, 
     elif job_id:
         raise UserError("--job needs --config")
     source = dict(base.get("source") or {})
-    if paths is not None:
+    if paths is not None:  # the command's data is the job's one source
+        for name in ("mixture", "schedule", "mix_by", "epoch_samples"):
+            source.pop(name, None)
         source["paths"] = list(paths)
-    elif not source.get("paths"):
+    elif not source.get("paths") and not source.get("mixture"):
         source["paths"] = ["<none>"]
     job = {**base, "job_id": base.get("job_id", default_job_id), "source": source}
     if base.get("mode") != JobMode.REFILL:  # a training job: one rank unless it says

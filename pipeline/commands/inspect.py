@@ -14,7 +14,7 @@ import json
 import re
 import sys
 
-from pipeline.commands.cli_job import job_config
+from pipeline.commands.cli_job import job_config, progress
 from pipeline.config import JobConfig
 from pipeline.errors import UserError
 from pipeline.ray_runtime import PrivateRay
@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
         args.data = sample_chats_path()
     job = _job(args, args.data)
     expand_sources(job.source)  # missing input: fail in one line before starting Ray
+    progress("inspect", "starting a private Ray (a few seconds)")
     with PrivateRay(prefix="odb-inspect-ray-"):
+        progress("inspect", f"preprocessing {args.data}"
+                 + (f" (first {args.limit} records)" if args.limit else ""))
         items, counts = collect(job, args.epoch, args.limit)
     samples = [i for i in items if not isinstance(i, QuarantinedRecord)]
     quarantined = [i for i in items if isinstance(i, QuarantinedRecord)]

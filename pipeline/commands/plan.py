@@ -2,9 +2,11 @@
 
 `--lengths FILE` plans recorded token counts. `--data FILE...` runs the real preprocessing
 (private local Ray, as `inspect` does) and plans each sample's measured size, epoch by epoch
-(augmentation seeded per epoch); the JSON adds `quarantined_records`, `preprocess_epochs` and
-`rows`. `--config FILE [--job ID]` takes the job's settings as defaults; explicit flags win;
-without it the defaults are the job config's own (pipeline/config.py), the ones `serve` uses.
+(augmentation seeded per epoch); the JSON adds `quarantined_records`, `preprocess_epochs`,
+`rows` and `preprocess_seconds` (Ray's start included, `ray_start_seconds`: `planning_seconds`
+is the planner's alone). `--config FILE [--job ID]` takes the job's settings as defaults (and,
+without --lengths or --data, its source); explicit flags win; without it the defaults are the
+job config's own (pipeline/config.py), the ones `serve` uses.
 Prints a summary (or one JSON object with --json) of the plan the service would make: steps,
 padding efficiency, budget violations, over-budget handling, per-rank steps, rank balance,
 carry-over, quota mode's filler batches. `--emit-plan OUT.jsonl` writes the plan itself, one
@@ -14,6 +16,7 @@ step per line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -44,9 +47,11 @@ _JOB_FLAGS: dict[str, tuple[str, ...]] = {
     "attn_a": ("batching", "attn_a"),
     "attn_b": ("batching", "attn_b"),
     "pool_steps": ("batching", "pool_steps"),
+    "pad_to_multiple": ("batching", "pad_to_multiple"),
     "global_token_budget": ("batching", "global_token_budget"),
     "epochs": ("epochs",),
     "seed": ("seed",),
+    "shuffle": ("source", "shuffle"),
     # SDO (docs/sdo.md): the job's organization block.
     "organization": ("organization", "kind"),
     "knn_k": ("organization", "knn_k"),
@@ -63,9 +68,11 @@ _FLAG_OF = {path: "--" + dest.replace("_", "-") for dest, path in _JOB_FLAGS.ite
 def _config_default(path: tuple[str, ...]) -> object:
     from pipeline.config import TrainingJobConfig
 
-    value = TrainingJobConfig.model_fields[path[0]].get_default()
-    for key in path[1:]:  # a nested block's default is its model with its own defaults
-        value = getattr(value, key)
+    model, value = TrainingJobConfig, None
+    for key in path:  # a field's default, in the model of the block that holds it
+        field = model.model_fields[key]
+        value = field.get_default(call_default_factory=True)
+        model = field.annotation
     return value
 
 
@@ -151,14 +158,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="steps' worth of batches pooled for rank balancing (default: ~256 batches)",
     )
     parser.add_argument(
+        "--pad-to-multiple", type=int, default=None, metavar="M",
+        help="pad every sequence to a multiple of M (context parallelism: 2 x CP); the budget "
+        "caps the padded lengths (default: no padding)",
+    )
+    parser.add_argument(
         "--epochs", type=int, default=None, metavar="E",
         help="default 1 (--data: each epoch re-preprocessed with its augmentation seed)",
     )
     parser.add_argument("--seed", type=int, default=None, metavar="S", help="default 0")
     parser.add_argument(
-        "--shuffle",
-        action="store_true",
-        help="shuffle the input order each epoch with (seed, epoch) (default: file order)",
+        "--shuffle", action=argparse.BooleanOptionalAction, default=None,
+        help="--data: the job's order, shuffled by (seed, epoch) as `serve` reads it (default: "
+        "the config's source.shuffle, on); --no-shuffle: file order. --lengths: the same "
+        "order over the file's lines (default: as given)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--emit-plan", metavar="OUT.jsonl", help="write one JSON line per step "
@@ -191,8 +204,9 @@ def _require(args: argparse.Namespace) -> None:
 def _check_input(args: argparse.Namespace) -> None:
     if args.lengths is not None and args.data:
         raise UserError("--lengths and --data are mutually exclusive: give one")
-    if args.lengths is None and not args.data:
-        raise UserError("one of --lengths FILE or --data FILE is required")
+    if args.lengths is None and not args.data and not args.config:
+        raise UserError("one of --lengths FILE, --data FILE or --config FILE (its job's "
+                        "source) is required")
     if args.lengths is not None:
         for flag, value in (("--limit", args.limit), ("--export-lengths", args.export_lengths)):
             if value is not None:
@@ -250,29 +264,39 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.planner.step_planner import StepPlanner
 
     _check_input(args)
+    args.shuffle_flag = args.shuffle  # as given (None: the job's own order decides)
     job = _resolve(args)
     policy = job.batching.policy()
     planner = StepPlanner(policy, job.world_size, job.mode, job.seed, job.batching.pool_steps)
-    if not args.data and job.organization.kind == "sdo":
+    preprocess = args.lengths is None  # --data, or the --config job's own source
+    if not preprocess and job.organization.kind == "sdo":
         raise UserError("--organization sdo needs --data (embeddings come from the records); "
                         "plan lengths with --organization none")
-    if args.data:
+    if preprocess:
         from pipeline.preprocess.sources import expand_sources
 
         expand_sources(job.source)  # missing input: fail in one line before starting Ray
-        source = _DataSource(job, args.limit, args.export_lengths)
         if job.organization.kind == "sdo":
             from pipeline.commands.plan_sdo import run_sdo
+            from pipeline.producer.sdo_feed import reading_job
 
-            return run_sdo(args, job, policy, source)
+            # SDO orders its visits itself: it reads the data in file order, as its feed does.
+            return run_sdo(args, job, policy,
+                           _DataSource(reading_job(job), args.limit, args.export_lengths))
+        source = _DataSource(job, args.limit, args.export_lengths)
     else:
         source = _LengthsSource(args.lengths)
 
     t0 = time.perf_counter()
+    # --data reads the job's own order (the served one); a lengths file is shuffled on request.
+    shuffle_lengths = not args.data and args.shuffle_flag is True
     with PlanOutput(PlanReport(policy, job.world_size), args.emit_plan) as out, source:
         for epoch in range(job.epochs):
+            source.announce(epoch, job.epochs)
+            if source.preprocesses and job.source.mixture is not None:  # as the producer does
+                planner.set_source_targets(source.epoch_counts(epoch), job.source.mix_by)
             counted = _Counted(epoch_order(source.epoch(epoch), epoch, seed=job.seed,
-                                           shuffle=args.shuffle))
+                                           shuffle=shuffle_lengths))
             events = plan_epoch(planner, counted, last=epoch == job.epochs - 1)
             out.report.samples_in += counted.n
             out.observe(events)
@@ -296,6 +320,7 @@ class _LengthsSource:
     """--lengths: the same samples every epoch."""
 
     preprocesses = False
+    seconds = 0.0  # (nothing preprocessed)
 
     def __init__(self, path: str) -> None:
         from pipeline.planner.lengths_file import LengthsFileError, read_lengths
@@ -312,6 +337,9 @@ class _LengthsSource:
     def __exit__(self, *exc: object) -> None:
         pass
 
+    def announce(self, epoch: int, epochs: int) -> None:
+        pass
+
     def epoch(self, epoch: int):
         return self.samples
 
@@ -321,7 +349,8 @@ class _LengthsSource:
 
 class _DataSource:
     """--data: each epoch preprocessed for real (Ray Data, augmentation seeded by epoch); the
-    planner sees `ProcessedSample.measured()`, quarantined records are counted by reason."""
+    planner sees `ProcessedSample.measured()`, quarantined records are counted by reason.
+    `seconds`: the time spent starting Ray and producing samples (not planning them)."""
 
     preprocesses = True
 
@@ -331,7 +360,13 @@ class _DataSource:
         self.job = job
         self.limit = limit
         self.export_path = export_path
-        paths = job.source.paths
+        self._order = None
+        if job.source.schedule:
+            from pipeline.commands.cli_job import progress
+
+            progress("plan", "note: source.schedule is not planned (the service changes the "
+                     "weights at each entry's step); this plan keeps the configured weights")
+        paths = [p for s in job.source.mixture_value().sources for p in s.paths]
         self.name = paths[0] + (f" (+{len(paths) - 1} more)" if len(paths) > 1 else "")
         self.ray = PrivateRay(prefix="odb-plan-ray-")
         self.epochs: list[dict] = []
@@ -340,6 +375,8 @@ class _DataSource:
         self._shown: set[str] = set()
         self._first: dict = {}  # sample_id -> num_tokens in epoch 0 (augmentation effect)
         self._export = None
+        self.seconds = 0.0
+        self.ray_start_seconds = 0.0
 
     def __enter__(self) -> _DataSource:
         if self.export_path:
@@ -349,8 +386,14 @@ class _DataSource:
                 raise UserError(
                     f"cannot write --export-lengths {self.export_path}: {exc.strerror}"
                 ) from None
+        from pipeline.commands.cli_job import progress
+
+        progress("plan", "starting a private Ray (a few seconds)")
+        t0 = time.perf_counter()
         try:
             self.ray.__enter__()
+            self.ray_start_seconds = time.perf_counter() - t0
+            self.seconds += self.ray_start_seconds
         except BaseException:
             if self._export is not None:
                 self._export.close()
@@ -364,15 +407,51 @@ class _DataSource:
             if self._export is not None:
                 self._export.close()
 
+    def announce(self, epoch: int, epochs: int) -> None:
+        from pipeline.commands.cli_job import progress
+
+        progress("plan", f"preprocessing {self.name}" + (f", epoch {epoch + 1} of {epochs}"
+                                                          if epochs > 1 else ""))
+
+    @property
+    def order(self):
+        """The served order (its sources indexed once, once Ray is up: a large file's line
+        index is found by Ray tasks)."""
+        if self._order is None:
+            from pipeline.order.job_order import JobOrder
+
+            self._order = JobOrder(self.job.source, self.job.seed)
+            # a mixture's samples name their source (the planner keeps each one's share)
+            self.source_of = {f.source: i for i, lay in enumerate(self._order.layouts)
+                              for f in lay.files}
+        return self._order
+
+    def epoch_counts(self, epoch: int) -> list[int]:
+        """The samples of each source the epoch holds (the configured mixture's)."""
+        from pipeline.order.cursor import OrderCursor
+
+        return self.order.epoch(epoch, OrderCursor()).source_totals()
+
     def epoch(self, epoch: int):
+        """The epoch's measured samples; the time spent producing them counts in `seconds`."""
+        started = time.perf_counter()
+        for m in self._measured(epoch):
+            self.seconds += time.perf_counter() - started
+            yield m
+            started = time.perf_counter()
+        self.seconds += time.perf_counter() - started
+
+    def _measured(self, epoch: int):
         from pipeline.preprocess.pipeline import PreprocessStats, iter_samples
+        from pipeline.preprocess.process import split_sample_id
         from pipeline.preprocess.sample import QuarantinedRecord
 
         stats = PreprocessStats()
         changed = 0
         token_delta = 0
         export = self._export if epoch == 0 else None
-        for item in iter_samples(self.job, epoch, limit=self.limit, stats=stats):
+        order = self.order
+        for item in iter_samples(self.job, epoch, limit=self.limit, stats=stats, order=order):
             if isinstance(item, QuarantinedRecord):
                 self.by_reason[item.reason] += 1
                 if len(self.examples) < QUARANTINE_SHOWN and item.sample_id not in self._shown:
@@ -381,6 +460,7 @@ class _DataSource:
                                           "reason": item.reason, "detail": item.detail})
                 continue
             m = item.measured()
+            m = dataclasses.replace(m, source=self.source_of[split_sample_id(m.sample_id)[0]])
             if epoch == 0:
                 self._first[m.sample_id] = m.num_tokens
             elif m.sample_id in self._first:
@@ -401,7 +481,8 @@ class _DataSource:
     def to_dict(self) -> dict:
         total = sum(e["quarantined"] for e in self.epochs)
         return {
-            "data": list(self.job.source.paths),
+            "data": [p for s in self.job.source.mixture_value().sources for p in s.paths],
+            "order": "shuffled" if self.job.source.shuffle else "file order",
             "rows": sum(e["rows"] for e in self.epochs),
             "quarantined_records": {
                 "total": total,
@@ -409,6 +490,8 @@ class _DataSource:
                 "examples": self.examples,
             },
             "preprocess_epochs": self.epochs,
+            "preprocess_seconds": round(self.seconds, 4),  # Ray's start included
+            "ray_start_seconds": round(self.ray_start_seconds, 4),
             **({"exported_lengths": self.export_path} if self.export_path else {}),
         }
 

@@ -62,6 +62,8 @@ class PlanOutput:
         """Print the plan's summary (or one JSON object), with a mode's `extra` keys and
         lines."""
         report = self.report
+        preprocessed = source.seconds  # (part of `elapsed`, but not planning)
+        elapsed = max(elapsed - preprocessed, 0.0)
         result = report.to_dict()
         result["mode"] = args.mode
         result["world_size"] = args.world_size
@@ -90,8 +92,9 @@ class PlanOutput:
         if self.quarantine_lines:
             print(f"quarantined samples (first {QUARANTINE_SHOWN}):")
             print("\n".join(self.quarantine_lines))
-        what = "preprocessed and planned" if source.preprocesses else "planned"
-        print(f"{what} in {elapsed:.3f} s ({result['samples_per_second']} samples/s)")
+        what = (f"preprocessed in {preprocessed:.1f} s (Ray's start "
+                f"{source.ray_start_seconds:.1f} s), " if source.preprocesses else "")
+        print(f"{what}planned in {elapsed:.3f} s ({result['samples_per_second']} samples/s)")
         return 0
 
 

@@ -19,6 +19,7 @@ import json
 import time
 from collections import Counter
 
+from pipeline.commands.cli_job import progress
 from pipeline.commands.plan_output import PlanOutput
 from pipeline.errors import UserError
 
@@ -58,12 +59,17 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
     lost = 0
     t0 = time.perf_counter()
     with PlanOutput(PlanReport(policy, args.world_size), args.emit_plan) as out, source:
+        progress("plan", "embedding the records (cached after the first run)")
+        t_emb = time.perf_counter()
         emb = embed_dataset(job, limit=args.limit)
+        t_emb = time.perf_counter() - t_emb
         for epoch in range(args.epochs):
+            source.announce(epoch, args.epochs)
             measured = list(source.epoch(epoch))
             last = epoch == args.epochs - 1
             events = plan_epoch(none_planner, epoch_order(measured, epoch, seed=args.seed,
-                                                          shuffle=args.shuffle), last=last)
+                                                          shuffle=args.shuffle_flag is True),
+                                last=last)
             none_report.samples_in += len(measured)
             for ev in events:
                 none_report.observe(ev)
@@ -91,7 +97,7 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
             out.write_line(json.dumps(visits.to_dict(), separators=(",", ":")))
             out.observe(events)
             _batches(events, sdo_batches)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0 - t_emb  # (the embedding is no part of planning)
     report = out.report
 
     table = emb.table
@@ -116,7 +122,8 @@ def run_sdo(args: argparse.Namespace, job, policy, source) -> int:
                       "max_in_degree": int(graph.in_degree.max()) if graph.size else 0},
             "embedding": {
                 "made_by": table.made_by, "dim": table.dim, "cached": emb.cached,
-                "path": str(emb.path), "samples_without_vector": organization.without_vector,
+                "seconds": round(t_emb, 4), "path": str(emb.path),
+                "samples_without_vector": organization.without_vector,
                 "quarantined": {"total": len(q),
                                 "by_reason": dict(sorted(Counter(r.reason.value
                                                                  for r in q).items())),

@@ -25,7 +25,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from pipeline.config import ServiceConfig, load_config
-from pipeline.errors import UserError
+from pipeline.errors import JobMismatch, UserError
 from pipeline.stop_signals import DEFAULT_GRACE_S, StopSignals
 
 if TYPE_CHECKING:
@@ -57,17 +57,25 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides={"grpc": grpc_over} if grpc_over else None)
     if not config.jobs:
         raise UserError(f"{args.config}: no jobs configured (add a `jobs:` list)")
+    problems = config.client_problems()
+    if problems:
+        raise UserError(f"{args.config}: settings the trainers' clients cannot work with: "
+                        + "; ".join(problems))
     for job in config.jobs:
         job.token()  # fail now, with the variable's name, if a token is missing
+    _check_sources(config)
     status_token = config.status_token()
     from pipeline import local_services
     from pipeline.observability import configure_logging, start_metrics_server
     from pipeline.redis_server import LocalRedis
     from pipeline.service.server import start_service
 
+    _refuse_ports_in_use(config)  # before the embedded Redis, any state or lease
+
     configure_logging(config.log_format, config.log_level)
     # Stopped in reverse order of start: the status record, the service (streams drained, the
     # producers stopped at a checkpoint), Ray, then Redis last (its own stop fsyncs the AOF).
+    embedded_state = config.state_dir if config.redis_url is None else None
     with ExitStack() as started:
         if config.redis_url is None:
             embedded = LocalRedis.durable(config.state_dir)
@@ -93,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
             svc = start_service(config, ray_ready=ray_up.ready)
         except OSError as exc:
             raise UserError(str(exc)) from None
+        except JobMismatch as exc:
+            raise JobMismatch(f"{exc}. {_how_to_proceed(exc.job_id, args.config, embedded_state)}",
+                              job_id=exc.job_id) from None
         started.callback(svc.stop, grace=2.0)
         metrics_port = None
         if config.metrics_port is not None:
@@ -118,6 +129,61 @@ def run(args: argparse.Namespace) -> int:
             if ray_up.error is not None:
                 raise UserError(f"Ray did not start: {ray_up.error}")
         return _stopped(started)
+
+
+def _check_sources(config: ServiceConfig) -> None:
+    """Every job's sources exist, are readable and their first row parses: a misspelt path is
+    refused here, not found by the producer after `serve` said it listens."""
+    from pipeline.preprocess.sources import check_sources
+
+    for job in config.jobs:
+        try:
+            check_sources(job.source)
+        except UserError as exc:
+            raise UserError(f"job {job.job_id!r}: {exc}") from None
+
+
+def _refuse_ports_in_use(config: ServiceConfig) -> None:
+    """Each configured port, bound and released at once: one in use is refused before anything
+    starts. (The gRPC port is then bound for good, unshared, before any job's state is
+    touched: `start_service`; this check only makes the refusal come first.)"""
+    from pipeline.service.server import port_in_use
+
+    ports = [(config.grpc.host, config.grpc.port, "grpc.port", "--port")]
+    if config.metrics_port is not None:
+        ports.append((config.metrics_host, config.metrics_port, "metrics_port", None))
+    for host, port, setting, flag in ports:
+        if port and _in_use(host, port):
+            raise UserError(port_in_use(f"{host}:{port}", setting, flag))
+
+
+def _in_use(host: str, port: int) -> bool:
+    """Whether binding `host:port` (as gRPC and the HTTP server do: SO_REUSEADDR, no
+    SO_REUSEPORT) fails because the port is taken (any other failure is the real bind's to
+    report)."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except OSError:
+        return False
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _how_to_proceed(job_id: str, config_path: str, state_dir: str | None) -> str:
+    """What to do about a job whose stored config differs: the command that starts it over,
+    or a new job id; and where the embedded default keeps it."""
+    where = f" (its state is in {state_dir})" if state_dir else ""
+    return (f"To start {job_id!r} over with this config{where}: `odb-pipeline job reset "
+            f"{job_id} --config {config_path}`; to keep it, give this config another job_id")
 
 
 def _stopped(started: ExitStack) -> int:

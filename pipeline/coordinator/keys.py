@@ -71,6 +71,23 @@ class JobKeys:
     def claimed(self) -> str:  # set: ranks that ever held a lease (a never-connected rank is not)
         return self.base + "claimed"
 
+    # --- model-parallel groups (lua/lib/group.lua): written by MEMBER_ACK_MANY, MEMBER_RELEASE ---
+    @property
+    def groups(self) -> str:  # hash: rank -> "<group size>:<absent_until ms>"
+        return self.base + "groups"
+
+    @property
+    def members(self) -> str:  # hash: "<rank>:<member>" -> "<last sign ms>:<client_id>"
+        return self.base + "members"  # ('' client: released; no field: never taken)
+
+    @property
+    def member_exp(self) -> str:  # hash: "<rank>:<member>" -> its lease expiry (ms)
+        return self.base + "member_exp"
+
+    @property
+    def member_acked(self) -> str:  # hash: "<rank>:<member>" -> its last acknowledged step
+        return self.base + "member_acked"
+
     @property
     def counters(self) -> str:  # hash: counter name -> integer
         return self.base + "counters"
@@ -128,6 +145,14 @@ class JobKeys:
     def compute_fit(self) -> str:  # string: the compute fit's status (JSON, the producer's)
         return self.base + "compute_fit"
 
+    @property
+    def mix(self) -> str:  # hash: the latest mixture change asked for: seq, weights (JSON), ms
+        return self.base + "mix"
+
+    @property
+    def sources(self) -> str:  # string: each mixture source's part of the plan (JSON, producer's)
+        return self.base + "sources"
+
     def fixed(self) -> list[str]:
         """Every job's keys except the per-step ones (those are found from meta's step range)
         and the SDO ones (`organization_keys`)."""
@@ -136,7 +161,8 @@ class JobKeys:
                 self.counters,
                 self.quarantine_ids, self.quarantine, self.worlds, self.grants, self.draining,
                 self.world_times, self.pending_ends, self.fsyncs, self.compute,
-                self.compute_total, self.compute_fit]
+                self.compute_total, self.compute_fit, self.groups, self.members,
+                self.member_exp, self.member_acked, self.mix, self.sources]
 
     # --- refill jobs (docs/refill.md): written by the scripts coordinator/lua/refill_*.lua ---
     @property

@@ -11,7 +11,10 @@ out of step; the producer's fencing token is checked inside the same script.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import functools
+import json
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +23,7 @@ from redis.exceptions import NoScriptError
 
 from pipeline.coordinator import keys, registry, scripts, step_codec
 from pipeline.coordinator.connection import open_client, unavailable_as_error
+from pipeline.coordinator.redis_groups import RedisGroups
 from pipeline.errors import (
     AckAheadOfPlan,
     AckNotDelivered,
@@ -39,8 +43,11 @@ from pipeline.errors import (
 from pipeline.jobstate.interface import (
     COMPUTE_REPORTS_KEPT,
     ComputeFitStatus,
+    GroupHealth,
     JobCounters,
     JobState,
+    Member,
+    MixRequest,
     PlannerCheckpoint,
     ProducerFailure,
     ProducerLease,
@@ -50,6 +57,8 @@ from pipeline.jobstate.interface import (
     RankCompute,
     RankHealth,
     RankLease,
+    SourceStatus,
+    grouped,
 )
 from pipeline.jobstate.worlds import (
     Grant,
@@ -96,9 +105,10 @@ class RedisJobState(JobState):
 
     def __init__(self, client_or_url: redis.Redis | str, job_id: str, *, config_hash: str,
                  world_size: int, mode: JobMode | str = JobMode.JOIN, seed: int = 0,
-                 retries: int = 5,
+                 config: str | None = None, retries: int = 5,
                  socket_timeout: float = 5.0, fsync_publish: bool = False,
-                 max_connections: int | None = None, pool_timeout: float = 30.0) -> None:
+                 max_connections: int | None = None, pool_timeout: float = 30.0,
+                 earlier_hash: str | None = None) -> None:
         self.client, self._where = open_client(client_or_url, retries=retries,
                                                socket_timeout=socket_timeout,
                                                max_connections=max_connections,
@@ -112,9 +122,22 @@ class RedisJobState(JobState):
         with unavailable_as_error(self._where):
             if fsync_publish:
                 self._waitaof()  # fail at start, not at the first publish
+            # A job an earlier build registered reading its files in order keeps that order
+            # (its plan was made with it): `earlier_hash` is its config's hash as that build
+            # had it (registry.earlier_hash); `registered_in_file_order` tells the caller.
+            self.registered_in_file_order = False
+            stored = registry.read_job(self.client, job_id)
+            if (earlier_hash is not None and stored is not None
+                    and stored.config_hash == earlier_hash != config_hash):
+                config_hash, self.registered_in_file_order = earlier_hash, True
             self.created = registry.register_job(
                 self.client, job_id, config_hash=config_hash, world_size=world_size,
-                mode=self.mode, seed=seed)
+                mode=self.mode, seed=seed, config=config)
+
+    @functools.cached_property
+    def _groups(self) -> RedisGroups:
+        """The job's model-parallel groups (members' seats: redis_groups.py)."""
+        return RedisGroups(self)
 
     def _waitaof(self) -> None:
         timeout_ms = self._waitaof_ms
@@ -138,9 +161,11 @@ class RedisJobState(JobState):
         if max_connections is None:
             max_connections = pool_size_for(job.world_size_cap())
         return cls(client_or_url, job.job_id, config_hash=registry.config_hash(job),
-                   world_size=job.world_size, mode=job.mode, seed=job.seed, retries=retries,
+                   world_size=job.world_size, mode=job.mode, seed=job.seed,
+                   config=registry.config_record(job), retries=retries,
                    socket_timeout=socket_timeout, fsync_publish=fsync_publish,
-                   max_connections=max_connections, pool_timeout=pool_timeout)
+                   max_connections=max_connections, pool_timeout=pool_timeout,
+                   earlier_hash=registry.earlier_hash(job))
 
     @classmethod
     def attach(cls, client_or_url: redis.Redis | str, job_id: str, *, retries: int = 5,
@@ -510,10 +535,21 @@ class RedisJobState(JobState):
         return self._run(scripts.ack, [*self._ack_keys(), self.keys.lease_claim],
                          [self.keys.base, rank, client_id, _ms(lease_seconds), step], rank=rank)
 
-    def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
+    def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
+                   member: Member | None = None) -> RankLease:
         if not client_id:
             raise ValueError("client_id must be non-empty")
-        exp, _, claim = self._ack(rank, client_id, lease_seconds, -1)
+        if grouped(member):
+            (res,) = self._groups.acks([RankAck(rank, client_id, member=member)],
+                                       _ms(lease_seconds), claims=True)
+            if isinstance(res, Exception):
+                raise res
+            exp, claim = res
+            return RankLease(rank, client_id, exp / 1000.0, claim)
+        try:
+            exp, _, claim = self._ack(rank, client_id, lease_seconds, -1)
+        except RankHeld as exc:
+            raise self._groups.plain_refusal(exc, rank, client_id) from None
         return RankLease(rank, client_id, exp / 1000.0, int(claim))
 
     def ack(self, rank: int, step: int) -> None:
@@ -524,14 +560,20 @@ class RedisJobState(JobState):
 
     def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
         out: list[Exception | None] = [None] * len(acks)
-        todo = []
+        todo, members = [], []
         args: list[Any] = [self.keys.base, _ms(lease_seconds)]
         for i, a in enumerate(acks):
             if not a.client_id:
                 out[i] = ValueError("client_id must be non-empty")
-                continue
-            todo.append(i)  # the script checks the rank, the lease, the plan and the grant
-            args += [a.rank, a.client_id, a.step, "1" if a.renew else "0"]
+            elif grouped(a.member):  # a seat of a group: the members' script
+                members.append(i)
+            else:
+                todo.append(i)  # the script checks the rank, the lease, the plan and the grant
+                args += [a.rank, a.client_id, a.step, "1" if a.renew else "0"]
+        if members:
+            got = self._groups.acks([acks[i] for i in members], _ms(lease_seconds))
+            for i, res in zip(members, got, strict=True):
+                out[i] = res if isinstance(res, Exception) else None
         if not todo:
             return out
         try:
@@ -544,6 +586,8 @@ class RedisJobState(JobState):
             elif res:
                 msg = res.decode() if isinstance(res, bytes) else str(res)
                 out[i] = self._error_for(msg, acks[i].rank) or RuntimeError(msg)
+                if isinstance(out[i], RankHeld):
+                    out[i] = self._groups.plain_refusal(out[i], acks[i].rank, acks[i].client_id)
         return out
 
     def record_compute(self, reports: Sequence[RankCompute]) -> list[None]:
@@ -580,10 +624,45 @@ class RedisJobState(JobState):
             raw = self.client.get(self.keys.compute_fit)
         return None if raw is None else ComputeFitStatus.from_json(raw)
 
-    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
+    # ------------------------------------------------------------ mixtures
+    def request_mix(self, weights: Mapping[str, float]) -> MixRequest:
+        key = self.keys.mix
+        with unavailable_as_error(self._where):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hincrby(key, "seq", 1)
+            pipe.hset(key, mapping={"weights": json.dumps(dict(weights)),
+                                    "ms": int(time.time() * 1000)})
+            seq, _ = pipe.execute()
+        return MixRequest(int(seq), dict(weights), time.time())
+
+    def mix_request(self) -> MixRequest | None:
+        with unavailable_as_error(self._where):
+            got = self.client.hgetall(self.keys.mix)
+        if not got:
+            return None
+        return MixRequest(int(got[b"seq"]), json.loads(got[b"weights"]),
+                          int(got[b"ms"]) / 1000.0)
+
+    def set_source_status(self, status: SourceStatus) -> None:
+        with unavailable_as_error(self._where):
+            self.client.set(self.keys.sources, status.to_json())
+
+    def source_status(self) -> SourceStatus | None:
+        with unavailable_as_error(self._where):
+            raw = self.client.get(self.keys.sources)
+        return None if raw is None else SourceStatus.from_json(raw)
+
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None, *,
+                     member: Member | None = None) -> None:
         self._check_rank(rank, self._lease_ranks())
+        if grouped(member):
+            self._groups.release(rank, client_id, member, claim=claim)
+            return
         self._run(scripts.release, [self.keys.lease, self.keys.lease_exp, self.keys.lease_claim],
                   [rank, client_id, "" if claim is None else claim])
+
+    def group_health(self) -> list[GroupHealth]:
+        return self._groups.health()
 
     def acked(self, rank: int) -> int:
         with unavailable_as_error(self._where):
@@ -736,7 +815,11 @@ class RedisJobState(JobState):
         return ScaleResult(True, step_codec.decode_world(res[2]),
                            step_codec.decode_world(res[1]))
 
-    def rank_left(self, generation: int, rank: int, client_id: str) -> None:
+    def rank_left(self, generation: int, rank: int, client_id: str, *,
+                  member: Member | None = None) -> None:
+        if grouped(member):
+            self._groups.release(rank, client_id, member, generation)
+            return
         k = self.keys
         self._call(scripts.left, [k.lease, k.lease_exp, k.draining, k.world_times, k.meta],
                    [generation, rank, client_id])
@@ -778,6 +861,10 @@ class RedisJobState(JobState):
         with unavailable_as_error(self._where):
             raw = self.client.lrange(self.keys.quarantine, 0, limit - 1)
         return [step_codec.decode_quarantine(r) for r in raw]
+
+    def ping(self) -> None:
+        with unavailable_as_error(self._where):
+            self.client.ping()
 
     def close(self) -> None:
         self.client.close()

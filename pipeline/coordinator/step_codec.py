@@ -46,15 +46,17 @@ def _sid_key(sample_id: int | str) -> tuple[bool, int | str]:
 
 
 def _sample(s: MeasuredSample) -> list:
-    # [id, tokens, visual, loss] without trailing zeros (canonical: one encoding per value).
-    out = [_sid(s.sample_id), int(s.num_tokens), int(s.num_visual_tokens), int(s.loss_tokens)]
+    # [id, tokens, visual, loss, mixture source] without trailing zeros (canonical: one encoding
+    # per value; a sample of a job without a mixture encodes as before sources existed).
+    out = [_sid(s.sample_id), int(s.num_tokens), int(s.num_visual_tokens), int(s.loss_tokens),
+           int(s.source)]
     while len(out) > 2 and out[-1] == 0:
         out.pop()
     return out
 
 
 def _unsample(v: list) -> MeasuredSample:
-    return MeasuredSample(v[0], v[1], *v[2:4])
+    return MeasuredSample(v[0], v[1], *v[2:5])
 
 
 def _truncations(micros: Sequence[Batch]) -> list[list]:
@@ -201,13 +203,16 @@ def encode_checkpoint(c: PlannerCheckpoint) -> bytes:
          "s": c.state.decode("latin-1")}
     if c.world:
         d["w"] = int(c.world)
+    if c.order:  # the order's cursor: absent for a job that never changed its mixture
+        d["o"] = c.order.decode("latin-1")
     return _dumps(d).encode()
 
 
 def decode_checkpoint(data: bytes) -> PlannerCheckpoint:
     d = json.loads(data)
     return PlannerCheckpoint(epoch=d["e"], samples_consumed=d["c"], next_step=d["n"],
-                             state=d["s"].encode("latin-1"), world=d.get("w", 0))
+                             state=d["s"].encode("latin-1"), world=d.get("w", 0),
+                             order=d.get("o", "").encode("latin-1"))
 
 
 def decode_world(data: bytes) -> World:

@@ -6,6 +6,7 @@ from pipeline.jobstate.interface import (
     ComputeFitStatus,
     JobCounters,
     JobState,
+    MixRequest,
     PlannerCheckpoint,
     ProducerFailure,
     ProducerLease,
@@ -15,6 +16,8 @@ from pipeline.jobstate.interface import (
     RankCompute,
     RankHealth,
     RankLease,
+    SourceShare,
+    SourceStatus,
 )
 from pipeline.jobstate.memory import MemoryJobState
 from pipeline.jobstate.worlds import (
@@ -27,8 +30,28 @@ from pipeline.jobstate.worlds import (
     WorldTimings,
 )
 
-__all__ = ["ComputeFitStatus", "Grant", "JobCounters", "JobState", "MemoryJobState", "PlanHead",
-           "PlannerCheckpoint",
-           "ProducerFailure", "ProducerLease", "Publication", "QuarantineEntry", "RankAck",
-           "RankCompute", "RankHealth", "RankLease", "ScaleReason", "ScaleRequest",
-           "ScaleResult", "World", "WorldTimings"]
+__all__ = [
+    "ComputeFitStatus",
+    "Grant",
+    "JobCounters",
+    "JobState",
+    "MemoryJobState",
+    "MixRequest",
+    "PlanHead",
+    "PlannerCheckpoint",
+    "ProducerFailure",
+    "ProducerLease",
+    "Publication",
+    "QuarantineEntry",
+    "RankAck",
+    "RankCompute",
+    "RankHealth",
+    "RankLease",
+    "ScaleReason",
+    "ScaleRequest",
+    "ScaleResult",
+    "SourceShare",
+    "SourceStatus",
+    "World",
+    "WorldTimings",
+]

@@ -30,6 +30,7 @@ from pipeline.errors import RankHeld
 from pipeline.jobstate.worlds import Grant, PlanHead, ScaleRequest, ScaleResult, World, WorldTimings
 from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd, Step
+from trainer_client.wire_format import MAX_GROUP_SIZE as WIRE_MAX_GROUP_SIZE
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,52 @@ class RankLease:
     client_id: str
     expires_at: float  # unix seconds (the state's clock)
     claim: int = 0  # which claim of the rank (an Open) this is: they are counted per rank
+
+
+# The most clients one rank's group may have (tensor x context x pipeline parallel members):
+# every sign of life of a member reads its group's seats (O(group_size)). The wire's bound.
+MAX_GROUP_SIZE = WIRE_MAX_GROUP_SIZE
+
+
+@dataclass(frozen=True)
+class Member:
+    """A client's seat in its rank's model-parallel group (docs/trainer-client.md): member
+    `index` of the `group_size` clients (the tensor/context/pipeline-parallel ranks of one
+    data-parallel rank) that all receive the rank's batches.
+
+    The group holds the rank's one lease: it is live while every seat is (a member's lease is
+    renewed on its own evidence, like a rank's; a seat nobody took yet counts as live for
+    `lease_seconds` from the group's first claim, a seat whose member released stops counting),
+    so a lost member is a lost rank to the failure policy. The rank's cursor is the group's:
+    it moves to the lowest of the members' acks (acks count once), so payloads are released
+    only when every member has them, and a member that resumes alone gets the group's position.
+    A group of one is a rank's plain lease (`None` in the calls below). Two clients disagreeing
+    on a rank's group size while one holds a live seat: `GroupRefused`, naming both."""
+
+    index: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}], got "
+                             f"{self.group_size}")
+        if not 0 <= self.index < self.group_size:
+            raise ValueError(f"group_rank must be in [0, group_size={self.group_size}), got "
+                             f"{self.index}")
+
+
+def grouped(member: Member | None) -> bool:
+    """True for a seat of a group of two or more (a group of one is the rank's plain lease)."""
+    return member is not None and member.group_size > 1
+
+
+# The holder a grouped rank's lease names (`RankHealth.client_id`); no client id has this form
+# (`world_open` refuses client ids with the prefix).
+GROUP_HOLDER_PREFIX = "group:"
+
+
+def group_holder(group_size: int) -> str:
+    return f"{GROUP_HOLDER_PREFIX}{group_size}"
 
 
 @dataclass(frozen=True)
@@ -52,6 +99,7 @@ class RankAck:
     client_id: str
     step: int = -1
     renew: bool = True
+    member: Member | None = None  # its seat in the rank's group (None: the rank's own lease)
 
 
 # Compute reports a job keeps (the newest): the fit's window is at most this.
@@ -112,6 +160,59 @@ class ComputeFitStatus:
 
 
 @dataclass(frozen=True)
+class MixRequest:
+    """A change of a mixture's weights asked for while the job runs (`odb-pipeline mix`): the
+    producer applies it at its next step boundary, once (`seq` orders the requests)."""
+
+    seq: int
+    weights: Mapping[str, float]
+    requested_at: float  # unix seconds
+
+
+@dataclass(frozen=True)
+class SourceShare:
+    """One mixture source in the current epoch's plan: what its published steps hold, what its
+    share should be, and its records quarantined this epoch."""
+
+    name: str
+    samples: int = 0
+    loss_tokens: int = 0
+    quarantined: int = 0
+    target: float = 0.0  # its share of the samples (mix_by samples) or loss tokens in force
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    """Each source's part of a mixture job's plan this epoch (the producer writes it after each
+    publication, `status` shows it): counted in `mix_by`; `changes` are the epoch's mixture
+    changes as (first step, by, weights)."""
+
+    epoch: int
+    mix_by: str
+    sources: tuple[SourceShare, ...]
+    changes: tuple[tuple[int, str, tuple[tuple[str, float], ...]], ...] = ()
+
+    def share(self, i: int) -> float:
+        """Source i's share so far, in `mix_by` (0 before anything is planned)."""
+        key = "samples" if self.mix_by == "samples" else "loss_tokens"
+        total = sum(getattr(s, key) for s in self.sources)
+        return getattr(self.sources[i], key) / total if total else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({"epoch": self.epoch, "mix_by": self.mix_by,
+                           "sources": [s.__dict__ for s in self.sources],
+                           "changes": [[n, by, [list(w) for w in ws]]
+                                       for n, by, ws in self.changes]})
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> SourceStatus:
+        d = json.loads(data)
+        return cls(int(d["epoch"]), d["mix_by"], tuple(SourceShare(**s) for s in d["sources"]),
+                   tuple((int(n), str(by), tuple((str(a), float(w)) for a, w in ws))
+                         for n, by, ws in d["changes"]))
+
+
+@dataclass(frozen=True)
 class RankHealth:
     """One rank as the failure policy and operators see it (times: the state's clock)."""
 
@@ -125,6 +226,29 @@ class RankHealth:
     @property
     def lapsed(self) -> bool:
         return self.lapsed_for > 0.0
+
+
+@dataclass(frozen=True)
+class MemberHealth:
+    """One seat of a rank's group (times: the state's clock). `client_id` None: nobody took
+    the seat yet, or its member released it (`released`)."""
+
+    index: int
+    client_id: str | None
+    lease_expires_at: float | None
+    heartbeat_age: float | None  # seconds since the member's last claim/heartbeat/ack
+    lapsed_for: float  # seconds since its lease expired; 0.0 while live or without one
+    acked: int  # the last step this member acknowledged
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class GroupHealth:
+    """A rank served to a model-parallel group: its size and every seat."""
+
+    rank: int
+    group_size: int
+    members: tuple[MemberHealth, ...]
 
 
 @dataclass(frozen=True)
@@ -159,14 +283,17 @@ class ProducerFailure:
 
 @dataclass(frozen=True)
 class PlannerCheckpoint:
-    """Where planning continues after a restart: the input position (`epoch`, source rows of it
-    already fed) and the planner's own state (window, pool, carry: JSON bytes)."""
+    """Where planning continues after a restart: the input position (`epoch`, positions of its
+    order already fed), the planner's own state (window, pool, carry: JSON bytes) and the
+    order's cursor beyond its position (`order`: the mixture changes in force, JSON bytes;
+    empty when the mixture never changed)."""
 
     epoch: int
-    samples_consumed: int  # source rows of `epoch` already fed to the planner
+    samples_consumed: int  # positions of `epoch`'s order (rows) already fed to the planner
     next_step: int  # the next step number the planner will publish
     state: bytes = b""
     world: int = 0  # the world generation the planner state is for
+    order: bytes = b""  # OrderCursor.extras() (pipeline/order/cursor.py)
 
     @property
     def position(self) -> tuple[int, int]:
@@ -335,20 +462,34 @@ class JobState(ABC):
     # the world a reconfiguration just ended (they drain to their last step): a rank is valid
     # for a lease below the larger of the two world sizes.
     @abstractmethod
-    def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
+    def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
+                   member: Member | None = None) -> RankLease:
         """Take or renew the rank's lease (a stream's Open); `RankHeld` if another client's
-        lease is live. Each claim of the rank gets the next number (`RankLease.claim`)."""
+        lease is live. Each claim of the rank gets the next number (`RankLease.claim`).
+        With `member` (a group of two or more, `Member`): take or renew that seat, forming
+        the rank's group (its seats' acks start at the rank's cursor) when no live seat holds
+        it; `RankHeld` if another client holds the seat live; `GroupRefused` if the rank is
+        held live by a client alone or by a group of another size (the message names both).
+        The returned lease is the client's own (its seat's, its claims counted per seat)."""
 
     @abstractmethod
-    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None, *,
+                     member: Member | None = None) -> None:
         """Only the holder can release; releasing is not a lapse. With `claim`, only while
         that is still the rank's latest claim: a holder whose stream vanished from one replica
-        and that claimed the rank again (on any replica) is alive, and keeps its lease."""
+        and that claimed the rank again (on any replica) is alive, and keeps its lease. A
+        member releases its seat (`claim`: the seat's latest): the seat stops counting for
+        the group's lease; once no seat is held the group ends (the rank's lease goes)."""
 
-    def heartbeat(self, rank: int, client_id: str, lease_seconds: float) -> bool:
+    @abstractmethod
+    def group_health(self) -> list[GroupHealth]:
+        """The current world's ranks served to groups, with every seat, at one instant."""
+
+    def heartbeat(self, rank: int, client_id: str, lease_seconds: float, *,
+                  member: Member | None = None) -> bool:
         """Renew (or retake after a lapse); True if `client_id` holds the lease now, False if
         another client's lease is live (nothing changes). One heartbeat of `ack_many`."""
-        (error,) = self.ack_many([RankAck(rank, client_id)], lease_seconds)
+        (error,) = self.ack_many([RankAck(rank, client_id, member=member)], lease_seconds)
         if isinstance(error, RankHeld):
             return False
         if error is not None:
@@ -373,7 +514,10 @@ class JobState(ABC):
         (monotonic), unless the step is past the published plan (`AckAheadOfPlan`) or past the
         rank's delivery grant (`AckNotDelivered`: a cursor never skips a step the rank was not
         sent). ValueError for an empty client id, or a rank outside the current world (for a
-        heartbeat: outside the current world and the draining ranks of the one it ended)."""
+        heartbeat: outside the current world and the draining ranks of the one it ended).
+        An ack with a `member` is its seat's (`claim_rank` with the member, its refusals
+        included); the member's cursor moves and the rank's moves to the lowest of its group's
+        seats (a seat nobody took yet holds it where the group began)."""
 
     @abstractmethod
     def record_compute(self, reports: Sequence[RankCompute]) -> list[None]:
@@ -393,6 +537,23 @@ class JobState(ABC):
     def compute_fit(self) -> ComputeFitStatus | None:
         """Where the job's compute fit stands; None: never recorded (not balancing by compute,
         or no report yet)."""
+
+    # --- mixtures (docs/data-order.md) ---
+    @abstractmethod
+    def request_mix(self, weights: Mapping[str, float]) -> MixRequest:
+        """Ask for a mixture change (weights already checked against the job's mixture): it
+        replaces any request not yet applied and gets the next sequence number."""
+
+    @abstractmethod
+    def mix_request(self) -> MixRequest | None:
+        """The latest mixture change asked for (the producer applies one it has not)."""
+
+    @abstractmethod
+    def set_source_status(self, status: SourceStatus) -> None:
+        """The producer's view of each source's part of the epoch's plan (status, metrics)."""
+
+    @abstractmethod
+    def source_status(self) -> SourceStatus | None: ...
 
     @abstractmethod
     def acked(self, rank: int) -> int:
@@ -458,9 +619,11 @@ class JobState(ABC):
         ValueError for a size < 1."""
 
     @abstractmethod
-    def rank_left(self, generation: int, rank: int, client_id: str) -> None:
+    def rank_left(self, generation: int, rank: int, client_id: str, *,
+                  member: Member | None = None) -> None:
         """Rank `rank` of world `generation` (ended) got its END(reconfigure): it no longer
-        drains; its lease is released if `client_id` holds it. Recorded for the timings."""
+        drains; its lease is released if `client_id` holds it. Recorded for the timings. A
+        member releases its seat; the rank stops draining when its last member left."""
 
     @abstractmethod
     def world_timings(self, generation: int) -> WorldTimings | None:
@@ -471,6 +634,10 @@ class JobState(ABC):
     def quarantine(self, limit: int = 1000) -> list[QuarantineEntry]:
         """The first `limit` distinct quarantined records (each listed once however many
         epochs or restarts met it); `counters().quarantined` is the exact total."""
+
+    def ping(self) -> None:  # noqa: B027 (optional hook: an in-process state is always there)
+        """One round trip to where the state lives; raises `StateUnavailable` when it cannot
+        be made (the replica's readiness follows it: `service/readiness.py`)."""
 
     def close(self) -> None:  # noqa: B027 (optional hook: in-process states hold nothing)
         """Release connections."""

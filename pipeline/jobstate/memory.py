@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from pipeline.errors import (
@@ -16,6 +16,7 @@ from pipeline.errors import (
     AckNotDelivered,
     CheckpointConflict,
     Fenced,
+    GroupRefused,
     PlanningComplete,
     RankHeld,
     RanksLive,
@@ -24,11 +25,15 @@ from pipeline.errors import (
     StepGap,
     WorldChanged,
 )
+from pipeline.jobstate.groups import Group, Seat, group_refused
 from pipeline.jobstate.interface import (
     COMPUTE_REPORTS_KEPT,
     ComputeFitStatus,
+    GroupHealth,
     JobCounters,
     JobState,
+    Member,
+    MixRequest,
     PlannerCheckpoint,
     ProducerFailure,
     ProducerLease,
@@ -38,6 +43,9 @@ from pipeline.jobstate.interface import (
     RankCompute,
     RankHealth,
     RankLease,
+    SourceStatus,
+    group_holder,
+    grouped,
 )
 from pipeline.jobstate.worlds import (
     Grant,
@@ -77,7 +85,11 @@ class MemoryJobState(JobState):
         self._error: ProducerFailure | None = None  # permanent
         self._trouble: ProducerFailure | None = None  # transient (cleared by a publication)
         self._leases: dict[int, RankLease] = {}
-        self._claims: dict[int, int] = {}  # rank -> its claims so far (the latest's number)
+        # A rank's group (groups.py): current while the rank's lease names it (group_holder);
+        # a record left behind by a scale or a plain client's takeover is stale and ignored.
+        self._groups: dict[int, Group] = {}
+        # rank, or (rank, seat) of a group -> its claims so far (the latest's number)
+        self._claims: dict[int | tuple[int, int], int] = {}
         self._heartbeats: dict[int, float] = {}
         self._lapsed: set[int] = set()
         self._claimed: set[int] = set()  # ranks that ever held a lease
@@ -88,6 +100,8 @@ class MemoryJobState(JobState):
         self._compute: deque[RankCompute] = deque(maxlen=COMPUTE_REPORTS_KEPT)
         self._compute_total = 0
         self._compute_fit: ComputeFitStatus | None = None
+        self._mix: MixRequest | None = None
+        self._sources: SourceStatus | None = None
 
     @property
     def world_size(self) -> int:
@@ -310,9 +324,19 @@ class MemoryJobState(JobState):
         self._heartbeats[rank] = now
         return lease
 
-    def claim_rank(self, rank: int, client_id: str, lease_seconds: float) -> RankLease:
+    def claim_rank(self, rank: int, client_id: str, lease_seconds: float, *,
+                   member: Member | None = None) -> RankLease:
         if not client_id:
             raise ValueError("client_id must be non-empty")
+        if grouped(member):
+            now = self._clock()
+            ack = RankAck(rank, client_id, member=member)
+            with self._lock:
+                self._member_ack(ack, lease_seconds, now, self._check_ack(ack, now))
+                seat = self._groups[rank].seats[member.index]
+                key = (rank, member.index)
+                self._claims[key] = claim = self._claims.get(key, 0) + 1  # per seat
+                return RankLease(rank, client_id, seat.expires_at, claim)
         self._check_lease_rank(rank)
         now = self._clock()
         with self._lock:
@@ -324,17 +348,139 @@ class MemoryJobState(JobState):
     def _check_holder(self, rank: int, client_id: str, now: float) -> None:
         cur = self._leases.get(rank)
         if cur is not None and cur.client_id != client_id and cur.expires_at > now:
-            raise RankHeld(f"job {self.job_id!r}: rank {rank} is held by client "
-                           f"{cur.client_id!r} for {cur.expires_at - now:.1f}s more")
+            group = self._group(rank)
+            if group is not None and not self._drains(rank):
+                raise self._group_refused(rank, group, now, client_id, 1)
+            raise self._held(rank, cur, now)
 
-    def release_rank(self, rank: int, client_id: str, claim: int | None = None) -> None:
+    def release_rank(self, rank: int, client_id: str, claim: int | None = None, *,
+                     member: Member | None = None) -> None:
         self._check_lease_rank(rank)
         with self._lock:
+            if grouped(member):
+                if claim in (None, self._claims.get((rank, member.index))):
+                    self._release_seat(rank, client_id, member, self._clock())
+                return
             cur = self._leases.get(rank)
             if (cur is not None and cur.client_id == client_id
                     and claim in (None, self._claims.get(rank))):
                 del self._leases[rank]
                 self._heartbeats.pop(rank, None)
+
+    # --- groups (groups.py; the Lua scripts member_ack_many and member_release follow this) ---
+    def _group(self, rank: int) -> Group | None:
+        """The rank's current group: the one its lease names."""
+        group, lease = self._groups.get(rank), self._leases.get(rank)
+        if group is None or lease is None or lease.client_id != group_holder(group.size):
+            return None
+        return group
+
+    def _drains(self, rank: int) -> bool:
+        """The rank's lease is held by a rank of the world a reconfiguration ended (it drains
+        to its last step): the new world's clients wait for it, whatever their group size."""
+        cur = self._leases.get(rank)
+        return cur is not None and self._draining.get(rank) == cur.client_id
+
+    def _held(self, rank: int, cur: RankLease, now: float) -> RankHeld:
+        return RankHeld(f"job {self.job_id!r}: rank {rank} is held by client {cur.client_id!r} "
+                        f"for {cur.expires_at - now:.1f}s more")
+
+    def _group_refused(self, rank: int, group: Group, now: float, client_id: str,
+                       size: int) -> GroupRefused:
+        live = group.live_seat(now)
+        who = (f"member {live[0]} (client {live[1].client_id!r})" if live is not None
+               else "its members")
+        return GroupRefused(group_refused(self.job_id, rank, group.size, who, client_id, size))
+
+    def _check_member(self, a: RankAck, now: float) -> tuple[bool, bool, bool]:
+        """Everything a member's ack or claim is refused for (under the lock, before any
+        change); else (form a new group, the seat is taken over from a lapsed client, the
+        client holds the seat live)."""
+        m = a.member
+        cur = self._leases.get(a.rank)
+        group = self._group(a.rank)
+        if cur is not None and group is None:  # a client holds the rank alone
+            if cur.expires_at > now:
+                if self._drains(a.rank):
+                    raise self._held(a.rank, cur, now)
+                raise GroupRefused(group_refused(
+                    self.job_id, a.rank, 1, f"client {cur.client_id!r}", a.client_id,
+                    m.group_size))
+            return True, False, False
+        if group is None:
+            return True, False, False
+        if group.size != m.group_size:
+            if group.live_seat(now) is not None:
+                if self._drains(a.rank):
+                    raise self._held(a.rank, cur, now)
+                raise self._group_refused(a.rank, group, now, a.client_id, m.group_size)
+            return True, False, False
+        seat = group.seats[m.index]
+        if seat.held and seat.client_id != a.client_id:
+            if seat.expires_at > now:
+                raise RankHeld(f"job {self.job_id!r}: member {m.index} of rank {a.rank}'s group "
+                               f"is held by client {seat.client_id!r} for "
+                               f"{seat.expires_at - now:.1f}s more")
+            return False, True, False
+        return False, False, seat.client_id == a.client_id and seat.expires_at > now
+
+    def _member_ack(self, a: RankAck, lease_seconds: float, now: float,
+                    verdict: tuple[bool, bool, bool]) -> None:
+        form, took_over, held = verdict
+        r, m = a.rank, a.member
+        if form:
+            if r in self._leases:  # an earlier holder's lease lapsed: taken over
+                self._lapse(r)
+            cursor = self._acked[r] if r < len(self._acked) else -1
+            self._groups[r] = Group.formed(m.group_size, cursor, now, lease_seconds)
+            self._claimed.add(r)
+            if self._first_claim is None:
+                self._first_claim = now
+        group = self._groups[r]
+        seat = group.seats[m.index]
+        if form or a.renew or not held:
+            if took_over:
+                self._lapse(r)
+            group.seats[m.index] = seat = Seat(a.client_id, now + lease_seconds, now, seat.acked)
+        seat.heartbeat_at = now
+        if a.step >= 0:
+            seat.acked = max(seat.acked, a.step)
+            self._acked[r] = max(self._acked[r], group.cursor())
+        self._group_lease(r, group, now)
+
+    def _lapse(self, rank: int) -> None:
+        self._lapsed.add(rank)
+        self._counts["lease_lapses"] += 1
+
+    def _group_lease(self, rank: int, group: Group, now: float) -> bool:
+        """Set the rank's lease to its group's; False when the group ended (every seat
+        released: the rank has no lease)."""
+        exp = group.lease_expiry()
+        if exp is None:
+            del self._groups[rank]
+            self._leases.pop(rank, None)
+            self._heartbeats.pop(rank, None)
+            return False
+        self._leases[rank] = RankLease(rank, group_holder(group.size), exp)
+        self._heartbeats[rank] = now
+        return True
+
+    def _release_seat(self, rank: int, client_id: str, member: Member, now: float) -> bool:
+        """Release the member's seat if `client_id` holds it; True when the group ended."""
+        group = self._group(rank)
+        if group is None or group.size != member.group_size:
+            return False
+        seat = group.seats[member.index]
+        if seat.client_id != client_id:
+            return False
+        seat.client_id = ""
+        return not self._group_lease(rank, group, now)
+
+    def group_health(self) -> list[GroupHealth]:
+        now = self._clock()
+        with self._lock:
+            return [g.health(r, now) for r in range(self.world_size)
+                    if (g := self._group(r)) is not None]
 
     def _check_published(self, step: int) -> None:
         if step > self._through:
@@ -366,15 +512,36 @@ class MemoryJobState(JobState):
     def compute_fit(self) -> ComputeFitStatus | None:
         return self._compute_fit
 
+    # --- mixtures ---
+    def request_mix(self, weights: Mapping[str, float]) -> MixRequest:
+        with self._lock:
+            seq = self._mix.seq + 1 if self._mix is not None else 1
+            self._mix = MixRequest(seq, dict(weights), self._clock())
+            return self._mix
+
+    def mix_request(self) -> MixRequest | None:
+        return self._mix
+
+    def set_source_status(self, status: SourceStatus) -> None:
+        self._sources = status
+
+    def source_status(self) -> SourceStatus | None:
+        return self._sources
+
     def ack_many(self, acks: Sequence[RankAck], lease_seconds: float) -> list[Exception | None]:
         now = self._clock()
         out: list[Exception | None] = []
         with self._lock:
             for a in acks:
                 try:
-                    self._check_ack(a, now)
-                except (AckAheadOfPlan, AckNotDelivered, RankHeld, ValueError) as exc:
+                    verdict = self._check_ack(a, now)
+                except (AckAheadOfPlan, AckNotDelivered, RankHeld, GroupRefused,
+                        ValueError) as exc:
                     out.append(exc)
+                    continue
+                if verdict is not None:
+                    self._member_ack(a, lease_seconds, now, verdict)
+                    out.append(None)
                     continue
                 cur = self._leases.get(a.rank)
                 held = cur is not None and cur.client_id == a.client_id and cur.expires_at > now
@@ -385,20 +552,26 @@ class MemoryJobState(JobState):
                 out.append(None)
         return out
 
-    def _check_ack(self, a: RankAck, now: float) -> None:
-        """Everything `ack_many` refuses an ack for (under the lock, before any change)."""
+    def _check_ack(self, a: RankAck, now: float) -> tuple[bool, bool, bool] | None:
+        """Everything `ack_many` refuses an ack for (under the lock, before any change); for a
+        member's, `_check_member`'s verdict."""
         if not a.client_id:
             raise ValueError("client_id must be non-empty")
         if a.step >= 0:
             self._check_rank(a.rank)
         else:
             self._check_lease_rank(a.rank)
-        self._check_holder(a.rank, a.client_id, now)
+        verdict = None
+        if grouped(a.member):
+            verdict = self._check_member(a, now)
+        else:
+            self._check_holder(a.rank, a.client_id, now)
         self._check_published(a.step)
         granted = self._grants.get(a.rank, self._worlds[-1].first_step - 1)
         if a.step > granted:
             raise AckNotDelivered(f"job {self.job_id!r}: ack of step {a.step} by rank {a.rank}, "
                                   f"which may have been sent steps through {granted} only")
+        return verdict
 
     def acked(self, rank: int) -> int:
         self._check_rank(rank)
@@ -567,15 +740,22 @@ class MemoryJobState(JobState):
         final = self._ends[max(self._ends)]
         return final if len(final.final_step) == w else None
 
-    def rank_left(self, generation: int, rank: int, client_id: str) -> None:
+    def rank_left(self, generation: int, rank: int, client_id: str, *,
+                  member: Member | None = None) -> None:
         now = self._clock()
         with self._lock:
-            cur = self._leases.get(rank)
-            if cur is not None and cur.client_id == client_id:
-                del self._leases[rank]
-                self._heartbeats.pop(rank, None)
+            holder = client_id
+            if grouped(member):
+                holder = group_holder(member.group_size)
+                if not self._release_seat(rank, client_id, member, now):
+                    holder = None  # members still drain (or the seat was not its)
+            else:
+                cur = self._leases.get(rank)
+                if cur is not None and cur.client_id == client_id:
+                    del self._leases[rank]
+                    self._heartbeats.pop(rank, None)
             if (generation == self._worlds[-1].generation - 1
-                    and self._draining.get(rank) == client_id):
+                    and self._draining.get(rank) == holder):
                 del self._draining[rank]
             t = self._timings.get(generation + 1)
             if t is not None:

@@ -1,7 +1,7 @@
 """The service's HTTP side port: `/metrics` (Prometheus), `/` and `/status` (HTML page),
 `/status.json` (the snapshot `odb-pipeline status` reads) and `/healthz` (200 while the gRPC
-health status is SERVING, 503 once the replica drains: the probe Kubernetes can use when gRPC
-speaks TLS).
+health status is SERVING, 503 while the replica cannot reach its state and once it drains: the
+probe Kubernetes can use when gRPC speaks TLS).
 
     httpd, port = start_metrics_server(config.metrics_port, running_service,
                                        host=config.metrics_host, status_token=token)
@@ -28,12 +28,11 @@ import hmac
 import json
 import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
-from grpc_health.v1 import health_pb2
-from grpc_health.v1.health import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
@@ -88,11 +87,12 @@ class MetricsServer(ThreadingHTTPServer):
     daemon_threads = True  # a slow scraper never blocks shutdown
 
     def __init__(self, addr: tuple[str, int], view: ServiceView, *,
-                 status_token: str | None = None, health: HealthServicer | None = None) -> None:
+                 status_token: str | None = None,
+                 serving: Callable[[], bool] | None = None) -> None:
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         super().__init__(addr, _Handler)
         self.view = view
-        self.health = health
+        self._serving = serving
         # None: the status pages answer anyone who reaches the port (a loopback bind).
         self.status_guard: _StatusGuard | None = (
             None if is_loopback(addr[0]) else _StatusGuard(status_token))
@@ -113,11 +113,9 @@ class MetricsServer(ThreadingHTTPServer):
 
     def serving(self) -> bool:
         """The gRPC server's health ("" = the whole server): what /healthz answers, so that
-        probes that cannot speak gRPC over TLS see the drain (NOT_SERVING) too."""
-        if self.health is None:
-            return True
-        check = self.health.Check(health_pb2.HealthCheckRequest(service=""), None)
-        return check.status == health_pb2.HealthCheckResponse.SERVING
+        probes that cannot speak gRPC over TLS see NOT_SERVING too (a drain, or a replica
+        that cannot reach its state: `service/readiness.py`)."""
+        return self._serving is None or self._serving()
 
     def close(self) -> None:
         self.shutdown()
@@ -190,6 +188,6 @@ def start_metrics_server(port: int, running_service: RunningService, *,
     when `host` is beyond loopback (None there: they are off). Returns (server, bound port)."""
     view = ServiceView.of(running_service)
     httpd = MetricsServer((host, port), view, status_token=status_token,
-                          health=running_service.health).start()
+                          serving=running_service.health.serving).start()
     running_service.on_stop.append(httpd.close)
     return httpd, httpd.port

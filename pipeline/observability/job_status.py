@@ -31,6 +31,21 @@ class RankOnReplica:
 
 
 @dataclass(frozen=True)
+class MemberStatus:
+    """One seat of a rank's model-parallel group (`RankStatus.members`): its client, its own
+    position and its lag behind the group's most advanced member; `replica` as for a rank."""
+
+    member: int
+    client_id: str | None = None  # None: nobody took the seat yet, or its member released it
+    acked_step: int = -1
+    lag_steps: int = 0  # steps behind the group's most advanced member
+    lapsed_for_s: float | None = None  # > 0: a lost member
+    heartbeat_age_s: float | None = None
+    released: bool = False
+    replica: RankOnReplica | None = None
+
+
+@dataclass(frozen=True)
 class RankStatus:
     """One rank: its job-wide position (the job's state) and what the answering replica sees
     of its stream (`connected`, `delivered_step`, `samples_fetched`: None elsewhere)."""
@@ -52,6 +67,7 @@ class RankStatus:
     padded_tokens: int | None = None
     batch_cost: int | None = None
     replica: RankOnReplica | None = None
+    members: tuple[MemberStatus, ...] | None = None  # a rank served to a group: every seat
 
 
 @dataclass(frozen=True)
@@ -232,9 +248,38 @@ class ComputeStatus:
 
 
 @dataclass(frozen=True)
+class SourceShareStatus:
+    """One source of a mixture in the current epoch's published steps (docs/data-order.md):
+    its share so far against its target, both counted as the job's `mix_by` says."""
+
+    name: str
+    samples: int
+    loss_tokens: int
+    quarantined: int  # its records quarantined this epoch
+    share: float
+    target: float
+
+
+@dataclass(frozen=True)
+class MixChangeStatus:
+    step: int  # the first step planned with it
+    by: str  # "mix <n>" | "schedule <i>"
+    weights: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class MixtureStatus:
+    epoch: int
+    mix_by: str  # samples | loss_tokens
+    sources: tuple[SourceShareStatus, ...]
+    changes: tuple[MixChangeStatus, ...] = ()
+
+
+@dataclass(frozen=True)
 class JobStatus:
-    """One job. `state`: training jobs waiting (nothing published) | running | draining
-    (planning over, ranks still consuming) | finished (every rank acked its last step) | failed;
+    """One job. `state`: training jobs waiting (nothing published) | waiting for ranks (steps
+    published, no rank acked one or holds a lease yet) | running | draining (planning over,
+    ranks still consuming) | finished (every rank acked its last step) | failed;
     refill jobs serving | done. `open`: served without a credential."""
 
     job_id: str
@@ -270,6 +315,7 @@ class JobStatus:
     # What the job's largest possible batch means for its trainers, when it is beyond a message
     # or a trainer's default byte window (`service/batch_bound.py`).
     batch_size_notice: str | None = None
+    sources: MixtureStatus | None = None  # a mixture job's sources (None: one source)
 
     @property
     def padding_efficiency(self) -> float | None:

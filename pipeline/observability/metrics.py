@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pipeline.observability.job_status import JobStatus, RankStatus, RefillStatus
+from pipeline.observability.job_status import JobStatus, MemberStatus, RankStatus, RefillStatus
 from pipeline.observability.status_view import ServiceView
 from pipeline.quarantine import QuarantineReason
 
@@ -56,6 +56,16 @@ _REPLICA_RANK_GAUGES: tuple[tuple[str, str, Callable[[RankStatus], Any]], ...] =
      lambda r: r.replica and r.replica.connected),
     ("odb_replica_rank_delivered_step", "Last step this replica sent to the rank (-1 none)",
      lambda r: r.replica and r.replica.delivered_step),
+)
+# A member of a rank's model-parallel group (labels job_id, rank, member: bounded by W x group
+# size; its client id is on the status JSON only).
+_MEMBER_GAUGES: tuple[tuple[str, str, Callable[[MemberStatus], Any]], ...] = (
+    ("odb_member_acked_step", "Last step the group member acknowledged (-1 none)",
+     lambda m: m.acked_step),
+    ("odb_member_lag_steps", "Steps the group member is behind its group's most advanced one",
+     lambda m: m.lag_steps),
+    ("odb_member_lapsed", "1 when the group member's lease expired without release (a lost "
+     "member: its rank is lost)", lambda m: bool(m.lapsed_for_s)),
 )
 _JOB_GAUGES: tuple[tuple[str, str, Callable[[JobStatus], Any]], ...] = (
     ("odb_step_published", "Highest published step (-1 none)", lambda j: j.published_through),
@@ -99,7 +109,22 @@ _OTHER = ("odb_replica_samples_fetched_total", "odb_samples_in_total", "odb_samp
           "odb_producer_generation", "odb_producer_live", "odb_service_start_time_seconds",
           "odb_world_generation", "odb_reconfiguration_seconds",
           "odb_reconfiguration_first_batch_seconds", "odb_compute_coefficient",
-          "odb_compute_rank_seconds")
+          "odb_compute_rank_seconds", "odb_source_samples", "odb_source_loss_tokens",
+          "odb_source_quarantined", "odb_source_share", "odb_source_target_share")
+# A mixture job's sources (docs/data-order.md): the current epoch's published steps, per
+# source (the `source` label is a source's name in the job's config: bounded).
+_SOURCE_GAUGES = (
+    ("odb_source_samples", "Samples of the source in the epoch's published steps",
+     lambda x: x.samples),
+    ("odb_source_loss_tokens", "Loss tokens of the source in the epoch's published steps",
+     lambda x: x.loss_tokens),
+    ("odb_source_quarantined", "The source's records quarantined this epoch",
+     lambda x: x.quarantined),
+    ("odb_source_share", "The source's share of the epoch's plan so far (in the job's mix_by)",
+     lambda x: x.share),
+    ("odb_source_target_share", "The share the mixture in force gives the source",
+     lambda x: x.target),
+)
 
 
 def _n(value: object) -> float:
@@ -123,6 +148,8 @@ class OdbCollector(Collector):
                        for n, d, f in _RANK_GAUGES]
         replica_gauges = [(GaugeMetricFamily(n, d, labels=["job_id", "rank", "replica"]), f)
                           for n, d, f in _REPLICA_RANK_GAUGES]
+        member_gauges = [(GaugeMetricFamily(n, d, labels=["job_id", "rank", "member"]), f)
+                         for n, d, f in _MEMBER_GAUGES]
         job_gauges = [(GaugeMetricFamily(n, d, labels=["job_id"]), f) for n, d, f in _JOB_GAUGES]
         refill_counters = [(CounterMetricFamily(n, d, labels=["job_id"]), f)
                            for n, d, f in _REFILL_COUNTERS]
@@ -171,8 +198,13 @@ class OdbCollector(Collector):
             "odb_compute_rank_seconds", "The newest fully reported step: a rank's measured "
             "compute seconds, and those its step's model predicted",
             labels=["job_id", "rank", "kind"])
+        sources = [(GaugeMetricFamily(n, d, labels=["job_id", "source", "mix_by"]), f)
+                   for n, d, f in _SOURCE_GAUGES]
         for job in status.jobs:
             jid = job.job_id
+            for x in job.sources.sources if job.sources else ():
+                for fam, f in sources:
+                    fam.add_metric([jid, x.name, job.sources.mix_by], _n(f(x)))
             c = job.compute
             if c is not None:
                 for feature, v in (c.coefficients or {}).items():
@@ -200,6 +232,9 @@ class OdbCollector(Collector):
                     fam.add_metric([*labels, replica], _n(f(r)))
                 if r.replica is not None:
                     fetched.add_metric([*labels, replica], r.replica.samples_fetched or 0)
+                for m in r.members or ():
+                    for fam, f in member_gauges:
+                        fam.add_metric([*labels, str(m.member)], _n(f(m)))
             for fam, f in job_gauges:
                 fam.add_metric([jid], _n(f(job)))
             samples_in.add_metric([jid], job.samples_in or 0)
@@ -222,8 +257,8 @@ class OdbCollector(Collector):
         start = GaugeMetricFamily("odb_service_start_time_seconds",
                                   "Unix time the metrics view of this replica started")
         start.add_metric([], self.view.started_at)
-        for group in (rank_counters, rank_gauges, replica_gauges, job_gauges, refill_counters,
-                      refill_gauges):
+        for group in (rank_counters, rank_gauges, replica_gauges, member_gauges, job_gauges,
+                      refill_counters, refill_gauges, sources):
             yield from (fam for fam, _ in group)
         yield from (refill_epoch, fetched, samples_in, planned, quarantined, info, open_,
                     failed, generation, live, start, world_gen, switch, first_batch, coefficient,
@@ -235,4 +270,5 @@ def metric_names() -> set[str]:
     names = {f"{n}_total" for n, _, _ in _RANK_COUNTERS + _REFILL_COUNTERS}
     names |= {n for n, _, _ in _RANK_GAUGES + _REPLICA_RANK_GAUGES + _JOB_GAUGES
               + _REFILL_GAUGES}
+    names |= {n for n, _, _ in _MEMBER_GAUGES}
     return names | set(_OTHER) | {"odb_refill_epoch_completed_total"}

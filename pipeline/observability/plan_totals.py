@@ -51,16 +51,19 @@ class RankTotals:
     progress_at: float = field(default_factory=time.time)  # when last_acked last moved
 
 
-def batch_figures(batch: Batch, collate: str) -> BatchFigures:
+def batch_figures(batch: Batch, collate: str, pad_to_multiple: int = 1) -> BatchFigures:
     lengths = [batch.truncated_to.get(s.sample_id, s.num_tokens) for s in batch.samples]
     tokens = sum(lengths)
-    padded = len(lengths) * max(lengths, default=0) - tokens if collate == "padded" else 0
-    return BatchFigures(len(lengths), tokens, padded, batch.cost)
+    # Lengths as sent: rounded up to the job's pad_to_multiple (padding under both collates).
+    sent = [-(-n // pad_to_multiple) * pad_to_multiple for n in lengths]
+    width = len(sent) * max(sent, default=0) if collate == "padded" else sum(sent)
+    return BatchFigures(len(lengths), tokens, width - tokens, batch.cost)
 
 
-def rank_figures(micros: tuple[Batch, ...], collate: str) -> BatchFigures:
+def rank_figures(micros: tuple[Batch, ...], collate: str, pad_to_multiple: int = 1
+                 ) -> BatchFigures:
     """A rank's batches of one step, summed (one, or its micro-batches of a global step)."""
-    figs = [batch_figures(b, collate) for b in micros]
+    figs = [batch_figures(b, collate, pad_to_multiple) for b in micros]
     return BatchFigures(sum(f.samples for f in figs), sum(f.tokens for f in figs),
                         sum(f.padded_tokens for f in figs), sum(f.cost for f in figs), len(figs))
 
@@ -68,9 +71,10 @@ def rank_figures(micros: tuple[Batch, ...], collate: str) -> BatchFigures:
 class PlanTotals:
     """Per-job totals; `update()` is cheap when nothing new was published or delivered."""
 
-    def __init__(self, state: JobState, collate: str) -> None:
+    def __init__(self, state: JobState, collate: str, pad_to_multiple: int = 1) -> None:
         self.state = state
         self.collate = collate
+        self.pad_to_multiple = pad_to_multiple
         self.started_at = time.time()
         self._lock = threading.Lock()
         acked = state.acked_all()
@@ -134,7 +138,8 @@ class PlanTotals:
                 continue
             self.published_samples += step.info.step_samples
             ranks = step.ranks()
-            self._pending[n] = {r: rank_figures(step.micros_for(r), self.collate) for r in ranks}
+            self._pending[n] = {r: rank_figures(step.micros_for(r), self.collate,
+                                                self.pad_to_multiple) for r in ranks}
             for r in ranks:
                 self._unacked.setdefault(r, []).append(n)
 

@@ -67,6 +67,20 @@ def _training(job: JobStatus) -> str:
                 _cell("tokens", r.tokens_emitted),
                 _cell("client", r.client_id or "—", num=False),
             ]) + "</tr>")
+        for m in r.members or ():  # a model-parallel group: every member, its lag
+            mrep = m.replica
+            rows.append(
+                f'<tr data-rank="{r.rank}" data-member="{m.member}" class="member'
+                f'{" is-lapsed" if m.lapsed_for_s else ""}">' + "".join([
+                    _cell("rank", f"{r.rank}.{m.member}", num=False),
+                    _cell("delivered", mrep.delivered_step if mrep else "—"),
+                    _cell("acked", m.acked_step), _cell("lag", m.lag_steps),
+                    _cell("connected", "yes" if mrep and mrep.connected else "no", num=False),
+                    _cell("stalled", "—", num=False), _cell("batches", "—", num=False),
+                    _cell("samples", "—", num=False), _cell("tokens", "—", num=False),
+                    _cell("client", m.client_id or ("released" if m.released else "—"),
+                          num=False),
+                ]) + "</tr>")
     table = (
         f'<table class="ranks" data-job="{escape(job.job_id)}"><tr><th>rank</th>'
         "<th>delivered step (this replica)</th><th>acked step</th><th>lag (steps)</th>"
@@ -74,7 +88,27 @@ def _training(job: JobStatus) -> str:
         "<th>batches</th><th>samples</th><th>tokens</th><th>client</th></tr>"
         + "".join(rows) + "</table>"
     )
-    return head + table
+    return head + table + _sources(job)
+
+
+def _sources(job: JobStatus) -> str:
+    """A mixture job's sources: each one's share of the epoch's plan against its target."""
+    m = job.sources
+    if m is None:
+        return ""
+    rows = "".join(
+        f'<tr data-source="{escape(x.name)}">' + _cell("source", x.name, num=False)
+        + _cell("samples", x.samples) + _cell("loss-tokens", x.loss_tokens)
+        + _cell("share", f"{x.share:.3f}") + _cell("target", f"{x.target:.3f}")
+        + _cell("quarantined", x.quarantined) + "</tr>" for x in m.sources)
+    changes = "".join(
+        f'<p class="mix-change">{escape(c.by)} from step {c.step}: '
+        + escape(", ".join(f"{n}={w:g}" for n, w in c.weights.items())) + "</p>"
+        for c in m.changes)
+    return (f'<table class="sources" data-job="{escape(job.job_id)}"><tr><th>source (epoch '
+            f'{m.epoch})</th><th>samples</th><th>loss tokens</th><th>share of '
+            f'{escape(m.mix_by.replace("_", " "))}</th><th>target</th><th>quarantined</th></tr>'
+            + rows + "</table>" + changes)
 
 
 _REFILL_CELLS = (("waiting", "waiting"), ("in_flight", "in flight"), ("completed", "completed"),

@@ -12,12 +12,16 @@ from pipeline.modes import JobMode
 from pipeline.observability.job_status import (
     EpochEndStatus,
     JobStatus,
+    MemberStatus,
+    MixChangeStatus,
+    MixtureStatus,
     QuarantineStatus,
     RankOnReplica,
     RankStatus,
     RefillEpoch,
     RefillStatus,
     ReplicaStatus,
+    SourceShareStatus,
     WorldStatus,
 )
 from pipeline.observability.status_view import refill_state, training_state
@@ -44,9 +48,16 @@ def to_proto(job: JobStatus) -> pb.JobStatus:
         batch_size_notice=job.batch_size_notice or "")
     for r in job.ranks or ():
         rep = r.replica
-        out.ranks.add(rank=r.rank, acked_step=r.acked_step, client_id=r.client_id or "",
-                      connected=bool(rep and rep.connected),
-                      delivered_step=rep.delivered_step if rep else -1)
+        rank = out.ranks.add(rank=r.rank, acked_step=r.acked_step, client_id=r.client_id or "",
+                             connected=bool(rep and rep.connected),
+                             delivered_step=rep.delivered_step if rep else -1)
+        for m in r.members or ():
+            mr = m.replica
+            rank.members.add(member=m.member, client_id=m.client_id or "",
+                             acked_step=m.acked_step, lag_steps=m.lag_steps,
+                             connected=bool(mr and mr.connected),
+                             delivered_step=mr.delivered_step if mr else -1,
+                             lapsed_seconds=m.lapsed_for_s or 0.0, released=m.released)
     for e in job.epoch_ends or ():
         out.epoch_ends.add(epoch=e.epoch, steps=e.steps, final_step=list(e.final_step),
                            carried_over=e.carried_over)
@@ -58,6 +69,15 @@ def to_proto(job: JobStatus) -> pb.JobStatus:
             requested_at=w.requested_at, returned_samples=w.returned_samples,
             adopted_seconds=-1.0 if w.adopted_s is None else w.adopted_s,
             first_batch_seconds=-1.0 if w.first_batch_s is None else w.first_batch_s)
+    mix = job.sources
+    if mix is not None:
+        out.sources.CopyFrom(pb.MixtureStatus(
+            epoch=mix.epoch, mix_by=mix.mix_by,
+            sources=[pb.SourceShare(name=x.name, samples=x.samples, loss_tokens=x.loss_tokens,
+                                    quarantined=x.quarantined, share=x.share, target=x.target)
+                     for x in mix.sources],
+            changes=[pb.MixChange(step=c.step, by=c.by, weights=dict(c.weights))
+                     for c in mix.changes]))
     rf = job.refill
     if rf is not None:
         out.refill.CopyFrom(pb.RefillCounts(
@@ -88,7 +108,12 @@ def from_proto(m: pb.JobStatus) -> JobStatus:
                            for e in c.by_epoch)))
     ranks = tuple(RankStatus(rank=r.rank, acked_step=r.acked_step, client_id=r.client_id,
                              lapsed=r.rank in m.lapsed_ranks,
-                             replica=RankOnReplica(r.connected, r.delivered_step))
+                             replica=RankOnReplica(r.connected, r.delivered_step),
+                             members=tuple(MemberStatus(
+                                 x.member, x.client_id or None, x.acked_step, x.lag_steps,
+                                 x.lapsed_seconds, released=x.released,
+                                 replica=RankOnReplica(x.connected, x.delivered_step))
+                                 for x in r.members) or None)
                   for r in m.ranks)
     ends = tuple(EpochEndStatus(e.epoch, e.steps, tuple(e.final_step), e.carried_over)
                  for e in m.epoch_ends)
@@ -97,10 +122,12 @@ def from_proto(m: pb.JobStatus) -> JobStatus:
         state=training_state(error=m.error or None, done=m.done,
                              published_through=m.published_through,
                              final_steps=ends[-1].final_step if m.done and ends else None,
-                             acked=[r.acked_step for r in ranks]),
+                             acked=[r.acked_step for r in ranks],
+                             holders=[r.client_id for r in ranks]),
         world_size=m.world_size, published_through=m.published_through, ranks=ranks,
         lapsed_ranks=tuple(m.lapsed_ranks), reconfiguring=m.reconfiguring, epoch_ends=ends,
         batch_size_notice=m.batch_size_notice or None,
+        sources=_mixture(m.sources) if m.HasField("sources") else None,
         worlds=tuple(WorldStatus(
             generation=w.generation, world_size=w.world_size, first_step=w.first_step,
             last_step=None if w.last_step < 0 else w.last_step,
@@ -108,3 +135,11 @@ def from_proto(m: pb.JobStatus) -> JobStatus:
             requested_at=w.requested_at, returned_samples=w.returned_samples,
             adopted_s=_none(w.adopted_seconds), first_batch_s=_none(w.first_batch_seconds))
             for w in m.worlds))
+
+
+def _mixture(m: pb.MixtureStatus) -> MixtureStatus:
+    return MixtureStatus(
+        m.epoch, m.mix_by,
+        tuple(SourceShareStatus(x.name, x.samples, x.loss_tokens, x.quarantined, x.share,
+                                x.target) for x in m.sources),
+        tuple(MixChangeStatus(c.step, c.by, dict(c.weights)) for c in m.changes))

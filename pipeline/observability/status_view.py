@@ -23,6 +23,9 @@ from pipeline.observability.job_status import (
     ComputeStatus,
     EpochEndStatus,
     JobStatus,
+    MemberStatus,
+    MixChangeStatus,
+    MixtureStatus,
     Planned,
     ProducerStatus,
     ProducerTrouble,
@@ -35,6 +38,7 @@ from pipeline.observability.job_status import (
     RefillStatus,
     ReplicaStatus,
     ServiceStatus,
+    SourceShareStatus,
     Throughput,
     Totals,
     WorldStatus,
@@ -45,7 +49,12 @@ from pipeline.planner.compute_fit import FEATURES
 if TYPE_CHECKING:
     from pipeline.config import TrainingJobConfig
     from pipeline.coordinator.refill_state import RefillCounts
-    from pipeline.jobstate.interface import ComputeFitStatus, JobState
+    from pipeline.jobstate.interface import (
+        ComputeFitStatus,
+        GroupHealth,
+        JobState,
+        SourceStatus,
+    )
     from pipeline.service.job_runtime import JobRuntime, ReplicaFacts
     from pipeline.service.refill_server import RefillJob
     from pipeline.service.server import RunningService
@@ -54,17 +63,22 @@ MAX_RECORDS = 1000  # quarantine records listed per job (the count is always exa
 
 
 def training_state(*, error: str | None, done: bool, published_through: int,
-                   final_steps: Sequence[int] | None, acked: Sequence[int]) -> str:
-    """failed | finished (every rank acked its last step) | draining (planning over, ranks still
-    consuming) | running | waiting (nothing published yet)."""
+                   final_steps: Sequence[int] | None, acked: Sequence[int],
+                   holders: Sequence[str | None] = ()) -> str:
+    """failed | finished (every rank acked its last step) | waiting for ranks (steps are
+    published, no rank has acked one or holds a lease yet) | draining (planning over, ranks
+    still consuming) | running | waiting (nothing published yet). `holders`: each rank's lease
+    holder (None or "": none)."""
     if error:
         return "failed"
-    if done:
-        if final_steps is not None and all(a >= f for a, f in zip(acked, final_steps,
-                                                                  strict=False)):
-            return "finished"
-        return "draining"
-    return "running" if published_through >= 0 else "waiting"
+    if done and final_steps is not None and all(a >= f for a, f in zip(acked, final_steps,
+                                                                       strict=False)):
+        return "finished"
+    if published_through < 0:
+        return "waiting"
+    if all(a < 0 for a in acked) and not any(holders):
+        return "waiting for ranks"
+    return "draining" if done else "running"
 
 
 def refill_state(done: bool) -> str:
@@ -120,6 +134,23 @@ def _records(entries: Sequence[Any]) -> tuple[QuarantineRecord, ...]:
                  for q in entries)
 
 
+def _members(group: GroupHealth, facts: ReplicaFacts | None) -> tuple[MemberStatus, ...]:
+    """A group's seats with their lag behind its most advanced member (and this replica's
+    stream of each, with `facts`)."""
+    ahead = max(m.acked for m in group.members)
+    out = []
+    for m in group.members:
+        replica = None
+        if facts is not None:
+            conn = facts.members.get((group.rank, m.index))
+            live = conn is not None and conn.client_id == m.client_id
+            replica = RankOnReplica(bool(live and conn.connected),
+                                    conn.delivered if live else -1)
+        out.append(MemberStatus(m.index, m.client_id, m.acked, ahead - m.acked, m.lapsed_for,
+                                m.heartbeat_age, m.released, replica))
+    return tuple(out)
+
+
 def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig | None = None,
                         open: bool | None = None, error: str | None = None,
                         tracker: PlanTotals | None = None, facts: ReplicaFacts | None = None,
@@ -138,6 +169,7 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
         published = state.published_through()
     now = time.time()
     lapsed = set(state.lapsed_ranks())
+    groups = {g.rank: g for g in state.group_health()}
     ranks = []
     for h in health:
         row: dict[str, Any] = {"rank": h.rank, "acked_step": h.acked,
@@ -155,6 +187,15 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
             row["replica"] = RankOnReplica(bool(conn and conn.connected),
                                            conn.delivered if conn else -1,
                                            facts.fetched_by_rank.get(h.rank, 0))
+        if h.rank in groups:
+            row["members"] = _members(groups[h.rank], facts)
+            if facts is not None:  # the group's streams here: connected if one is
+                seen = [m.replica for m in row["members"] if m.replica.delivered_step >= 0
+                        or m.replica.connected]
+                row["replica"] = RankOnReplica(
+                    any(r.connected for r in seen),
+                    max((r.delivered_step for r in seen), default=-1),
+                    facts.fetched_by_rank.get(h.rank, 0))
         ranks.append(RankStatus(**row))
     counts = state.counters()
     done = state.is_done()
@@ -177,7 +218,8 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
     return JobStatus(
         job_id=job_id, mode=state.mode,
         state=training_state(error=error, done=done, published_through=published,
-                             final_steps=finals, acked=acked),
+                             final_steps=finals, acked=acked,
+                             holders=[h.client_id for h in health]),
         done=done, error=error, open=open, world_size=state.head().world_size,
         epochs=job.epochs if job else None, published_through=published,
         samples_in=counts.samples_in,
@@ -199,7 +241,20 @@ def training_job_status(job_id: str, state: JobState, *, job: TrainingJobConfig 
                                     _records(state.quarantine(records)) if records else None),
         replica=None if replica_id is None else ReplicaStatus(
             replica_id, facts.uptime_s if facts else None),
-        batch_size_notice=batch_size_notice, compute=compute_status(state.compute_fit()))
+        batch_size_notice=batch_size_notice, compute=compute_status(state.compute_fit()),
+        sources=mixture_status(state.source_status()))
+
+
+def mixture_status(status: SourceStatus | None) -> MixtureStatus | None:
+    """A mixture job's sources as status shows them (None: one source, or nothing planned)."""
+    if status is None:
+        return None
+    return MixtureStatus(
+        status.epoch, status.mix_by,
+        tuple(SourceShareStatus(s.name, s.samples, s.loss_tokens, s.quarantined,
+                                round(status.share(i), 6), s.target)
+              for i, s in enumerate(status.sources)),
+        tuple(MixChangeStatus(n, by, dict(w)) for n, by, w in status.changes))
 
 
 def compute_status(fit: ComputeFitStatus | None) -> ComputeStatus | None:
@@ -284,7 +339,8 @@ class ServiceView:
         with self._lock:
             pt = self._totals.get(rt.job.job_id)
             if pt is None or pt.state is not rt.state:
-                pt = self._totals[rt.job.job_id] = PlanTotals(rt.state, rt.collate)
+                pt = self._totals[rt.job.job_id] = PlanTotals(rt.state, rt.collate,
+                                                               rt.job.batching.pad_to_multiple or 1)
             return pt
 
     def job_ids(self) -> list[str]:

@@ -12,6 +12,7 @@ load) raise `EmbeddingError`/`EncoderError` naming the setting. Ray must be init
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,7 +156,7 @@ def embed_dataset(job: TrainingJobConfig, *, limit: int | None = None,
     else:
         made_by, _ = resolve_model(cfg.model or DEFAULT_MODEL)  # fails fast, before Ray
     key = embedding_cache.content_key(files, made_by, TEXT_RECIPE, limit)
-    path = embedding_cache.table_path(embedding_cache.cache_dir(job, files), made_by, key)
+    path = embedding_cache.table_path(embedding_cache.cache_dir(job), made_by, key)
     table = embedding_cache.load_table(path)
     if table is not None:
         return Embeddings(table, path, cached=True)
@@ -170,9 +171,16 @@ def embed_dataset(job: TrainingJobConfig, *, limit: int | None = None,
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         n = min(concurrency or max(1, int(ray.cluster_resources().get("CPU", 1))), len(chunks))
-        ds = ds.map_batches(_EmbedChunks, fn_constructor_args=(cfg.model, cfg.column),
-                            compute=ray.data.ActorPoolStrategy(size=n), batch_size=1,
-                            batch_format="pyarrow", num_cpus=1)
+        # No actor restarts: a restartable actor whose constructor arguments are in the object
+        # store (Ray Data puts every pool's there) makes Ray print "the actor restart will fail"
+        # at every start; an embedding actor that dies fails the embedding, which its caller
+        # retries (the cache keeps nothing half-made). (Ray 2.60 takes max_restarts as an extra
+        # remote argument and warns that those are deprecated.)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`ray_remote_args` is deprecated")
+            ds = ds.map_batches(_EmbedChunks, fn_constructor_args=(cfg.model, cfg.column),
+                                compute=ray.data.ActorPoolStrategy(size=n), batch_size=1,
+                                batch_format="pyarrow", num_cpus=1, max_restarts=0)
         try:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 rows += zip(*(batch.column(c).to_pylist() for c in _SCHEMA.names), strict=True)

@@ -1,12 +1,12 @@
-"""The embedding cache beside the dataset: one file per (model, content), and the graph beside it.
+"""The embedding cache: one file per (model, content), and the graph beside it.
 
 Key: a hash of what the vectors depend on and nothing else: the model identity (name and
 package version, or folder digest) or the column name, the text recipe, the row limit, and every
 source file's name and bytes. Augmentation is not in it (embeddings are taken before it), so
 every epoch and every job on the same data shares one file. Where: `organization.embedding.
-cache_dir`, else `.odb-embeddings/` beside the first source file (for a URI source, in
-`~/.cache/odb-pipeline/embeddings`). Files are written to a temporary name and renamed, so a
-reader never sees half a file.
+cache_dir`, else `embeddings/` in the cache dir (`config.default_cache_dir()`: never beside the
+data, so a dataset in a checkout leaves it clean). Files are written to a temporary name and
+renamed, so a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import TrainingJobConfig
+from pipeline.config import TrainingJobConfig, default_cache_dir
 from pipeline.errors import UserError
 from pipeline.organization.embedding_table import EmbeddingTable
 from pipeline.organization.knn_graph import KnnGraph
 from pipeline.preprocess.sample import QuarantinedRecord
-from pipeline.preprocess.sources import SourceFile, is_remote, open_input
+from pipeline.preprocess.sources import SourceFile, open_input
 from pipeline.quarantine import QuarantineReason
 
 _READ = 8 * 1024 * 1024
@@ -45,14 +45,10 @@ def content_key(files: list[SourceFile], made_by: str, recipe: str, limit: int |
     return h.hexdigest()
 
 
-def cache_dir(job: TrainingJobConfig, files: list[SourceFile]) -> Path:
+def cache_dir(job: TrainingJobConfig) -> Path:
     configured = job.organization.embedding.cache_dir
-    if configured:
-        return Path(configured).expanduser()
-    first = files[0].path
-    if is_remote(first):
-        return Path.home() / ".cache" / "odb-pipeline" / "embeddings"
-    return Path(first.removeprefix("file://")).resolve().parent / ".odb-embeddings"
+    return Path(configured).expanduser() if configured else Path(default_cache_dir(),
+                                                                  "embeddings")
 
 
 def table_path(folder: Path, made_by: str, key: str) -> Path:

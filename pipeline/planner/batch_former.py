@@ -25,6 +25,9 @@ can take the next longest ones instead without breaking the budget). Cutting the
 by score left fragments behind: on epochs the window holds almost whole, 3% more batches than
 the oracle (bench/planner_bench.py, "epoch sizes").
 
+With `pad_to_multiple` the former works on the lengths as sent (each rounded up to the
+multiple: `CostModel.sent_length`), so its batches fit the budget padding included.
+
 Packed collate has no padding: it is bin packing, done best-fit-decreasing on the window (the
 longest sample, then repeatedly the longest that still fits).
 
@@ -59,6 +62,9 @@ class BatchFormer:
         self._budget = policy.token_budget
         self._vcap = policy.max_visual_tokens
         self._padded = policy.cost_model.padded
+        self._multiple = policy.cost_model.pad_to_multiple
+        self._sent = policy.cost_model.sent_length
+        self._max_alone = policy.max_alone_tokens  # n fits alone iff n <= this (padded)
         self._cap_samples = policy.max_window_samples
         # Merge and cut in chunks: cut down to 15/16 of either bound so the next arrivals fit.
         self._target_samples = self._cap_samples - max(1, self._cap_samples // 16)
@@ -95,12 +101,13 @@ class BatchFormer:
 
     def add(self, sample: MeasuredSample) -> list[list[MeasuredSample]]:
         """Take one sample; returns the batches cut because the window filled (often none)."""
-        if not 0 < sample.num_tokens <= self._budget or (
+        if not 0 < sample.num_tokens <= self._max_alone or (
             self._vcap is not None and sample.num_visual_tokens > self._vcap
         ):
             raise ValueError(f"sample does not fit a batch on its own: {sample!r}")
         self._pending.append(sample)
-        self._tokens += sample.num_tokens
+        m = self._multiple
+        self._tokens += sample.num_tokens if m == 1 else -(-sample.num_tokens // m) * m
         if self._tokens < self._cap_tokens and len(self) < self._cap_samples:
             return []
         self._merge()
@@ -118,7 +125,7 @@ class BatchFormer:
         it that fit (GMT's cut, see the module docstring). Packed: best-fit-decreasing.
         """
         self._pending.extend(also)
-        self._tokens += sum(x.num_tokens for x in also)
+        self._tokens += sum(self._sent(x.num_tokens) for x in also)
         self._merge()
         if not self._padded:
             out: list[list[MeasuredSample]] = []
@@ -150,6 +157,8 @@ class BatchFormer:
         )
         self._next_seq += n
         lens = np.fromiter((s.num_tokens for s in self._pending), dtype=np.int64, count=n)
+        if self._multiple > 1:  # the lengths as sent: every cost below is on them
+            lens = -(-lens // self._multiple) * self._multiple
         vis = np.fromiter((s.num_visual_tokens for s in self._pending), dtype=np.int64, count=n)
         self._pending = []
         # k - 1 per sample, k = how many samples of its length fit the budget (>= 1); and the

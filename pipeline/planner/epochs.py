@@ -6,21 +6,25 @@ as it goes, and does not use this.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Iterator, Sequence
 
+from pipeline.order.epoch_order import EpochOrder, Segment
+from pipeline.order.read_units import rows_layout
 from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import MeasuredSample, PlanEvent
 
 
 def epoch_order(samples: Iterable[MeasuredSample], epoch: int, *, seed: int,
                 shuffle: bool) -> Iterable[MeasuredSample]:
-    """An epoch's samples as given, or (`shuffle`) shuffled by (seed, epoch)."""
+    """An epoch's samples as given, or (`shuffle`) in the order the service reads a file of
+    these rows in (pipeline/order/: seeded by (seed, epoch), units of 64 rows permuted, then
+    shuffled in blocks)."""
     if not shuffle:
         return samples
-    order = list(samples)
-    random.Random(f"odb-plan-shuffle:{seed}:{epoch}").shuffle(order)
-    return order
+    given = list(samples)
+    order = EpochOrder(seed, epoch, [rows_layout("samples", len(given))],
+                       [Segment(0, (len(given),))])
+    return [given[p.row] for p in order.placements()]
 
 
 def plan_epoch(planner: StepPlanner, samples: Iterable[MeasuredSample], *,

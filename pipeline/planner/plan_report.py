@@ -58,7 +58,7 @@ class PlanReport:
     def observe(self, ev: PlanEvent) -> None:
         budget = self.policy.token_budget
         vcap = self.policy.max_visual_tokens
-        padded = self.policy.cost_model.padded
+        cm = self.policy.cost_model
         if isinstance(ev, Step):
             self.steps += 1
             ranks = ev.ranks()
@@ -72,7 +72,7 @@ class PlanReport:
                 per_rank[b.rank] += b.cost
                 n = len(b.samples)
                 lens = [b.truncated_to.get(s.sample_id, s.num_tokens) for s in b.samples]
-                self.padded_tokens += n * max(lens) if padded else sum(lens)
+                self.padded_tokens += cm.token_cost(lens)  # as sent (pad_to_multiple)
                 if not b.over_budget:
                     if b.cost > budget:
                         self.budget_violations += 1

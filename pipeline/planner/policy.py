@@ -37,6 +37,9 @@ class BatchingPolicy:
     attn_a/attn_b: compute model `a*L + b*L^2`, used to balance ranks (not to cap batches).
     ramp_up: an epoch's planning starts small and grows (see `StepPlanner`): its first step
         comes after a few budgets of samples instead of the full window and pool.
+    pad_to_multiple: every sequence is sent padded to a multiple of this (None: not padded;
+        see `CostModel`): costs, the budget and the over-budget policy apply to the padded
+        lengths, so a sample fits alone when its padded length does (`max_sample_tokens`).
     global_token_budget: the cost of one optimizer step, all ranks together (None: a step is W
         batches of up to `token_budget`, today's planning). With it a step's samples do not
         depend on the world size: formed batches (now micro-batches, each within
@@ -53,6 +56,7 @@ class BatchingPolicy:
     max_window_samples: int = MAX_WINDOW_SAMPLES
     over_budget: OverBudgetPolicy = OverBudgetPolicy.ALONE
     ramp_up: bool = True
+    pad_to_multiple: int | None = None
     global_token_budget: int | None = None
 
     def __post_init__(self) -> None:
@@ -96,6 +100,11 @@ class BatchingPolicy:
         ws = self.max_window_samples
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise ValueError(f"max_window_samples must be an integer >= 1, got {ws!r}")
+        m = self.pad_to_multiple
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int)
+                              or not 1 <= m <= self.token_budget):
+            raise ValueError(f"pad_to_multiple must be an integer in [1, token_budget "
+                             f"({self.token_budget})] or None, got {m!r}")
         self.cost_model  # validates attn_a / attn_b  # noqa: B018
 
     @property
@@ -105,4 +114,11 @@ class BatchingPolicy:
 
     @property
     def cost_model(self) -> CostModel:
-        return CostModel(self.collate, self.attn_a, self.attn_b)
+        return CostModel(self.collate, self.attn_a, self.attn_b, self.pad_to_multiple or 1)
+
+    @property
+    def max_alone_tokens(self) -> int:
+        """The longest sample that fits a batch alone: the budget, or with `pad_to_multiple`
+        the largest multiple of it within the budget (what truncation cuts to)."""
+        m = self.pad_to_multiple or 1
+        return self.token_budget // m * m

@@ -62,6 +62,7 @@ from pipeline.planner.compute_fit import ComputeModel, batch_features
 from pipeline.planner.micro_split import filler_of, split_step, split_to_fill
 from pipeline.planner.policy import BatchingPolicy
 from pipeline.planner.rank_balancer import group_by_cost, rank_order
+from pipeline.planner.source_shares import SourceShares
 from pipeline.planner.types import (
     Batch,
     EpochEnd,
@@ -76,6 +77,10 @@ from pipeline.planner.types import (
 from pipeline.quarantine import QuarantineReason
 
 RAMP_FIRST_BUDGETS = 16  # the window of an epoch's first step, in token budgets (see above)
+# A mixture's global steps choose their micro-batches out of at least this many formed ones
+# (and at least 4 steps' worth): the reservoir the source shares pick from, the same at any
+# world size (docs/data-order.md).
+SHARE_RESERVOIR = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +107,16 @@ class PlannerState:
     # current epoch (the window's ramp counts the global steps formed in the epoch).
     optimizer_step: int | None = None
     epoch_first_optimizer_step: int | None = None
+    # A mixture's source shares (source_shares.py): its targets and deficits (None: no mixture).
+    source_shares: dict | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready form (sample ids stay int or str), e.g. to keep in Redis."""
 
         def smp(s: MeasuredSample) -> list:
-            return [s.sample_id, s.num_tokens, s.num_visual_tokens, s.loss_tokens]
+            # (its mixture source only when it has one: a state without encodes as before)
+            out = [s.sample_id, s.num_tokens, s.num_visual_tokens, s.loss_tokens]
+            return [*out, s.source] if s.source else out
 
         d = {
             "epoch": self.epoch,
@@ -133,12 +142,15 @@ class PlannerState:
         if self.optimizer_step is not None:  # global steps only
             d["optimizer_step"] = self.optimizer_step
             d["epoch_first_optimizer_step"] = self.epoch_first_optimizer_step
+        if self.source_shares is not None:  # a mixture only
+            d["source_shares"] = self.source_shares
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> PlannerState:
         def smp(x: list) -> MeasuredSample:
-            return MeasuredSample(x[0], int(x[1]), int(x[2]), int(x[3]) if len(x) > 3 else 0)
+            return MeasuredSample(x[0], int(x[1]), int(x[2]), int(x[3]) if len(x) > 3 else 0,
+                                  int(x[4]) if len(x) > 4 else 0)
 
         return cls(
             epoch=int(d["epoch"]),
@@ -162,6 +174,7 @@ class PlannerState:
                            if "compute_model" in d else None),
             optimizer_step=d.get("optimizer_step"),
             epoch_first_optimizer_step=d.get("epoch_first_optimizer_step"),
+            source_shares=d.get("source_shares"),
         )
 
 
@@ -203,7 +216,9 @@ class StepPlanner:
         self.world = WorldStamp(generation, world_size)  # stamped on every Step and EpochEnd
         self.seed = int(seed)
         self._cm = policy.cost_model
+        self._sent = self._cm.sent_length  # a length as the collate sends it (pad_to_multiple)
         self._budget = policy.token_budget
+        self._max_alone = policy.max_alone_tokens  # n fits alone iff n <= this (padded)
         self._vcap = policy.max_visual_tokens
         self._pool_target = pool_size(world_size, pool_steps)  # at full size
         self._pool_now = self._pool_target  # while ramping up: smaller (see `_ramp`)
@@ -221,6 +236,7 @@ class StepPlanner:
         self._global = policy.global_token_budget  # None: classic steps of W batches
         self.next_optimizer_step = 0  # global steps: the next new step's ordinal
         self._epoch_first_opt = 0
+        self._shares: SourceShares | None = None  # a mixture's source shares (set_source_targets)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -230,10 +246,12 @@ class StepPlanner:
         if not self._epoch_started:
             self._start_epoch(events)
         self.samples_consumed += 1
+        if self._shares is not None:
+            self._shares.observe(sample)
         n = sample.num_tokens
         v = sample.num_visual_tokens
         pooled = len(self._pool)
-        if 0 < n <= self._budget and v >= 0 and (self._vcap is None or v <= self._vcap):
+        if 0 < n <= self._max_alone and v >= 0 and (self._vcap is None or v <= self._vcap):
             # Fast path (nearly every sample): in budget, straight into the window.
             cut = self._former.add(sample)
             if cut:
@@ -251,6 +269,18 @@ class StepPlanner:
         """Balance the steps released from now on by `model` (None: by the policy's cost).
         Which samples an epoch holds never depends on it: only their rank and step do."""
         self.compute_model = model
+
+    def set_source_targets(self, counts: Sequence[int], by: str = "samples") -> None:
+        """A mixture: keep each source's share of what is emitted at its part of what the
+        epoch has left (`counts`: the samples of each source the epoch holds, after a mixture
+        change the ones read before it plus the rest's new counts), counted in samples or loss
+        tokens (`by`). Which formed unit goes next is chosen by the shares
+        (`source_shares.py`): classic, which step of the pool; global, which micro-batches a
+        step takes."""
+        if self._shares is None or self._shares.sources != len(counts) or (
+                self._shares.by != by):
+            self._shares = SourceShares(len(counts), by)
+        self._shares.set_counts(counts)
 
     def feed_many(self, samples: Iterable[MeasuredSample]) -> list[PlanEvent]:
         events: list[PlanEvent] = []
@@ -389,6 +419,7 @@ class StepPlanner:
             compute_model=self.compute_model,
             optimizer_step=None if self._global is None else self.next_optimizer_step,
             epoch_first_optimizer_step=None if self._global is None else self._epoch_first_opt,
+            source_shares=None if self._shares is None else self._shares.snapshot(),
         )
 
     @classmethod
@@ -427,6 +458,8 @@ class StepPlanner:
         elif state.optimizer_step is not None:
             raise ValueError("state was planned with global_token_budget; the policy has none "
                              "(a job keeps its batching settings)")
+        if state.source_shares is not None:
+            p._shares = SourceShares.restore(state.source_shares)
         p._ramp()
         for s in state.window:
             # The window was below both of its bounds, so re-adding cuts nothing; the same
@@ -445,6 +478,8 @@ class StepPlanner:
         self._epoch_first_step = self.next_step
         self._epoch_first_opt = self.next_optimizer_step
         self._last_step = [None] * self.world_size
+        if self._shares is not None:  # each epoch holds its own shares
+            self._shares.reset_epoch()
         self._ramp()
         carry, self._carry = self._carry, ()
         for s in carry:  # carried samples open the epoch (already admitted once: in budget)
@@ -459,7 +494,7 @@ class StepPlanner:
                                       f"num_tokens={n}, num_visual_tokens={v}"))
             return
         vis_over = self._vcap is not None and v > self._vcap
-        tok_over = n > self._budget
+        tok_over = n > self._max_alone
         if not (vis_over or tok_over):
             for b in self._former.add(s):
                 self._pool.append(PendingBatch(tuple(b)))
@@ -476,11 +511,14 @@ class StepPlanner:
                 events.append(Quarantined(s, QuarantineReason.OVER_VISUAL_CAP, why))
             return
         why = f"num_tokens={n} exceeds token_budget={self._budget}"
+        if self._sent(n) != n:
+            why = f"num_tokens={n} (padded to {self._sent(n)}) exceeds token_budget={self._budget}"
+        keep = self._max_alone  # (a multiple of pad_to_multiple)
         if pol is OverBudgetPolicy.ALONE:
             self._pool.append(PendingBatch((s,), over_budget=True))
-        elif pol is OverBudgetPolicy.TRUNCATE and v <= self._budget:
+        elif pol is OverBudgetPolicy.TRUNCATE and v <= keep:
             self._pool.append(
-                PendingBatch((s,), over_budget=True, truncated_to=((s.sample_id, self._budget),))
+                PendingBatch((s,), over_budget=True, truncated_to=((s.sample_id, keep),))
             )
         else:
             if pol is OverBudgetPolicy.TRUNCATE:  # the image tokens alone exceed the budget
@@ -548,6 +586,13 @@ class StepPlanner:
         rest: list[int] = []
         if groups and len(groups[-1]) < w and not (final and self.mode is JobMode.JOIN):
             rest = sorted(groups.pop())
+        if self._shares is not None:
+            # A mixture: the step that keeps the sources' shares goes next, and only until the
+            # pool is below its target again (its batches are the shares' reservoir).
+            groups, rest = self._by_shares(pool, costs, w, keep=0 if final else self._pool_now - 1)
+            if rest and final and self.mode is JobMode.JOIN:  # the partial last step
+                groups.append(rest)
+                rest = []
         for group in groups:
             self._emit_step([pool[i] for i in group], events)
         self._ramp()
@@ -557,13 +602,35 @@ class StepPlanner:
             return []
         return left
 
+    def _by_shares(self, pool: list[PendingBatch], costs: list[float], w: int, keep: int
+                   ) -> tuple[list[list[int]], list[int]]:
+        """Steps of `w` batches out of the pool, each the run of `w` neighbours in cost order
+        (balanced as `group_by_cost` makes them) that the source shares pick, until at most
+        `keep` batches are left (at least one step): (the steps, the batches left)."""
+        shares = self._shares
+        assert shares is not None
+        order = sorted(range(len(pool)), key=lambda i: (-costs[i], i))
+        amounts = {i: shares.amounts(pool[i].samples) for i in order}
+        chosen: list[list[int]] = []
+        while len(order) >= w and (not chosen or len(order) > keep):
+            runs = [[sum(x) for x in zip(*(amounts[i] for i in order[j:j + w]), strict=True)]
+                    for j in range(len(order) - w + 1)]
+            j = shares.pick_amounts(runs)
+            group, order = order[j:j + w], order[:j] + order[j + w:]
+            chosen.append(group)
+            shares.take([s for i in group for s in pool[i].samples])
+        return chosen, sorted(order)
+
     def _release_global(self, events: list[PlanEvent], final: bool) -> None:
         """Global steps: cut the pool, in formation order, into steps of up to G (at least one
         formed batch each); the last run stays pooled while it might take more, unless
         `final`."""
+        if self._shares is not None:
+            self._release_global_shares(events, final)
+            return
         g = self._global
-        # The formed batch a step takes next is the next in formation order: the one point
-        # where a global step's content is chosen (a mixture's source shares choose here).
+        # The formed batch a step takes next is the next in formation order (a mixture's
+        # source shares choose instead: `_release_global_shares`).
         pool = self._pool
         start = 0
         while start < len(pool):
@@ -579,6 +646,37 @@ class StepPlanner:
             self._emit_global(pool[start:k], events)
             start = k
         self._pool = pool[start:]
+        self._ramp()
+
+    def _release_global_shares(self, events: list[PlanEvent], final: bool) -> None:
+        """A mixture's global steps: each takes, out of a reservoir of formed micro-batches
+        (`SHARE_RESERVOIR`, at least four steps' worth: never sized by W), the one the source
+        shares pick next among those that still fit G, until none does."""
+        g = self._global
+        shares = self._shares
+        assert g is not None and shares is not None
+        per_step = -(-g // self._budget)
+        reservoir = max(SHARE_RESERVOIR, 4 * per_step)
+        if self.policy.ramp_up:  # it grows with the steps formed, as the window does (_ramp)
+            k = min(30, self.next_optimizer_step - self._epoch_first_opt)
+            reservoir = min(reservoir, per_step << k)
+        pool = self._pool
+        costs = [self._cm.token_cost(pb.lengths()) for pb in pool]
+        amounts = [shares.amounts(pb.samples) for pb in pool]
+        while pool and (final or len(pool) >= reservoir):
+            take: list[PendingBatch] = []
+            acc = 0
+            while pool:  # the pick among the formed batches that still fit (any, at first)
+                fits = [k for k in range(len(pool)) if not take or acc + costs[k] <= g]
+                if not fits:
+                    break
+                k = fits[shares.pick_amounts([amounts[k] for k in fits])]
+                take.append(pool.pop(k))
+                acc += costs.pop(k)
+                amounts.pop(k)
+                shares.take(take[-1].samples)
+            self._emit_global(take, events)
+        self._pool = pool
         self._ramp()
 
     def _emit_global(self, units: list[PendingBatch], events: list[PlanEvent],

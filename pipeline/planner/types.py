@@ -37,6 +37,9 @@ class MeasuredSample:
     # step's all-rank loss-token total is known from metadata alone (Guarantee 6): whoever sends
     # one rank its batch never needs the other ranks' payloads.
     loss_tokens: int = 0
+    # The mixture source it comes from (its index in `source.mixture`; 0 without a mixture):
+    # what the planner keeps each source's share by (source_shares.py).
+    source: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,16 +1,26 @@
 """Ray Data wiring: the preprocessing plan, the ordered sample stream, and random access by id.
 
-Plan: the driver indexes the sources and cuts them into chunks of whole rows (sources.py), as
-many rows per chunk as one task's output target holds (task_size.py: a chat file keeps 256, a
-file of 1024 x 1024 images ~10); the chunks become a Ray dataset (one chunk per input block)
-mapped by a pool of Ray workers. Each worker builds the tokenizer/template/image processor once
-(per-process cache in task mode, the default, which Ray keeps warm across datasets/epochs; or
-once per actor with `_ChunkActor`) and processes a chunk per call, yielding it in parts of about
-`preprocess.task_output_mb` as they are done (one batched tokenizer call per part; a chunk of
-chats is one part; a part of images leaves as a block at once). JSONL is not read with
-`read_json`/`read_text` on purpose: they would fail on a bad line or lose exact line numbers.
-Order is preserved (file order, then row order) and the object-store budget is capped so a
-paused consumer stops the producers (backpressure), between the blocks of one task too.
+Plan: the epoch's order (pipeline/order/: a seeded permutation by default, file order with
+`source.shuffle: false`) comes in blocks; a block is a bounded stretch of the epoch whose rows
+come from a few hundred read units. Two stages:
+
+1. *read* (one task per block, light on CPU): reads the block's units (block_reader.py: one
+   read per unit, never per row), arranges the rows in the order's sequence, and hands them on
+   in chunks of as many rows as one processing task's output target holds (task_size.py: a chat
+   keeps 256 rows, a file of 1024 x 1024 images ~10), each chunk a block of its own;
+2. *process* (a pool of Ray workers): each worker builds the tokenizer/template/image processor
+   once (per-process cache in task mode, the default, which Ray keeps warm across
+   datasets/epochs; or once per actor with `_ChunkActor`) and processes a chunk per call,
+   yielding it in parts of about `preprocess.task_output_mb` as they are done (one batched
+   tokenizer call per part; a chunk of chats is one part; a part of images leaves as a block at
+   once).
+
+JSONL is not read with `read_json`/`read_text` on purpose: they would fail on a bad line or lose
+exact line numbers. Order is preserved (the order's sequence: what every reader of the epoch
+sees) and the object-store budget is capped so a paused consumer stops the producers
+(backpressure), between the blocks of one task too. A block's raw rows are held only while its
+chunks are processed: the shuffle's buffer is raw source bytes (`source.shuffle_block_mb`), not
+preprocessed payloads.
 
 Random access (`SampleStore`) runs the very same `Processor` in-process on one row re-read from
 the source by its cached byte offset, so it returns byte-identical samples to the stream.
@@ -18,7 +28,6 @@ the source by its cached byte offset, so it returns byte-identical samples to th
 
 from __future__ import annotations
 
-import functools
 import os
 import pickle
 import threading
@@ -30,21 +39,20 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.config import JobConfig, job_from_json
+from pipeline.order.cursor import OrderCursor
+from pipeline.order.epoch_order import OrderBlock
+from pipeline.order.job_order import JobOrder
+from pipeline.preprocess.block_reader import read_block
 from pipeline.preprocess.process import Processor, split_sample_id
 from pipeline.preprocess.rows import SCHEMA, from_table, to_table
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
-from pipeline.preprocess.sources import (
-    Chunk,
-    expand_sources,
-    plan_chunks,
-    read_chunk,
-    read_row,
-)
+from pipeline.preprocess.sources import SourceFile, expand_sources, read_row
 from pipeline.preprocess.task_size import rows_per_task, task_bytes
 
 Item = ProcessedSample | QuarantinedRecord
 
 DEFAULT_COMPUTE = "tasks"
+READ_TASK_CPUS = 0.25  # a read task waits on storage; it must not take a processing core
 # The object-store budget of the preprocessing stream is `preprocess.object_store_mb`. Ray's
 # default (unbounded for this op) produced the whole epoch while the consumer was paused; a cap
 # makes producers wait. It must hold a few blocks (each about `preprocess.task_output_mb`): a
@@ -90,16 +98,43 @@ def _one_thread_tokenizer() -> None:
 
 
 def _process_chunks(processor: Processor, batch: pa.Table) -> Iterator[pa.Table]:
+    """A chunk of raw rows (`RawRow`s, in the order's sequence) as Arrow tables of about
+    `preprocess.task_output_mb` each (a chunk of chats: one table), each yielded once done."""
     for blob in batch.column("chunk").to_pylist():
-        yield from _chunk_parts(processor, pickle.loads(blob))
+        for items in processor.process_parts(pickle.loads(blob), task_bytes(processor.job)):
+            yield to_table(items)
 
 
-def _chunk_parts(processor: Processor, chunk: Chunk) -> Iterator[pa.Table]:
-    """The chunk's items as Arrow tables of about `preprocess.task_output_mb` each (a chunk of
-    chats: one table), each yielded as soon as it is done."""
-    for items in processor.process_parts(chunk.file, read_chunk(chunk),
-                                         task_bytes(processor.job)):
-        yield to_table(items)
+@dataclass(frozen=True)
+class _BlockTask:
+    """One read task: an order block, its sources' files, the positions of it to hand on
+    ([skip, take)), and how to cut them into chunks."""
+
+    block: OrderBlock
+    files: tuple[tuple[SourceFile, ...], ...]
+    skip: int
+    take: int
+    chunk_rows: tuple[float, ...]  # per source: rows one processing task holds
+
+
+def _read_blocks(batch: pa.Table) -> Iterator[pa.Table]:
+    """Read stage: a block's rows in order, handed on in chunks (each chunk a table of one row,
+    which the streaming repartition keeps a block of its own: a processing task each)."""
+    for blob in batch.column("block").to_pylist():
+        task: _BlockTask = pickle.loads(blob)
+        rows = read_block(task.block, task.files, task.skip)[:task.take - task.skip]
+        per_row = {f.source: 1.0 / task.chunk_rows[s] for s, fs in enumerate(task.files)
+                   for f in fs}
+        chunk: list = []
+        fill = 0.0
+        for r in rows:
+            chunk.append(r)
+            fill += per_row[r[0].source]
+            if fill >= 1.0 - 1e-9:
+                yield pa.table({"chunk": [pickle.dumps(chunk)]})
+                chunk, fill = [], 0.0
+        if chunk:
+            yield pa.table({"chunk": [pickle.dumps(chunk)]})
 
 
 class _ChunkActor:
@@ -129,24 +164,47 @@ def _chunk_task(batch: pa.Table, job_json: str, epoch: int) -> Iterator[pa.Table
     return _process_chunks(proc, batch)
 
 
+def _block_tasks(job: JobConfig, epoch: int, cursor: OrderCursor, limit: int | None,
+                 chunk_rows: int | None, order: JobOrder | None) -> list[_BlockTask]:
+    """The read tasks of an epoch from the cursor's position: one per block of its order."""
+    order = order or JobOrder(job.source, job.seed)
+    epoch_order = order.epoch(epoch, cursor)
+    files = tuple(lay.files for lay in order.layouts)
+    if chunk_rows is not None:
+        per_source = tuple(float(chunk_rows) for _ in files)
+    else:  # each source's rows per task from its first file's rows (task_size.py)
+        per_source = tuple(float(rows_per_task(job, fs[0])) for fs in files)
+    start = cursor.position
+    end = epoch_order.size if limit is None else min(epoch_order.size, start + limit)
+    tasks = []
+    for block in epoch_order.blocks(start):
+        if block.start >= end:
+            break
+        tasks.append(_BlockTask(block, files, max(0, start - block.start),
+                                min(len(block), end - block.start), per_source))
+    return tasks
+
+
 def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
-                  limit: int | None = None, chunk_rows: int | None = None,
-                  concurrency: int | None = None, compute: str = DEFAULT_COMPUTE,
-                  object_store_limit: int | None = None) -> Any:
+                  cursor: OrderCursor | None = None, limit: int | None = None,
+                  chunk_rows: int | None = None, concurrency: int | None = None,
+                  compute: str = DEFAULT_COMPUTE, object_store_limit: int | None = None,
+                  order: JobOrder | None = None) -> Any:
     """The Ray Data plan of one epoch (lazy `ray.data.Dataset`; rows follow `rows.SCHEMA`).
 
     Columns: sample_id, source, row, num_tokens, num_visual_tokens, cost, truncated, input_ids,
     labels, pixel_values (+pixel_dim, pixel_dtype), image_grid_thw, quarantine_reason,
     quarantine_detail;
     arrays are little-endian bytes (see rows.py; `rows.from_row` turns a row into a sample).
-    `start_row` leaves out the first rows of the stream (all sources, in order), `limit` keeps
-    at most that many rows after it. `chunk_rows` = rows per task; None (the service) = as
-    many as `preprocess.task_output_mb` holds (task_size.py). `concurrency` = a fixed number
-    of parallel workers;
-    None (the service) = as many as the cluster has CPUs for, at every moment: nothing is
-    frozen at epoch start, so a growing cluster (the KubeRay autoscaler sees the pending tasks)
-    is used at once; `compute` = "tasks" (pooled workers, warm across epochs) or "actors"
-    (an autoscaling actor pool).
+    Rows come in the epoch's order (pipeline/order/), from position `start_row` (or the
+    `cursor`'s position, which also carries the mixture changes in force); `limit` keeps at most
+    that many rows after it. `chunk_rows` = rows per task; None (the service) = as many as
+    `preprocess.task_output_mb` holds (task_size.py). `concurrency` = a fixed number of
+    parallel workers; None (the service) = as many as the cluster has CPUs for, at every
+    moment: nothing is frozen at epoch start, so a growing cluster (the KubeRay autoscaler sees
+    the pending tasks) is used at once; `compute` = "tasks" (pooled workers, warm across
+    epochs) or "actors" (an autoscaling actor pool). `order`: the job's order, if the caller
+    holds it (it reads every file's index to build one).
     Ray must be initialized by the caller.
     """
     import ray
@@ -156,13 +214,14 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
         # Ray Data would silently start a default local cluster (token auth, workers at nice
         # 15); the service and the CLI start Ray with the settings they need.
         raise RuntimeError("Ray is not initialized: call ray.init(...) before preprocessing")
-    files = expand_sources(job.source)
-    rows = functools.partial(rows_per_task, job) if chunk_rows is None else chunk_rows
-    chunks = plan_chunks(files, rows, start_row, limit)
-    if not chunks:
+    if compute not in ("tasks", "actors"):
+        raise ValueError(f"compute must be 'tasks' or 'actors', got {compute!r}")
+    cursor = cursor or OrderCursor(start_row)
+    tasks = _block_tasks(job, epoch, cursor, limit, chunk_rows, order)
+    if not tasks:
         return ray.data.from_arrow(SCHEMA.empty_table())
-    ds = ray.data.from_items([{"chunk": pickle.dumps(c)} for c in chunks],
-                             override_num_blocks=len(chunks))
+    ds = ray.data.from_items([{"block": pickle.dumps(t)} for t in tasks],
+                             override_num_blocks=len(tasks))
     ctx = ds.context  # this dataset's own copy: the caller's global DataContext is untouched
     ctx.execution_options.preserve_order = True  # deterministic stream order
     ctx.execution_options.resource_limits = ExecutionResources(
@@ -170,35 +229,44 @@ def build_dataset(job: JobConfig, epoch: int, *, start_row: int = 0,
     ctx.target_max_block_size = task_bytes(job)  # a task's parts, gathered into blocks
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    n = min(concurrency, len(chunks)) if concurrency else None
+    # Reading is I/O: little CPU, and two blocks at most (one being processed, the next; an
+    # epoch of one block: one, or Ray Data warns the pool is larger than its input).
+    ds = ds.map_batches(_read_blocks, batch_size=1, batch_format="pyarrow",
+                        num_cpus=READ_TASK_CPUS,
+                        compute=ray.data.TaskPoolStrategy(size=min(2, len(tasks))))
+    ds = ds.repartition(target_num_rows_per_block=1)  # one chunk, one processing task
     common = {"batch_size": 1,  # one chunk per call: it is already sized for one task
               "batch_format": "pyarrow", "num_cpus": 1}
     if compute == "actors":
-        pool = (ray.data.ActorPoolStrategy(size=n) if n else
-                ray.data.ActorPoolStrategy(min_size=1, max_size=len(chunks)))
+        pool = (ray.data.ActorPoolStrategy(size=concurrency) if concurrency else
+                ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, _chunks_hint(tasks))))
         return ds.map_batches(_ChunkActor, fn_constructor_args=(job.model_dump_json(), epoch),
                               compute=pool, **common)
-    if compute != "tasks":
-        raise ValueError(f"compute must be 'tasks' or 'actors', got {compute!r}")
     return ds.map_batches(_chunk_task, fn_args=(job.model_dump_json(), epoch),
-                          compute=ray.data.TaskPoolStrategy(size=n), **common)
+                          compute=ray.data.TaskPoolStrategy(size=concurrency), **common)
+
+
+def _chunks_hint(tasks: list[_BlockTask]) -> int:
+    """About how many processing tasks the epoch has (an actor pool's largest size)."""
+    return int(sum((t.take - t.skip) / min(t.chunk_rows) for t in tasks)) + 1
 
 
 def iter_samples(job: JobConfig, epoch: int, *, start_row: int = 0,
-                 limit: int | None = None, stats: PreprocessStats | None = None,
-                 chunk_rows: int | None = None, concurrency: int | None = None,
-                 compute: str = DEFAULT_COMPUTE,
-                 object_store_limit: int | None = None) -> Iterator[Item]:
-    """Every record of the epoch in source order (file, then row), as a sample or quarantined.
+                 cursor: OrderCursor | None = None, limit: int | None = None,
+                 stats: PreprocessStats | None = None, chunk_rows: int | None = None,
+                 concurrency: int | None = None, compute: str = DEFAULT_COMPUTE,
+                 object_store_limit: int | None = None,
+                 order: JobOrder | None = None) -> Iterator[Item]:
+    """Every record of the epoch in the epoch's order, as a sample or quarantined.
 
-    Exactly one item per source row, so a consumer that has taken k items restarts with
-    `start_row=k`. Streams through Ray Data with bounded memory; Ray must be initialized.
-    A sample's arrays view its block in Ray's object store (rows.py: no copy out of it), so a
-    consumer that keeps samples keeps their blocks.
+    Exactly one item per position (a row, or a row's copy), so a consumer that has taken k
+    items restarts with `start_row=k`. Streams through Ray Data with bounded memory; Ray must be
+    initialized. A sample's arrays view its block in Ray's object store (rows.py: no copy out of
+    it), so a consumer that keeps samples keeps their blocks.
     """
-    ds = build_dataset(job, epoch, start_row=start_row, limit=limit, chunk_rows=chunk_rows,
-                       concurrency=concurrency, compute=compute,
-                       object_store_limit=object_store_limit)
+    ds = build_dataset(job, epoch, start_row=start_row, cursor=cursor, limit=limit,
+                       chunk_rows=chunk_rows, concurrency=concurrency, compute=compute,
+                       object_store_limit=object_store_limit, order=order)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
         for item in from_table(batch):
             if stats is not None:
@@ -238,13 +306,13 @@ class SampleStore:
         return p
 
     def get_item(self, sample_id: str, epoch: int) -> Item:
-        source, row = split_sample_id(sample_id)
+        source, row, copy = split_sample_id(sample_id)
         f = self.files.get(source)
         if f is None:
             raise KeyError(f"unknown source in sample id {sample_id!r}")
         with self._lock:
             raw = read_row(f, row)
-            return self._processor(epoch).process_one(f, row, raw)
+            return self._processor(epoch).process_one(f, row, raw, copy)
 
     def get(self, sample_id: str, epoch: int) -> ProcessedSample:
         item = self.get_item(sample_id, epoch)

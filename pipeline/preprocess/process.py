@@ -66,20 +66,35 @@ from pipeline.quarantine import QuarantineReason as R
 Item = ProcessedSample | QuarantinedRecord
 
 
-def make_sample_id(source: str, row: int) -> str:
-    return f"{source}:{row}"
+COPY_SEP = "#"
 
 
-def split_sample_id(sample_id: str) -> tuple[str, int]:
-    source, sep, row = sample_id.rpartition(":")
+def make_sample_id(source: str, row: int, copy: int = 0) -> str:
+    """`<source>:<row>`, and `<source>:<row>#<k>` for the k-th copy (k >= 1) of a row in an
+    epoch (a mixture's repeat): a sample of its own, augmented by its own id."""
+    return f"{source}:{row}{COPY_SEP}{copy}" if copy else f"{source}:{row}"
+
+
+def split_sample_id(sample_id: str) -> tuple[str, int, int]:
+    """(source, row, copy) of a sample id (copy 0 when it names none)."""
+    head, sep, copy = sample_id.rpartition(COPY_SEP)
+    if not (sep and copy.isdigit() and head.rpartition(":")[2].isdigit()):
+        head, copy = sample_id, "0"
+    source, sep, row = head.rpartition(":")
     if not sep or not row.isdigit():
-        raise KeyError(f"not a sample id (<source>:<row>): {sample_id!r}")
-    return source, int(row)
+        raise KeyError(f"not a sample id (<source>:<row>[#<copy>]): {sample_id!r}")
+    return source, int(row), int(copy)
+
+
+# One raw record to process: its file, row, copy in the epoch, and raw value (bytes / dict).
+RawRow = tuple[SourceFile, int, int, Any]
 
 
 @dataclass
 class _Prepared:
+    file: SourceFile
     row: int
+    copy: int
     chat: RenderedChat
     spans: list[tuple[int, int]]
     pixel_values: np.ndarray | None
@@ -126,14 +141,14 @@ class Processor:
 
     # -- per record -------------------------------------------------------------------------
 
-    def _prepare(self, file: SourceFile, row: int, raw: Any) -> _Prepared:
+    def _prepare(self, file: SourceFile, row: int, copy: int, raw: Any) -> _Prepared:
         rec = decode_line(raw) if isinstance(raw, (bytes, bytearray)) else raw
         if not isinstance(rec, dict):
             raise RecordError(R.BAD_RECORD, f"expected a record, got {type(rec).__name__}")
         conv = parse_record(rec)
         if self.cfg.special_tokens_in_content == "quarantine":
             self._refuse_special_tokens(conv)
-        sid = make_sample_id(file.source, row)
+        sid = make_sample_id(file.source, row, copy)
         # Decode every image (even ones augmentation drops this epoch) so whether a record is
         # quarantined never depends on the epoch.
         images = [decode_image(ref, file.path) for ref in conv.images]
@@ -147,7 +162,8 @@ class Processor:
             chat = render(conv, self.tokenizer, self.template)
         except Exception as exc:  # any Jinja/template failure quarantines the record
             raise RecordError(R.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}") from None
-        return _Prepared(row, chat, assistant_spans(chat, self.eos), pixel_values, grid)
+        return _Prepared(file, row, copy, chat, assistant_spans(chat, self.eos), pixel_values,
+                         grid)
 
     def _refuse_special_tokens(self, conv: Conversation) -> None:
         for i, turn in enumerate(conv.turns):
@@ -158,8 +174,7 @@ class Processor:
                                       f"turn {i} ({turn.role}) contains the special token "
                                       f"{token}")
 
-    def _finish(self, file: SourceFile, p: _Prepared, input_ids: np.ndarray,
-                offsets: np.ndarray) -> Item:
+    def _finish(self, p: _Prepared, input_ids: np.ndarray, offsets: np.ndarray) -> Item:
         labels = label_tokens(input_ids, offsets, p.spans)
         if not (labels != IGNORE).any():
             raise RecordError(R.NO_LOSS_TOKENS, "the rendered chat has no assistant token to "
@@ -196,7 +211,8 @@ class Processor:
             if not (labels != IGNORE).any():
                 raise RecordError(R.NO_LOSS_TOKENS, self._cut_detail(n, spans, per_image, cut))
         return ProcessedSample(
-            sample_id=make_sample_id(file.source, p.row), source=file.source, row=p.row,
+            sample_id=make_sample_id(p.file.source, p.row, p.copy), source=p.file.source,
+            row=p.row,
             input_ids=np.ascontiguousarray(input_ids, dtype=np.int32),
             labels=np.ascontiguousarray(labels, dtype=np.int32),
             num_visual_tokens=int((input_ids == self.image_pad_id).sum()),
@@ -231,40 +247,43 @@ class Processor:
     # -- per chunk --------------------------------------------------------------------------
 
     def process(self, file: SourceFile, rows: Sequence[tuple[int, Any]]) -> list[Item]:
-        return self._finish_part(file, [self._try_prepare(file, row, raw) for row, raw in rows])
+        """Rows of one file (copy 0 each)."""
+        return self.process_rows([(file, row, 0, raw) for row, raw in rows])
 
-    def process_parts(self, file: SourceFile, rows: Sequence[tuple[int, Any]],
-                      part_bytes: int) -> Iterator[list[Item]]:
-        """`process` in parts, each yielded once done: records are prepared one by one (parsed,
-        images decoded and patchified) and a part is finished (one batched tokenizer call) as
-        soon as what it holds reaches `part_bytes` (its pixels, and 8 bytes per character of
-        text: int32 ids and labels, at most a token per character). A part holds at most
-        `part_bytes` plus one record, whatever the chunk's rows turn out to carry; the items are
-        those `process` returns for the same rows (task_size.py)."""
+    def process_rows(self, rows: Sequence[RawRow]) -> list[Item]:
+        """Rows of any files and copies, in order."""
+        return self._finish_part([self._try_prepare(*r) for r in rows])
+
+    def process_parts(self, rows: Sequence[RawRow], part_bytes: int) -> Iterator[list[Item]]:
+        """`process_rows` in parts, each yielded once done: records are prepared one by one
+        (parsed, images decoded and patchified) and a part is finished (one batched tokenizer
+        call) as soon as what it holds reaches `part_bytes` (its pixels, and 8 bytes per
+        character of text: int32 ids and labels, at most a token per character). A part holds at
+        most `part_bytes` plus one record, whatever the chunk's rows turn out to carry; the
+        items are those `process_rows` returns for the same rows (task_size.py)."""
         part: list[_Prepared | QuarantinedRecord] = []
         held = 0
-        for row, raw in rows:
-            prepared = self._try_prepare(file, row, raw)
+        for r in rows:
+            prepared = self._try_prepare(*r)
             part.append(prepared)
             held += prepared.nbytes if isinstance(prepared, _Prepared) else 0
             if held >= part_bytes:
-                yield self._finish_part(file, part)
+                yield self._finish_part(part)
                 part, held = [], 0
         if part:
-            yield self._finish_part(file, part)
+            yield self._finish_part(part)
 
-    def _try_prepare(self, file: SourceFile, row: int, raw: Any
+    def _try_prepare(self, file: SourceFile, row: int, copy: int, raw: Any
                      ) -> _Prepared | QuarantinedRecord:
         try:
-            return self._prepare(file, row, raw)
+            return self._prepare(file, row, copy, raw)
         except RecordError as exc:
             return QuarantinedRecord(file.source, row, exc.reason, exc.detail)
         except Exception as exc:  # a failure we did not foresee: keep the stream going
             return QuarantinedRecord(file.source, row, R.PREPROCESS_ERROR,
                                      f"{type(exc).__name__}: {exc}")
 
-    def _finish_part(self, file: SourceFile, part: Sequence[_Prepared | QuarantinedRecord]
-                     ) -> list[Item]:
+    def _finish_part(self, part: Sequence[_Prepared | QuarantinedRecord]) -> list[Item]:
         """Prepared records -> items, with ONE batched tokenizer call for their chats."""
         prepared = [p for p in part if isinstance(p, _Prepared)]
         chats = [p.chat for p in prepared]
@@ -279,21 +298,19 @@ class Processor:
                 except Exception as exc:  # that record is quarantined
                     encoded.append(exc)
         results = iter(encoded)  # in the order of `prepared`
-        return [p if isinstance(p, QuarantinedRecord) else self._finish_one(file, p, next(results))
+        return [p if isinstance(p, QuarantinedRecord) else self._finish_one(p, next(results))
                 for p in part]
 
-    def _finish_one(self, file: SourceFile, p: _Prepared,
-                    enc: tuple[np.ndarray, np.ndarray] | Exception) -> Item:
+    def _finish_one(self, p: _Prepared, enc: tuple[np.ndarray, np.ndarray] | Exception) -> Item:
         try:
             if isinstance(enc, Exception):
                 raise RecordError(R.TOKENIZE_ERROR, f"{type(enc).__name__}: {enc}")
-            return self._finish(file, p, enc[0], enc[1])
+            return self._finish(p, enc[0], enc[1])
         except RecordError as exc:
-            return QuarantinedRecord(file.source, p.row, exc.reason, exc.detail)
+            return QuarantinedRecord(p.file.source, p.row, exc.reason, exc.detail)
         except Exception as exc:  # see _try_prepare
-            return QuarantinedRecord(file.source, p.row, R.PREPROCESS_ERROR,
+            return QuarantinedRecord(p.file.source, p.row, R.PREPROCESS_ERROR,
                                      f"{type(exc).__name__}: {exc}")
 
-    def process_one(self, file: SourceFile, row: int, raw: Any) -> Item:
-        return self.process(file, [(row, raw)])[0]
-
+    def process_one(self, file: SourceFile, row: int, raw: Any, copy: int = 0) -> Item:
+        return self.process_rows([(file, row, copy, raw)])[0]

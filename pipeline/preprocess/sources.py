@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import posixpath
+import sys
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
@@ -29,6 +32,7 @@ from pipeline.errors import UserError
 Kind = Literal["jsonl", "parquet"]
 _DATA_EXT = (".jsonl", ".json", ".parquet", ".pq")
 _INDEX_BLOCK = 16 * 1024 * 1024
+_FIRST_ROW_BYTES = 16 * 1024 * 1024  # the most `check_sources` reads of a first JSONL row
 
 
 class SourceNotFound(UserError):
@@ -66,8 +70,11 @@ def is_remote(path: str) -> bool:
     return _is_uri(path) and not path.startswith("file://")
 
 
+@functools.lru_cache(maxsize=256)
 def _remote_fs(path: str) -> tuple[Any, str]:
-    """The pyarrow filesystem of a remote URI and the path inside it."""
+    """The pyarrow filesystem of a remote URI and the path inside it (one filesystem per URI
+    and process: creating one starts a cloud SDK client, seconds on a busy machine, and a
+    shuffled epoch opens its files again for every block)."""
     import pyarrow.fs as pafs
 
     return pafs.FileSystem.from_uri(path)
@@ -84,13 +91,24 @@ def open_input(path: str) -> BinaryIO:
 def _kind(path: str, fmt: str) -> Kind:
     if fmt != "auto":
         return fmt  # type: ignore[return-value]
-    return "parquet" if path.lower().endswith((".parquet", ".pq")) else "jsonl"
+    name = path.split("?", 1)[0] if is_remote(path) else path  # a URI's query is no part of it
+    return "parquet" if name.lower().endswith((".parquet", ".pq")) else "jsonl"
 
 
 def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
-    """Configured paths -> files in deterministic order (config order, then sorted names)."""
+    """Every file of a job's sources, in deterministic order (a mixture's sources in turn; each
+    one's paths in config order, then sorted names). A file is in one source only."""
+    out = [f for s in cfg.mixture_value().sources for f in expand_paths(s.paths, s.format)]
+    names = [f.source for f in out]
+    if len(set(names)) != len(names):
+        raise UserError("source.paths lists the same file twice")
+    return out
+
+
+def expand_paths(paths: Sequence[str], fmt: str = "auto") -> list[SourceFile]:
+    """Paths of one source -> files in deterministic order (given order, then sorted names)."""
     out: list[SourceFile] = []
-    for entry in cfg.paths:
+    for entry in paths:
         if is_remote(entry):
             import pyarrow.fs as pafs
 
@@ -118,14 +136,65 @@ def expand_sources(cfg: SourceConfig) -> list[SourceFile]:
             elif os.path.isfile(local):
                 files = [local]
             else:
-                raise SourceNotFound(f"source not found: {entry}")
+                raise SourceNotFound(f"source not found: {entry}" + (
+                    "" if os.path.isabs(local) else f" (relative to the working directory "
+                    f"{os.getcwd()}: {os.path.abspath(local)})"))
         if not files:
             raise SourceNotFound(f"source holds no .jsonl/.parquet files: {entry}")
-        out += [SourceFile(f, f, _kind(f, cfg.format)) for f in files]
+        out += [SourceFile(f, f, _kind(f, fmt)) for f in files]
     names = [f.source for f in out]
     if len(set(names)) != len(names):
         raise UserError("source.paths lists the same file twice")
     return out
+
+
+def check_sources(cfg: SourceConfig) -> None:
+    """What `serve` checks before it starts: every configured path exists (a relative one is
+    named as resolved against the working directory), and the first file of each is readable
+    and its first row parses (a JSON line, a Parquet row). A `UserError` says which and why."""
+    expand_sources(cfg)  # every path (and no file twice)
+    checked: set[str] = set()
+    mixture = cfg.mixture is not None
+    for i, source in enumerate(cfg.mixture_value().sources):
+        fmt = f"source.mixture[{i}].format" if mixture else "source.format"
+        for entry in source.paths:
+            first = expand_paths([entry], source.format)[0]
+            if first.path in checked:
+                continue
+            checked.add(first.path)
+            name = f"source {source.name!r}: {entry}" if mixture else f"source {entry}"
+            try:
+                _first_row(first)
+            except OSError as exc:
+                raise UserError(f"{name}: cannot read {first.path}: "
+                                f"{exc.strerror or exc}") from None
+            except ValueError as exc:
+                raise UserError(f"{name}: the first row of {first.path} does not parse as "
+                                f"{first.kind} ({exc}); is {fmt} right?") from None
+
+
+def _first_row(f: SourceFile) -> None:
+    """Read and parse `f`'s first row (the first non-empty line of a JSONL file): ValueError
+    when it does not parse, OSError when the file cannot be read."""
+    if f.kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            with open_input(f.path) as src:
+                next(pq.ParquetFile(src).iter_batches(batch_size=1), None)
+        except pa.ArrowInvalid as exc:
+            raise ValueError(str(exc)) from None
+        return
+    with open_input(f.path) as src:
+        line = b""
+        while not line.strip():
+            line = src.readline(_FIRST_ROW_BYTES)
+            if not line:
+                return  # an empty file: nothing to parse
+    if not line.endswith(b"\n") and len(line) >= _FIRST_ROW_BYTES:
+        return  # a row longer than the check reads: preprocessing judges it
+    json.loads(line)
 
 
 def read_bytes(path: str, start: int = 0, end: int | None = None) -> bytes:
@@ -211,12 +280,12 @@ def _index_ranges(path: str, size: int) -> tuple[list[int], list[Any], Any]:
     """Per byte range: its newline count and its newline offsets (Ray refs when Ray is up and
     the file is large, else arrays), plus how to turn offsets into anchors."""
     ranges = [(s, min(size, s + INDEX_SPLIT_BYTES)) for s in range(0, size, INDEX_SPLIT_BYTES)]
-    try:
-        import ray
-
-        distributed = len(ranges) > 1 and ray.is_initialized()
-    except ImportError:  # the light client never indexes, but keep the module importable
-        distributed = False
+    # Ray is up only in a process that imported it: never import it here (the bootstrap
+    # producer indexes while `serve` imports Ray on another thread, and a second importer can
+    # be handed the half-imported module).
+    ray = sys.modules.get("ray") if len(ranges) > 1 else None
+    is_up = getattr(ray, "is_initialized", None)
+    distributed = callable(is_up) and is_up()
     if not distributed:
         done = [_range_counts(path, s, e) for s, e in ranges]
         return [c for c, _ in done], [nl for _, nl in done], _anchors_in
@@ -257,11 +326,13 @@ def line_index(path: str) -> LineIndex:
 
 
 @functools.lru_cache(maxsize=64)
-def _parquet_groups(key: tuple) -> np.ndarray:
+def _parquet_groups(key: tuple) -> tuple[np.ndarray, np.ndarray]:
     import pyarrow.parquet as pq
 
     md = pq.read_metadata(_open_parquet_target(key[0]))
-    return np.array([md.row_group(i).num_rows for i in range(md.num_row_groups)], dtype=np.int64)
+    groups = [md.row_group(i) for i in range(md.num_row_groups)]
+    return (np.array([g.num_rows for g in groups], dtype=np.int64),
+            np.array([g.total_byte_size for g in groups], dtype=np.int64))
 
 
 def _open_parquet_target(path: str):
@@ -272,7 +343,13 @@ def _open_parquet_target(path: str):
 
 
 def parquet_row_groups(path: str) -> np.ndarray:
-    return _parquet_groups(stat_key(path))
+    """Rows of each row group."""
+    return _parquet_groups(stat_key(path))[0]
+
+
+def parquet_group_bytes(path: str) -> np.ndarray:
+    """Uncompressed bytes of each row group (what reading it holds in memory)."""
+    return _parquet_groups(stat_key(path))[1]
 
 
 def num_rows(f: SourceFile) -> int:
@@ -337,18 +414,21 @@ class _GroupCache:
     def __init__(self, size: int = 4) -> None:
         self.size = size
         self._d: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()  # a block's units are read on several threads
 
     def get(self, path: str, group: int):
         import pyarrow.parquet as pq
 
         key = (path, group)
-        if key in self._d:
-            self._d.move_to_end(key)
-            return self._d[key]
+        with self._lock:
+            if key in self._d:
+                self._d.move_to_end(key)
+                return self._d[key]
         table = pq.ParquetFile(_open_parquet_target(path)).read_row_group(group)
-        self._d[key] = table
-        if len(self._d) > self.size:
-            self._d.popitem(last=False)
+        with self._lock:
+            self._d[key] = table
+            if len(self._d) > self.size:
+                self._d.popitem(last=False)
         return table
 
 
@@ -375,6 +455,38 @@ def _span_lines(path: str, start: int, stop: int, rows: int) -> list[bytes]:
     if len(lines) != rows:  # the file changed since it was indexed
         raise RuntimeError(f"{path} changed while being read")
     return lines
+
+
+def read_rows(f: SourceFile, first: int, end: int) -> list[Any]:
+    """Rows [first, end) of one file, as `read_chunk` yields them, with one read (JSONL: their
+    anchored bytes; Parquet: each row group they touch, read whole, the groups cached)."""
+    if end <= first:
+        return []
+    if f.kind == "jsonl":
+        start, stop, span_first, span_rows = line_index(f.path).span(first, end)
+        lines = _span_lines(f.path, start, stop, span_rows)
+        return [ln.removesuffix(b"\r") for ln in lines[first - span_first: end - span_first]]
+    ends = np.cumsum(parquet_row_groups(f.path))
+    out: list[Any] = []
+    g = int(np.searchsorted(ends, first, side="right"))
+    row = first
+    while row < end:
+        base = int(ends[g - 1]) if g else 0
+        stop = min(end, int(ends[g]))
+        out += _groups.get(f.path, g).slice(row - base, stop - row).to_pylist()
+        row, g = stop, g + 1
+    return out
+
+
+def read_lines(path: str, start: int, stop: int, rows: int) -> list[bytes]:
+    """The `rows` lines in bytes [start, stop) of a JSONL file (one read), as `read_chunk`
+    yields them; RuntimeError if the file no longer holds them there (it changed)."""
+    return [ln.removesuffix(b"\r") for ln in _span_lines(path, start, stop, rows)]
+
+
+def read_row_group(path: str, group: int) -> list[Any]:
+    """A Parquet row group's rows as dicts (the group read whole; the last few are cached)."""
+    return _groups.get(path, group).to_pylist()
 
 
 def read_row(f: SourceFile, row: int) -> Any:

@@ -51,10 +51,11 @@ class ProducerActor:
         job = TrainingJobConfig.model_validate_json(job_json)
         self.job_id = job.job_id
         self.state = RedisJobState.connect(redis_url, job, fsync_publish=fsync_publish)
-        self.feed = RayFeed(job)
-        planned_as = job
+        self.feed: Any
         if job.organization.kind == "sdo":
-            self.feed, planned_as = self._sdo(job, self.feed)
+            self.feed, planned_as = self._sdo(job)
+        else:
+            self.feed, planned_as = RayFeed(job), job
         context = ray.get_runtime_context()
         self.process = ProcessId(os.getpid(), context.get_node_id())
         holder = f"actor:{context.get_actor_id()}"
@@ -64,15 +65,16 @@ class ProducerActor:
                                        daemon=True)
         self.thread.start()
 
-    def _sdo(self, job: TrainingJobConfig, feed: Any) -> tuple[Any, TrainingJobConfig]:
+    def _sdo(self, job: TrainingJobConfig) -> tuple[Any, TrainingJobConfig]:
         """An SDO job: its visits feed (SDO state in the job's Redis, fenced by this producer's
         lease generation) and the job as planned (the window `locality` asks for)."""
         from pipeline.coordinator.redis_ledger_store import RedisLedgerStore
-        from pipeline.producer.sdo_feed import SdoFeed, planning_job
+        from pipeline.producer.ray_feed import RayFeed
+        from pipeline.producer.sdo_feed import SdoFeed, planning_job, reading_job
 
         store = RedisLedgerStore(self.state.client)
-        return (SdoFeed(job, feed, store, fence=lambda: self.producer.generation),
-                planning_job(job))
+        return (SdoFeed(job, RayFeed(reading_job(job)), store,
+                        fence=lambda: self.producer.generation), planning_job(job))
 
     def _run(self) -> None:
         outcome = self.producer.run()

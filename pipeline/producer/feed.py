@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from pipeline.jobstate.interface import QuarantineEntry
+from pipeline.order.cursor import OrderCursor
 from pipeline.planner.types import MeasuredSample, Step
 from pipeline.preprocess.array_source import ArraySource
 from pipeline.preprocess.sample import QuarantinedRecord
@@ -26,9 +27,11 @@ def quarantine_entry(record: QuarantinedRecord) -> QuarantineEntry:
 
 
 class MeasuredFeed(Protocol):
-    def iter_epoch(self, epoch: int, start_row: int = 0) -> Iterator[FeedItem]:
-        """One item per source row of `epoch` from row `start_row` on, in source order; the
-        same rows in the same order every time the epoch is read."""
+    def iter_epoch(self, epoch: int, cursor: OrderCursor) -> Iterator[FeedItem]:
+        """One item per position of `epoch`'s order (pipeline/order/) from `cursor.position`
+        on, with the cursor's mixture changes; the same items in the same order every time the
+        epoch is read from the same cursor. A sample names its mixture source
+        (`MeasuredSample.source`)."""
 
     def stage(self, steps: Sequence[Step]) -> None:
         """Make the payloads of these steps' batches reachable by (step, rank) before they are
@@ -44,14 +47,16 @@ class MeasuredFeed(Protocol):
 
 
 class ArrayFeed:
-    """An `ArraySource` as a feed: metadata from the in-memory samples, nothing to stage."""
+    """An `ArraySource` as a feed: metadata from the in-memory samples, nothing to stage. The
+    samples are one source, served in the order the caller gave them (an array already in
+    memory is its own order); the cursor's position is an index into them."""
 
     def __init__(self, source: ArraySource, collate: str) -> None:
         self.source = source
         self.collate = collate
 
-    def iter_epoch(self, epoch: int, start_row: int = 0) -> Iterator[FeedItem]:
-        for item in self.source.iter_epoch(epoch, start_row):
+    def iter_epoch(self, epoch: int, cursor: OrderCursor) -> Iterator[FeedItem]:
+        for item in self.source.iter_epoch(epoch, cursor.position):
             if isinstance(item, QuarantinedRecord):
                 yield quarantine_entry(item)
             else:

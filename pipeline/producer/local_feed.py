@@ -10,17 +10,20 @@ to the job's producer actor, which resumes from the checkpoint (producer/hosting
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 
 from pipeline.config import TrainingJobConfig
+from pipeline.order.cursor import OrderCursor
+from pipeline.order.job_order import JobOrder
 from pipeline.planner.types import MeasuredSample, Step
+from pipeline.preprocess.block_reader import read_block
 from pipeline.preprocess.process import Processor
 from pipeline.preprocess.sample import ProcessedSample, QuarantinedRecord
-from pipeline.preprocess.sources import expand_sources, plan_chunks, read_chunk
 from pipeline.producer.feed import FeedItem, quarantine_entry
 
-CHUNK_ROWS = 32  # small reads: the first step needs a few budgets of samples (planner ramp)
+CHUNK_ROWS = 32  # small parts: the first step needs a few budgets of samples (planner ramp)
 
 
 class LocalFeed:
@@ -32,22 +35,33 @@ class LocalFeed:
         # a sample of epoch e-1 next to the same id of epoch e (told apart by their sizes).
         self._fed: dict[str, list[ProcessedSample]] = {}
         self._staged: dict[tuple[int, int], list[ProcessedSample]] = {}
+        self._order: JobOrder | None = None
 
-    def iter_epoch(self, epoch: int, start_row: int = 0) -> Iterator[FeedItem]:
+    def iter_epoch(self, epoch: int, cursor: OrderCursor) -> Iterator[FeedItem]:
+        """The epoch's order (the job's, as the Ray feed reads it) from the cursor on: each
+        block read raw (a bounded number of rows), then processed here in small parts."""
+        if self._order is None:
+            self._order = JobOrder(self.job.source, self.job.seed)
+        order = self._order
+        files = [lay.files for lay in order.layouts]
+        source_of = {f.source: i for i, lay in enumerate(order.layouts) for f in lay.files}
         processor = Processor(self.job, epoch)
-        for chunk in plan_chunks(expand_sources(self.job.source), CHUNK_ROWS, start_row):
-            for item in processor.process(chunk.file, read_chunk(chunk)):
-                if isinstance(item, QuarantinedRecord):
-                    yield quarantine_entry(item)
-                    continue
-                with self._lock:
-                    self._fed.setdefault(item.sample_id, []).append(item)
-                yield item.measured(self.collate)
+        for block in order.epoch(epoch, cursor).blocks(cursor.position):
+            rows = read_block(block, files, max(0, cursor.position - block.start))
+            for k in range(0, len(rows), CHUNK_ROWS):
+                for item in processor.process_rows(rows[k:k + CHUNK_ROWS]):
+                    if isinstance(item, QuarantinedRecord):
+                        yield quarantine_entry(item)
+                        continue
+                    with self._lock:
+                        self._fed.setdefault(item.sample_id, []).append(item)
+                    yield dataclasses.replace(item.measured(self.collate),
+                                              source=source_of[item.source])
 
     def _take(self, s: MeasuredSample) -> ProcessedSample | None:
         held = self._fed.get(str(s.sample_id), [])
         for i, p in enumerate(held):
-            if p.measured(self.collate) == s:
+            if p.measured(self.collate) == dataclasses.replace(s, source=0):
                 del held[i]
                 if not held:
                     del self._fed[str(s.sample_id)]

@@ -38,10 +38,11 @@ from pipeline.jobstate.interface import (
     Publication,
     QuarantineEntry,
 )
+from pipeline.order.cursor import OrderCursor
 from pipeline.planner.compute_fit import ComputeModel
 from pipeline.planner.step_planner import PlannerState, StepPlanner
-from pipeline.planner.types import EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
-from pipeline.producer.adoption import adopt
+from pipeline.planner.types import Batch, EpochEnd, MeasuredSample, PlanEvent, Quarantined, Step
+from pipeline.producer.adoption import adopt, returned_batches
 from pipeline.producer.compute_balancing import ComputeBalancer
 from pipeline.producer.failures import (
     Backoff,
@@ -52,6 +53,7 @@ from pipeline.producer.failures import (
     describe,
 )
 from pipeline.producer.feed import MeasuredFeed
+from pipeline.producer.mixing import Mixing
 
 log = logging.getLogger(__name__)
 # Compute balancing: the models of this many recent publications are remembered for a replay
@@ -117,6 +119,11 @@ class Producer:
         self._compute = ComputeBalancer(
             state, cb, job.batching.collate,
             poll_seconds=self.settings.compute_poll_seconds) if cb.enabled else None
+        # A mixture's changes at step boundaries and its per-source status (None: one source;
+        # built when production starts: it reads the sources' indexes, which may fail).
+        self._mixing: Mixing | None = None
+        self._planner_targets: tuple | None = None  # (epoch, changes) the planner's are for
+        self._voided: list[Batch] = []  # batches the adopted reconfigurations returned
         # The model each recent publication's checkpoint holds, by its position: a replay of
         # publications the state lost (a Redis rollback) plans with the same models.
         self._models: OrderedDict[tuple[int, int, int, int], ComputeModel | None] = OrderedDict()
@@ -298,6 +305,9 @@ class Producer:
         if planned_for != self._world_gen:
             self._adoption = adopt(planner, planned_for, worlds[:self._world_gen + 1],
                                    self.state, pool, self.job.epochs)
+            if self._mixing is not None:  # published before, planned again: counted once
+                self._voided = [b for w in worlds[planned_for:self._world_gen]
+                                for b in returned_batches(self.state, w)]
             log.info("job %s: plan moved onto world %d (%d ranks from step %d)",
                      self.job.job_id, self._world_gen, self._world, self._world_first,
                      extra={"job": self.job.job_id})
@@ -325,38 +335,87 @@ class Producer:
                     self._unacked[r].append(n)
 
     def _produce_once(self) -> Outcome:
+        if self._mixing is None and self.job.source.mixture is not None:
+            self._mixing = Mixing.for_job(self.job, self.state, self.feed)
         planner, cp = self._restore()
+        self._planner_targets = None  # a planner restored: tell it the targets again
         if self.state.is_done():
             return Outcome.DONE
-        first_epoch, first_row = cp.position if cp is not None else (0, 0)
+        first_epoch = cp.epoch if cp is not None else 0
+        cursor = (OrderCursor.restore(cp.samples_consumed, cp.order) if cp is not None
+                  else OrderCursor())
         epochs = self.job.epochs
         pending = _Pending()
         if self._adoption is not None:  # publish for the new world at once: it adopts it
+            if self._mixing is not None:
+                cursor = self._mixing.tally(cursor, self._voided, sign=-1)
             self._take(pending, self._adoption)
-            self._publish(pending, planner, first_epoch, first_row)
+            cursor = self._publish_counted(pending, planner, first_epoch, cursor)
         for epoch in range(first_epoch, epochs):
-            rows = first_row if epoch == first_epoch else 0  # source rows consumed
-            for item in self.feed.iter_epoch(epoch, rows):
-                if self._stop.is_set():
-                    return Outcome.STOPPED
-                rows += 1
-                if isinstance(item, QuarantineEntry):
-                    pending.quarantined.append(item)
-                    continue
-                pending.samples_in += 1
-                events = planner.feed(item)
-                if events and self._take(pending, events):
-                    self._publish(pending, planner, epoch, rows)
-                    self._wait_for_room()
+            # The epoch's order from the cursor (its position: rows of the order fed), read
+            # again from the cursor after a mixture change.
+            while True:
+                cursor = self._mix(epoch, cursor, planner)
+                items = self.feed.iter_epoch(epoch, cursor)
+                changed = False
+                for item in items:
+                    if self._stop.is_set():
+                        return Outcome.STOPPED
+                    cursor = cursor.at(cursor.position + 1)
+                    if isinstance(item, QuarantineEntry):
+                        pending.quarantined.append(item)
+                        continue
+                    pending.samples_in += 1
+                    events = planner.feed(item)
+                    if events and self._take(pending, events):
+                        cursor = self._publish_counted(pending, planner, epoch, cursor)
+                        self._wait_for_room()
+                        mixed = self._mix(epoch, cursor, planner)
+                        if mixed is not cursor:
+                            cursor, changed = mixed, True
+                            break
+                items.close()  # (after a change: what it read ahead is let go)
+                if not changed:
+                    break
             last = epoch == epochs - 1
             # The last epoch closes the job: quota mode's remainder forms one aligned step.
             self._take(pending, planner.end_epoch(last_epoch=last))
-            self._publish(pending, planner, epoch + 1, 0, done=last)
+            cursor = self._publish_counted(pending, planner, epoch + 1, cursor, done=last,
+                                           ended=epoch)
         if planner.epoch < epochs:  # a reopened last epoch (its input all read): close it
             self._take(pending, planner.end_epoch(last_epoch=True))
         if not self.state.is_done():  # (an empty job, zero epochs to run, finishes too)
-            self._publish(pending, planner, epochs, 0, done=True)
+            self._publish(pending, planner, epochs, cursor.at(0), done=True)
         return Outcome.DONE
+
+    def _mix(self, epoch: int, cursor: OrderCursor, planner: StepPlanner) -> OrderCursor:
+        """The cursor with the mixture changes due now (the same cursor when none); the
+        planner keeps each source's share of the mixture in force from its next step on."""
+        if self._mixing is None:
+            return cursor
+        mixed = self._mixing.apply(epoch, cursor, planner.next_step)
+        if mixed is not cursor or self._planner_targets != (epoch, mixed.changes):
+            planner.set_source_targets(self._mixing.epoch_counts(epoch, mixed),
+                                       self.job.source.mix_by)
+            self._planner_targets = (epoch, mixed.changes)
+        return mixed
+
+    def _publish_counted(self, pending: _Pending, planner: StepPlanner, epoch: int,
+                         cursor: OrderCursor, *, done: bool = False,
+                         ended: int | None = None) -> OrderCursor:
+        """Publish, a mixture's per-source counts in the checkpoint and its status after it;
+        `ended`: the epoch this publication closes (the checkpoint is the next one's start).
+        Returns the cursor the checkpoint holds."""
+        if self._mixing is not None:
+            cursor = self._mixing.tally(cursor, [b for s in pending.steps for b in s.batches],
+                                        pending.quarantined)
+        closing = cursor
+        if ended is not None:
+            cursor = cursor.next_epoch()
+        self._publish(pending, planner, epoch, cursor, done=done)
+        if self._mixing is not None:
+            self._mixing.report(epoch if ended is None else ended, closing)
+        return cursor
 
     def _take(self, pending: _Pending, events: list[PlanEvent]) -> bool:
         """Collect the planner's events; True when a step is among them (time to publish)."""
@@ -365,14 +424,15 @@ class Producer:
             self.feed.discard(dropped)
         return stepped
 
-    def _publish(self, pending: _Pending, planner: StepPlanner, epoch: int, rows: int, *,
-                 done: bool = False) -> None:
+    def _publish(self, pending: _Pending, planner: StepPlanner, epoch: int,
+                 cursor: OrderCursor, *, done: bool = False) -> None:
         steps = tuple(pending.steps)
-        at = (self._world_gen, epoch, rows, planner.next_step)
+        at = (self._world_gen, epoch, cursor.position, planner.next_step)
         self._hand_model(planner, at)
-        cp = PlannerCheckpoint(epoch=epoch, samples_consumed=rows, next_step=planner.next_step,
+        cp = PlannerCheckpoint(epoch=epoch, samples_consumed=cursor.position,
+                               next_step=planner.next_step,
                                state=json.dumps(planner.snapshot().to_dict()).encode(),
-                               world=self._world_gen)
+                               world=self._world_gen, order=cursor.extras())
         pub = Publication(checkpoint=cp, steps=steps, ends=tuple(pending.ends),
                           samples_in=pending.samples_in, quarantined=tuple(pending.quarantined),
                           done=done)

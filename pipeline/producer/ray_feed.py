@@ -1,7 +1,9 @@
 """The production feed: Ray Data preprocessing whose payloads stay in Ray's object store.
 
 The producer (a Ray actor) never holds a payload as a Python object. It iterates the epoch's
-preprocessed blocks *by reference* (`Dataset.iter_internal_ref_bundles`) and, per block, runs a
+preprocessed blocks *by reference* (`Dataset.iter_internal_ref_bundles`), in the epoch's order
+from the cursor's position (pipeline/order/: the job's order is built once per feed, from the
+sources' indexes), and, per block, runs a
 tiny task next to the block (`_measure_block`) that returns only the metadata the planner needs
 (id, tokens, visual tokens, loss tokens, quarantine reason). When steps are about to be
 published, one task (`_gather_batches`) copies each (step, rank) batch's rows out of the blocks
@@ -30,6 +32,8 @@ import ray
 
 from pipeline.config import TrainingJobConfig
 from pipeline.jobstate.interface import QuarantineEntry
+from pipeline.order.cursor import OrderCursor
+from pipeline.order.job_order import JobOrder
 from pipeline.planner.types import MeasuredSample, Step
 from pipeline.preprocess.sample import IGNORE_INDEX
 from pipeline.producer.feed import FeedItem
@@ -45,10 +49,10 @@ def _key(s: MeasuredSample) -> _Key:
 
 @ray.remote(num_cpus=0)
 def _measure_block(block: pa.Table, start: int, end: int, collate: str) -> list[tuple]:
-    """Per row of block[start:end]: (sample_id, tokens, visual, loss, reason, detail)."""
+    """Per row of block[start:end]: (sample_id, tokens, visual, loss, reason, detail, file)."""
     t = block.slice(start, end - start)
     cols = t.select(["sample_id", "num_tokens", "num_visual_tokens", "quarantine_reason",
-                     "quarantine_detail"]).to_pydict()
+                     "quarantine_detail", "source"]).to_pydict()
     out = []
     for i, labels in enumerate(t.column("labels").to_pylist()):
         lab = np.frombuffer(labels, dtype="<i4")
@@ -56,7 +60,8 @@ def _measure_block(block: pa.Table, start: int, end: int, collate: str) -> list[
         if collate == "packed" and len(lab) and lab[0] != IGNORE_INDEX:
             loss -= 1
         out.append((cols["sample_id"][i], cols["num_tokens"][i], cols["num_visual_tokens"][i],
-                    loss, cols["quarantine_reason"][i], cols["quarantine_detail"][i]))
+                    loss, cols["quarantine_reason"][i], cols["quarantine_detail"][i],
+                    cols["source"][i]))
     return out
 
 
@@ -119,41 +124,69 @@ class RayFeed:
         self._lock = threading.Lock()
         self._job_json = self.job.model_dump_json()
         self._collate = self.job.batching.collate
+        self._order: JobOrder | None = None
 
-    def iter_epoch(self, epoch: int, start_row: int = 0) -> Iterator[FeedItem]:
+    @property
+    def order(self) -> JobOrder:
+        """The job's order (built on first use: it reads every source file's index)."""
+        if self._order is None:
+            self._order = JobOrder(self.job.source, self.job.seed)
+        return self._order
+
+    def iter_epoch(self, epoch: int, cursor: OrderCursor) -> Iterator[FeedItem]:
         from pipeline.preprocess.pipeline import build_dataset
 
-        ds = build_dataset(self.job, epoch, start_row=start_row)
+        order = self.order
+        source_of = {f.source: i for i, lay in enumerate(order.layouts) for f in lay.files}
+        ds = build_dataset(self.job, epoch, cursor=cursor, order=order)
         ahead: deque[tuple[ray.ObjectRef, int, ray.ObjectRef]] = deque()
-        for bundle in ds.iter_internal_ref_bundles():
-            for entry, sl in zip(bundle.blocks, bundle.slices, strict=True):
-                start, end = ((sl.start_offset, sl.end_offset) if sl is not None
-                              else (0, entry.metadata.num_rows))
-                ahead.append((entry.ref, start, _measure_block.remote(entry.ref, start, end,
-                                                                       self._collate)))
-                while len(ahead) > MEASURE_AHEAD:
-                    yield from self._register(*ahead.popleft())
-        while ahead:
-            yield from self._register(*ahead.popleft())
+        unyielded: list[MeasuredSample] = []  # registered, not yet handed out
+        try:
+            for bundle in ds.iter_internal_ref_bundles():
+                for entry, sl in zip(bundle.blocks, bundle.slices, strict=True):
+                    start, end = ((sl.start_offset, sl.end_offset) if sl is not None
+                                  else (0, entry.metadata.num_rows))
+                    ahead.append((entry.ref, start,
+                                  _measure_block.remote(entry.ref, start, end, self._collate)))
+                    while len(ahead) > MEASURE_AHEAD:
+                        yield from self._hand_out(self._register(*ahead.popleft(), source_of),
+                                                  unyielded)
+            while ahead:
+                yield from self._hand_out(self._register(*ahead.popleft(), source_of),
+                                          unyielded)
+        finally:
+            # Closed early (a mixture change re-reads the epoch from the change): what was
+            # registered but never handed out will never be staged.
+            if unyielded:
+                self.discard(unyielded)
 
-    def _register(self, ref: ray.ObjectRef, start: int, meta_ref: ray.ObjectRef
+    @staticmethod
+    def _hand_out(items: list[FeedItem], unyielded: list[MeasuredSample]
                   ) -> Iterator[FeedItem]:
+        unyielded[:] = [s for s in items if isinstance(s, MeasuredSample)]
+        for item in items:
+            if isinstance(item, MeasuredSample):
+                unyielded.pop(0)
+            yield item
+
+    def _register(self, ref: ray.ObjectRef, start: int, meta_ref: ray.ObjectRef,
+                  source_of: dict[str, int]) -> list[FeedItem]:
         rows = ray.get(meta_ref)
         block_id = next(self._ids)
         items: list[FeedItem] = []
         waiting = 0
         with self._lock:
-            for i, (sid, n, v, loss, reason, detail) in enumerate(rows):
+            for i, (sid, n, v, loss, reason, detail, file) in enumerate(rows):
                 if reason:
                     items.append(QuarantineEntry(sid, reason, detail or ""))
                     continue
-                s = MeasuredSample(sid, int(n), int(v), int(loss))
+                s = MeasuredSample(sid, int(n), int(v), int(loss), source_of[file])
                 self._where.setdefault(_key(s), deque()).append((block_id, start + i))
                 waiting += 1
                 items.append(s)
             if waiting:
                 self._blocks[block_id] = _Block(ref, waiting)
-        yield from items
+        return items
 
     def stage(self, steps: Sequence[Step]) -> None:
         keys: list[tuple[int, int]] = []

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.config import TrainingJobConfig
 from pipeline.jobstate.interface import QuarantineEntry
+from pipeline.order.cursor import OrderCursor
 from pipeline.organization.epoch_visits import split_visit_id
 from pipeline.organization.ledger_store import epoch_visits_for
 from pipeline.organization.organizer import (
@@ -51,6 +52,12 @@ if TYPE_CHECKING:
     from pipeline.coordinator.redis_ledger_store import RedisLedgerStore
 
 log = logging.getLogger(__name__)
+
+
+def reading_job(job: TrainingJobConfig) -> TrainingJobConfig:
+    """The job as an SDO feed reads it: in file order. Its visits are its order (traversal),
+    and the epoch is read whole before it is ordered, so a shuffle would buy nothing."""
+    return job.model_copy(update={"source": job.source.model_copy(update={"shuffle": False})})
 
 
 def planning_job(job: TrainingJobConfig) -> TrainingJobConfig:
@@ -108,10 +115,11 @@ class SdoFeed:
                  self._org.lookahead_tokens, self._org.repeat_gap)
         return self._org
 
-    def iter_epoch(self, epoch: int, start_row: int = 0) -> Iterator[FeedItem]:
+    def iter_epoch(self, epoch: int, cursor: OrderCursor) -> Iterator[FeedItem]:
+        start_row = cursor.position
         measured: dict[str, MeasuredSample] = {}
         quarantined: list[QuarantineEntry] = []
-        for item in self.inner.iter_epoch(epoch, 0):
+        for item in self.inner.iter_epoch(epoch, OrderCursor()):
             if isinstance(item, QuarantineEntry):
                 quarantined.append(item)
             else:

@@ -55,7 +55,9 @@ class BatchBound:
 def largest_batch(job: TrainingJobConfig) -> BatchBound:
     b, p = job.batching, job.preprocess
     alone = b.over_budget is OverBudgetPolicy.ALONE
-    tokens = max(b.token_budget, job.max_sample_tokens()) if alone else b.token_budget
+    # (max_sample_tokens as sent: rounded up to pad_to_multiple; the budget caps sent lengths)
+    tokens = (max(b.token_budget, b.policy().cost_model.sent_length(job.max_sample_tokens()))
+              if alone else b.token_budget)
     visual = min(b.token_budget, b.max_visual_tokens or b.token_budget)
     if alone:  # a sample over the visual cap goes alone: its images fit its own tokens
         visual = max(visual, job.max_sample_tokens())
@@ -65,6 +67,8 @@ def largest_batch(job: TrainingJobConfig) -> BatchBound:
         text = 9 * tokens
     else:  # ids, labels, position_ids; cu_seqlens (a sample has >= 1 token), max_seqlen
         text = 12 * tokens + 4 * (tokens + 1) + 4
+        if (b.pad_to_multiple or 1) > 1:  # cu_seqlens_unpadded
+            text += 4 * (tokens + 1)
     pixels = visual * PATCHES_PER_VISUAL_TOKEN * PATCH_VALUES * PIXEL_BYTES[p.pixel_dtype]
     return BatchBound(
         tokens=tokens, visual_tokens=visual,

@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 
 def build_batch(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
                 collate: str, pad_id: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                micro: int = 0) -> WireBatch:
+                micro: int = 0, pad_to_multiple: int | None = None) -> WireBatch:
     """`samples`: the payloads of all the rank's batches in the step, in order (of every
-    micro-batch of a global step); the message is of micro-batch `micro`."""
+    micro-batch of a global step); the message is of micro-batch `micro`, every sequence
+    padded to `pad_to_multiple` (the job's `batching.pad_to_multiple`)."""
     micros = step.micros_for(rank)
     if not micros:
         raise LookupError(f"step {step.step} has no batch for rank {rank}")
@@ -40,7 +41,8 @@ def build_batch(step: Step, rank: int, samples: Sequence[ProcessedSample], *,
     pieces = [col.Piece(p, batch.truncated_to.get(s.sample_id))
               for p, s in zip(mine, batch.samples, strict=True)]
     # The pixel patches stay in the samples' arrays: the chunks are framed from there.
-    arrays = col.collate(pieces, collate, pad_id, pixel_rows=True)
+    arrays = col.collate(pieces, collate, pad_id, pixel_rows=True,
+                         pad_to_multiple=pad_to_multiple)
     loss = col.loss_tokens(arrays)
     if loss != batch.loss_tokens and not (batch.truncated_to or batch.filler):
         log.error("step %d rank %d: %d loss tokens in the payload, %d in the plan (metadata and "

@@ -7,6 +7,15 @@ no position_ids (the model derives them from the mask).
 flash-attention varlen kernels take. The first label of every packed sample is -100 so the
 model's shifted loss never predicts a sample's first token from the previous sample's last one
 (same as HF DataCollatorWithFlattening).
+With `pad_to_multiple` m > 1 (`batching.pad_to_multiple`: context parallelism splits every
+sequence into 2*CP chunks, FP8 kernels want multiples of 8/16) every sequence is sent padded to
+a multiple of m, with `pad_id` and labels -100 (no loss token on the padding): `padded` rounds
+the row width up; `packed` pads each sample's segment, so `cu_seqlens` bounds the padded
+segments (every length a multiple of m), `position_ids` restart at 0 at each bound and count
+through the padding (a model that derives the segments from `position_ids` finds the same
+ones), `max_seqlen` is the longest padded segment, and `cu_seqlens_unpadded` ([n+1], int32)
+bounds the real tokens inside them (Transformer Engine's `cu_seqlens_q` beside
+`cu_seqlens_q_padded`). Causal attention keeps a sample's real tokens from seeing its padding.
 Vision samples add `pixel_values` (concatenated patches in their stored dtype: raw uint8,
 bfloat16 bits or float32; with `pixel_rows`, the samples' own arrays as `Rows`, which the wire
 sends as one tensor without concatenating them in memory) and `image_grid_thw`. The trainer
@@ -69,23 +78,26 @@ def loss_tokens(arrays: dict[str, np.ndarray]) -> int:
     return int(np.count_nonzero(arrays["labels"] != IGNORE_INDEX))
 
 
-def collate(pieces: Sequence[Piece], mode: str, pad_id: int = 0, *, pixel_rows: bool = False
-            ) -> dict[str, np.ndarray | Rows]:
+def collate(pieces: Sequence[Piece], mode: str, pad_id: int = 0, *, pixel_rows: bool = False,
+            pad_to_multiple: int | None = None) -> dict[str, np.ndarray | Rows]:
     if not pieces:
         raise ValueError("cannot collate an empty batch")
+    m = pad_to_multiple or 1
+    if m < 1:
+        raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
     if mode == "padded":
-        out = _padded(pieces, pad_id)
+        out = _padded(pieces, pad_id, m)
     elif mode == "packed":
-        out = _packed(pieces)
+        out = _packed(pieces) if m == 1 else _packed_to_multiple(pieces, pad_id, m)
     else:
         raise ValueError(f"unknown collate mode {mode!r} (expected 'padded' or 'packed')")
     out.update(_vision(pieces, pixel_rows))
     return out
 
 
-def _padded(pieces: Sequence[Piece], pad_id: int) -> dict[str, np.ndarray]:
+def _padded(pieces: Sequence[Piece], pad_id: int, multiple: int) -> dict[str, np.ndarray]:
     lens = [len(p.input_ids) for p in pieces]
-    b, width = len(pieces), max(lens)
+    b, width = len(pieces), -(-max(lens) // multiple) * multiple
     input_ids = np.full((b, width), pad_id, dtype=np.int32)
     labels = np.full((b, width), IGNORE_INDEX, dtype=np.int32)
     mask = np.zeros((b, width), dtype=np.bool_)
@@ -113,6 +125,35 @@ def _packed(pieces: Sequence[Piece]) -> dict[str, np.ndarray]:
         "position_ids": pos[None, :],
         "cu_seqlens": cu,
         "max_seqlen": np.array(int(lens.max()), dtype=np.int32),
+    }
+
+
+def _packed_to_multiple(pieces: Sequence[Piece], pad_id: int, multiple: int
+                        ) -> dict[str, np.ndarray]:
+    lens = np.array([len(p.input_ids) for p in pieces], dtype=np.int32)
+    sent = -(-lens // multiple) * multiple
+    cu = np.zeros(len(pieces) + 1, dtype=np.int32)
+    np.cumsum(sent, out=cu[1:])
+    cu_real = np.zeros(len(pieces) + 1, dtype=np.int32)
+    np.cumsum(lens, out=cu_real[1:])
+    # Where each real token goes: its sample's padded start plus its offset in the sample.
+    at = np.arange(int(cu_real[-1]), dtype=np.int64)
+    at += np.repeat(cu[:-1] - cu_real[:-1], lens)
+    total = int(cu[-1])
+    input_ids = np.full(total, pad_id, dtype=np.int32)
+    labels = np.full(total, IGNORE_INDEX, dtype=np.int32)
+    input_ids[at] = np.concatenate([p.input_ids for p in pieces])
+    labels[at] = np.concatenate([p.labels for p in pieces])
+    labels[cu[:-1][lens > 0]] = IGNORE_INDEX  # a sample's first token is predicted by nothing
+    pos = np.arange(total, dtype=np.int32)
+    pos -= np.repeat(cu[:-1], sent)
+    return {
+        "input_ids": input_ids[None, :],
+        "labels": labels[None, :],
+        "position_ids": pos[None, :],
+        "cu_seqlens": cu,
+        "cu_seqlens_unpadded": cu_real,
+        "max_seqlen": np.array(int(sent.max()), dtype=np.int32),
     }
 
 

@@ -1,16 +1,16 @@
 """The odb.v1 DataService servicer: a thin gRPC adapter over the replica's domain code.
 
 It decodes requests, checks the job and its token, calls the domain (`rank_stream` for Stream,
-`scaling` for Scale, the job's state for GetJob) and turns the domain errors they raise into
-status codes with one table, `STATUS_OF` (nothing else in the service knows gRPC's codes; the
-Refill RPC has its own handler, `refill_server`). The rank streams are coroutines on the
-replica's event loop (`loop_server`); the unary calls (GetJob, Scale, Health) and Refill are
-plain functions run in the server's thread pool.
+`scaling` for Scale, `mix` for Mix, the job's state for GetJob) and turns the domain errors
+they raise into status codes with one table, `STATUS_OF` (nothing else in the service knows
+gRPC's codes; the Refill RPC has its own handler, `refill_server`). The rank streams are
+coroutines on the replica's event loop (`loop_server`); the unary calls (GetJob, Scale, Mix,
+Health) and Refill are plain functions run in the server's thread pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
@@ -19,6 +19,9 @@ from pipeline.errors import (
     AckAheadOfPlan,
     AckNotDelivered,
     BadRequest,
+    GroupRefused,
+    JobFinished,
+    MixRefused,
     OdbError,
     PositionUnavailable,
     ProducerFailed,
@@ -36,7 +39,7 @@ from pipeline.errors import (
 )
 from pipeline.observability.status_proto import to_proto
 from pipeline.observability.status_view import training_job_status
-from pipeline.service import scaling
+from pipeline.service import mix, scaling
 from pipeline.service.auth import check_token
 from pipeline.service.job_runtime import JobRuntime
 from pipeline.service.liveness import LivenessPolicy, reported_failure
@@ -45,6 +48,7 @@ from pipeline.service.refill_server import RefillServicer, add_refill_handler
 from pipeline.service.wire_codec import wire_version_problem
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import FINAL_STATUS_KEY, STREAM_ACCEPTED
 
 # The one table from the domain's errors to status codes (the most specific class wins).
 STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
@@ -57,7 +61,9 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     WrongJobMode: grpc.StatusCode.FAILED_PRECONDITION,
     WireMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     RankHeld: grpc.StatusCode.FAILED_PRECONDITION,
+    GroupRefused: grpc.StatusCode.FAILED_PRECONDITION,
     ScaleRefused: grpc.StatusCode.FAILED_PRECONDITION,
+    MixRefused: grpc.StatusCode.FAILED_PRECONDITION,
     RankTimedOut: grpc.StatusCode.ABORTED,
     ProducerFailed: grpc.StatusCode.INTERNAL,  # a bug
     ProducerMisconfigured: grpc.StatusCode.FAILED_PRECONDITION,  # an operator must fix it
@@ -65,6 +71,11 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     ReplicaUnavailable: grpc.StatusCode.UNAVAILABLE,
     StateUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+# Errors a client must not retry whatever their code (`FINAL_STATUS_KEY`): the job failed for
+# good, and every replica would answer the same until an operator acts.
+FINAL = (ProducerFailed, JobFinished)
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -97,6 +108,9 @@ def add_servicer(servicer: DataServicer, server: grpc.aio.Server) -> None:
         "Scale": grpc.unary_unary_rpc_method_handler(
             servicer.Scale, request_deserializer=pb.ScaleRequest.FromString,
             response_serializer=pb.ScaleReply.SerializeToString),
+        "Mix": grpc.unary_unary_rpc_method_handler(
+            servicer.Mix, request_deserializer=pb.MixRequest.FromString,
+            response_serializer=pb.MixReply.SerializeToString),
     }
     if servicer.refill is not None:
         add_refill_handler(servicer.refill, handlers)
@@ -130,12 +144,17 @@ async def _client_messages(requests: AsyncIterator[pb.ClientMessage]
 class DataServicer(pb_grpc.DataServiceServicer):
     def __init__(self, runtimes: dict[str, JobRuntime], tokens: dict[str, str | None], *,
                  streams: RankStreams, replica_id: str = "",
-                 refill: RefillServicer | None = None) -> None:
+                 refill: RefillServicer | None = None,
+                 state_reachable: Callable[[], bool] = lambda: True) -> None:
+        """`state_reachable`: False while the replica knows it cannot reach its jobs' state
+        (`readiness.StateWatch`): a new stream is then refused at once (UNAVAILABLE), its client
+        reconnects elsewhere instead of waiting out the state timeout here."""
         self.runtimes = runtimes
         self.tokens = tokens
         self.streams = streams
         self.replica_id = replica_id
         self.refill = refill  # the `mode: refill` jobs (refill_server.py), if any
+        self.state_reachable = state_reachable
 
     def _lookup(self, job_id: str, metadata: Iterable[tuple[str, str | bytes]] | None
                 ) -> JobRuntime:
@@ -145,7 +164,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
         rt = self.runtimes.get(job_id)
         refill = rt is None and self.refill is not None and job_id in self.refill.jobs
         if rt is None and not refill:
-            raise UnknownJob(f"unknown job {job_id!r}")
+            raise UnknownJob.named(job_id)
         problem = check_token(self.tokens.get(job_id), metadata, job_id)
         if problem is not None:
             raise Unauthenticated(problem)
@@ -176,6 +195,13 @@ class DataServicer(pb_grpc.DataServiceServicer):
         except OdbError as exc:
             context.abort(status_of(exc), str(exc))
 
+    def Mix(self, request: pb.MixRequest, context: grpc.ServicerContext) -> pb.MixReply:
+        try:
+            rt = self._lookup(request.job_id, context.invocation_metadata())
+            return mix.mix_reply(rt, mix.mix(rt, dict(request.weights)))
+        except OdbError as exc:
+            context.abort(status_of(exc), str(exc))
+
     # --- the rank stream (a coroutine on the replica's event loop) ---
     async def Stream(self, request_iterator: AsyncIterator[pb.ClientMessage],
                      context: grpc.aio.ServicerContext) -> None:
@@ -195,7 +221,12 @@ class DataServicer(pb_grpc.DataServiceServicer):
             if problem:
                 raise WireMismatch(problem)
             rt = self._lookup(op.job_id, context.invocation_metadata())
-            await self.streams.serve(rt, op, op.client_id or context.peer(),
-                                     _client_messages(requests), context.write)
+            if not self.state_reachable():
+                raise ReplicaUnavailable(f"job {op.job_id!r}: this replica cannot reach the "
+                                         "job's state (NOT_SERVING); reconnect")
+            await self.streams.serve(
+                rt, op, op.client_id or context.peer(), _client_messages(requests),
+                context.write, accepted=lambda: context.send_initial_metadata((STREAM_ACCEPTED,)))
         except OdbError as exc:
-            await context.abort(status_of(exc), str(exc))
+            final = ((FINAL_STATUS_KEY, "1"),) if isinstance(exc, FINAL) else ()
+            await context.abort(status_of(exc), str(exc), trailing_metadata=final)

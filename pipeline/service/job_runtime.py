@@ -22,7 +22,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.config import TrainingJobConfig
 from pipeline.jobstate.interface import JobState, ProducerFailure
@@ -54,6 +54,7 @@ class ReplicaFacts:
     ranks: dict[int, RankConnection]  # ranks that have had a stream on this replica
     fetched_by_rank: dict[int, int]
     uptime_s: float
+    members: dict[tuple[int, int], RankConnection] = field(default_factory=dict)  # (rank, seat)
 
 
 class JobRuntime:
@@ -76,6 +77,9 @@ class JobRuntime:
         self._wakers: list[Callable[[], None]] = []
         # By rank id (a reconfiguration changes the world size, the ids are reused).
         self.ranks: defaultdict[int, RankConnection] = defaultdict(RankConnection)
+        # A model-parallel group's streams, by (rank, member): the members of a grouped rank.
+        self.members: defaultdict[tuple[int, int], RankConnection] = defaultdict(
+            RankConnection)
         self.started_at = time.monotonic()
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -184,10 +188,13 @@ class JobRuntime:
         if samples is None:
             samples = self.payloads.fetch(step, rank)
         return build_batch(step, rank, samples, collate=self.collate, pad_id=self.pad_id,
-                           chunk_bytes=self.chunk_bytes, micro=micro)
+                           chunk_bytes=self.chunk_bytes, micro=micro,
+                           pad_to_multiple=self.job.batching.pad_to_multiple)
 
     def facts(self) -> ReplicaFacts:
         return ReplicaFacts(ranks={r: RankConnection(c.client_id, c.connected, c.delivered)
                                    for r, c in list(self.ranks.items())},
+                            members={k: RankConnection(c.client_id, c.connected, c.delivered)
+                                     for k, c in list(self.members.items())},
                             fetched_by_rank=self.payloads.fetched_by_rank(),
                             uptime_s=time.monotonic() - self.started_at)

@@ -26,6 +26,7 @@ class LoopServer:
     def __init__(self, options: Sequence[tuple[str, Any]], *, handler_threads: int,
                  io_threads: int) -> None:
         self._stopped = threading.Event()
+        self._started = False
         self._stop_lock = threading.Lock()
         self._stopping: threading.Thread | None = None
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="odb-io")
@@ -74,6 +75,7 @@ class LoopServer:
 
     def start(self) -> None:
         self.call(self.server.start())
+        self._started = True
 
     def stop(self, grace: float | None) -> threading.Event:
         """Stop accepting calls, give the live ones `grace` seconds, then close the loop; the
@@ -87,6 +89,8 @@ class LoopServer:
 
     def _shut(self, grace: float | None) -> None:
         try:
+            if not self._started:  # gRPC core releases a bound port only at a started server's
+                self.start()  # stop (a start that failed half-way, then stopped, frees it)
             self.call(self.server.stop(grace), timeout=(grace or 0) + 30)
         except Exception:  # a loop already gone: close what is left
             log.debug("grpc server stop failed", exc_info=True)

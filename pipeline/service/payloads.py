@@ -25,6 +25,7 @@ a replica never reads payloads of ranks it does not serve.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -127,9 +128,8 @@ class RayPayloads(_Counting):
             return self._actor
 
     def _refs_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
-        import ray
-
-        if time.monotonic() < self._ray_down_until or not ray.is_initialized():
+        ray = _ray_if_up()
+        if time.monotonic() < self._ray_down_until or ray is None:
             return [None] * len(keys)  # (ray.get_actor would start a Ray of its own)
         try:
             actor = self._producer()
@@ -156,8 +156,6 @@ class RayPayloads(_Counting):
                         "the next %gs", self.job.job_id, self.timeout_s, self.timeout_s)
 
     def fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
-        import ray
-
         from pipeline.preprocess.rows import from_table
 
         samples = _samples(step, rank)
@@ -167,7 +165,9 @@ class RayPayloads(_Counting):
             return here
         deadline = time.monotonic() + self.timeout_s
         ref = self._refs((step.step, rank))
-        if ref is not None:
+        if ref is not None:  # (only when Ray is up: `_refs_many`)
+            import ray
+
             try:
                 left = max(0.0, deadline - time.monotonic())
                 items = from_table(ray.get(ref, timeout=left))
@@ -212,6 +212,15 @@ class RayPayloads(_Counting):
             if self._store is not None:
                 self._store.close()
                 self._store = None
+
+
+def _ray_if_up() -> Any:
+    """The `ray` module if this process has started or joined Ray, else None. Never imports
+    it: `serve` imports Ray on another thread while it starts, and a second importer of the
+    same package can be handed the half-imported module (Ray then fails to start)."""
+    ray = sys.modules.get("ray")
+    is_up = getattr(ray, "is_initialized", None)
+    return ray if callable(is_up) and is_up() else None
 
 
 def _samples(step: Step, rank: int) -> tuple[MeasuredSample, ...]:

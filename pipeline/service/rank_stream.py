@@ -32,6 +32,12 @@ once instead of waiting out the lease, unless the rank was claimed again since (
 that holder is alive, and the new client gets `RankHeld`); a client that fails over to another
 replica keeps its client id, so it re-claims at once.
 
+Groups (docs/trainer-client.md): the members of a rank's model-parallel group (`Open.group_size`,
+`group_rank`) each have a stream of the rank; each stream holds its member's seat in the group's
+lease (`JobState`, `interface.Member`), renewed on that member's evidence, and acks for it (the
+rank's cursor is the group's slowest member's); a lost member is a lost rank to its peers too.
+The members on one replica share one build of each batch (`JobIO.build`).
+
 Acks: a client acknowledges only steps it was sent (`AckNotDelivered` otherwise: the state's
 cursor never skips a step the rank did not get), with at most `MAX_CREDITS` credits at a time.
 
@@ -52,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -74,12 +81,12 @@ from pipeline.errors import (
     StateUnavailable,
     WireMismatch,
 )
-from pipeline.jobstate.interface import ProducerFailure, RankAck, RankCompute
+from pipeline.jobstate.interface import Member, ProducerFailure, RankAck, RankCompute
 from pipeline.modes import JobMode
 from pipeline.planner.types import EpochEnd
 from pipeline.producer.failures import Cause
 from pipeline.service.credit_window import CreditError, CreditWindow
-from pipeline.service.job_runtime import JobRuntime
+from pipeline.service.job_runtime import JobRuntime, RankConnection
 from pipeline.service.liveness import LivenessPolicy, rank_failure
 from pipeline.service.rank_cursor import (
     Boundary,
@@ -92,7 +99,13 @@ from pipeline.service.rank_cursor import (
 )
 from pipeline.service.stream_io import JobIO
 from pipeline.service.wire_codec import wire_version_problem
-from pipeline.service.world_open import MAX_CREDITS, StreamStart, beyond_the_plan, resolve
+from pipeline.service.world_open import (
+    MAX_CREDITS,
+    StreamStart,
+    beyond_the_plan,
+    member_of,
+    resolve,
+)
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 
 MAX_COMPUTE_REPORTS = 64  # per Ack (a client sends one per batch taken since its last Ack)
@@ -123,6 +136,7 @@ class StreamSession:
     credits: CreditWindow
     cursor: RankCursor
     claim: int = 0  # the number of this stream's claim of the rank (`RankLease.claim`)
+    member: Member | None = None  # its seat in the rank's model-parallel group (None: alone)
     cancelled: bool = False
     client_closed: bool = False  # the client half-closed its side (after its final ack)
     error: OdbError | None = None  # set by the ack reader: the stream ends with it
@@ -159,6 +173,10 @@ class StreamSession:
                 await self._wake.wait()
 
 
+def _seat(member: Member | None) -> int:
+    return -1 if member is None else member.index
+
+
 def producer_failed(job_id: str, failure: ProducerFailure) -> ProducerFailed:
     """What a permanent producer failure ends the job's streams with, by its cause
     (`pipeline/producer/failures.py`): what an operator must fix, a cause that heals once the
@@ -182,9 +200,9 @@ class RankStreams:
         self.settings = settings
         self.policy = policy
         self.executor = executor
-        # (job, rank) -> (client id, claim) of a stream that ended on this replica before its
-        # final END (its lease not released).
-        self._vanished: dict[tuple[str, int], tuple[str, int]] = {}
+        # (job, rank, group seat or -1) -> (client id, claim) of a stream that ended on this
+        # replica before its final END (its lease not released).
+        self._vanished: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._vanished_lock = threading.Lock()
         self._ios: dict[str, JobIO] = {}
 
@@ -198,37 +216,46 @@ class RankStreams:
                 payload_timeout=st.payload_timeout_seconds)
         return jio
 
-    def claim(self, rt: JobRuntime, rank: int, client_id: str) -> int:
-        """Claim the rank (`RankHeld` while another live client holds it); returns the claim's
-        number. If its holder is a stream that ended on this replica and no claim of the rank
-        came since (the holder did not claim it again elsewhere: it is dead), take over at once
+    def claim(self, rt: JobRuntime, rank: int, client_id: str,
+              member: Member | None = None) -> int:
+        """Claim the rank, or the member's seat in its group (`RankHeld` while another live
+        client holds it); returns the claim's number (claims are counted per rank, and per
+        seat). If its holder is a stream that ended on this replica and no claim of it came
+        since (the holder did not claim it again elsewhere: it is dead), take over at once
         (release that lease first) rather than wait out the lease."""
-        key = (rt.job.job_id, rank)
+        key = (rt.job.job_id, rank, _seat(member))
         with self._vanished_lock:
             old = self._vanished.pop(key, None)
         if old is not None and old[0] != client_id:
             try:  # a no-op unless that client still holds it by that very claim
-                rt.state.release_rank(rank, *old)
+                rt.state.release_rank(rank, *old, member=member)
             except Exception:
                 log.debug("release of vanished client %s failed", old[0], exc_info=True)
         try:
-            return rt.state.claim_rank(rank, client_id, self.settings.lease_seconds).claim
+            return rt.state.claim_rank(rank, client_id, self.settings.lease_seconds,
+                                       member=member).claim
         except RankHeld as exc:
             raise RankHeld(f"{exc}; retry after the lease lapses") from None
 
-    def vanished(self, rt: JobRuntime, rank: int, client_id: str, claim: int) -> None:
-        """`client_id`'s stream of `rank` (its claim `claim`) ended here without releasing."""
+    def vanished(self, rt: JobRuntime, rank: int, client_id: str, claim: int,
+                 member: Member | None = None) -> None:
+        """`client_id`'s stream of `rank` (its claim `claim`; of its seat `member`) ended here
+        without releasing."""
         with self._vanished_lock:
-            self._vanished[(rt.job.job_id, rank)] = (client_id, claim)
+            self._vanished[(rt.job.job_id, rank, _seat(member))] = (client_id, claim)
 
     async def serve(self, rt: JobRuntime, op: pb.Open, client_id: str,
-                    requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
-        """Serve the rank of `op` until its END (or its world's END(reconfigure)), the client
-        closes or goes away (cancellation), or the stream must end (a domain error)."""
+                    requests: AsyncIterator[pb.ClientMessage], write: Write,
+                    accepted: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve the rank of `op` (or its seat in the rank's group) until its END (or its
+        world's END(reconfigure)), the client closes or goes away (cancellation), or the stream
+        must end (a domain error). `accepted` runs once the Open is (the position resolved,
+        the rank claimed)."""
         if rt.job.batching.global_token_budget is not None:  # micro-batches: a newer client
             problem = wire_version_problem(op, global_steps=True)
             if problem:
                 raise WireMismatch(problem)
+        member = member_of(op, rt)
         jio = self.job_io(rt)
         prefetch = self.settings.prefetch_steps
         credits = CreditWindow.opened(max(1, min(op.credits or prefetch, prefetch)),
@@ -236,8 +263,10 @@ class RankStreams:
         start = await jio.run(resolve, op, rt)
         claim = 0
         if start.has_work:  # a drained rank of an ended world just gets its END: no lease
-            claim = await jio.run(self.claim, rt, op.rank, client_id)
-        stream = RankStream(self, jio, op, client_id, start, credits, claim)
+            claim = await jio.run(self.claim, rt, op.rank, client_id, member)
+        if accepted is not None:
+            await accepted()
+        stream = RankStream(self, jio, op, client_id, start, credits, claim, member)
         await stream.run(requests, write)
 
 
@@ -245,7 +274,8 @@ class RankStream:
     """One stream: its session, the send loop and the ack reader."""
 
     def __init__(self, streams: RankStreams, jio: JobIO, op: pb.Open, client_id: str,
-                 start: StreamStart, credits: CreditWindow, claim: int) -> None:
+                 start: StreamStart, credits: CreditWindow, claim: int,
+                 member: Member | None = None) -> None:
         self.streams = streams
         self.settings = streams.settings
         self.jio = jio
@@ -254,7 +284,7 @@ class RankStream:
         cursor = RankCursor(op.rank, self.rt.job.epochs, pos=start.pos, epoch=start.epoch,
                             last_sent=start.pos - 1, world=start.world, limit=start.limit,
                             next_world_size=start.next_world_size)
-        self.s = StreamSession(op.rank, client_id, credits, cursor, claim=claim,
+        self.s = StreamSession(op.rank, client_id, credits, cursor, claim=claim, member=member,
                                leased=start.has_work, granted=start.pos - 1,
                                window=credits.steps,
                                awaited=start.pos if start.beyond_plan else None)
@@ -263,13 +293,19 @@ class RankStream:
                  start.world_size, extra={"job": op.job_id, "rank": op.rank,
                                           "step": start.pos})
 
+    def _connection(self) -> RankConnection:
+        """What this replica shows of the stream (status): its rank's, or its member's."""
+        s = self.s
+        return (self.rt.ranks[s.rank] if s.member is None
+                else self.rt.members[(s.rank, s.member.index)])
+
     def _log_extra(self) -> dict:
         return {"job": self.job_id, "rank": self.s.rank, "step": self.s.cursor.last_sent}
 
     async def run(self, requests: AsyncIterator[pb.ClientMessage], write: Write) -> None:
-        s, rt = self.s, self.rt
+        s = self.s
         reader = asyncio.ensure_future(self._read_acks(requests))
-        conn = rt.ranks[s.rank]
+        conn = self._connection()
         conn.client_id, conn.connected = s.client_id, True
         writing: asyncio.Future | None = None
         try:
@@ -280,12 +316,13 @@ class RankStream:
                 writing = asyncio.ensure_future(write(msg))
             if writing is not None:
                 await writing
-            # After the final END, wait (bounded) for the client's final ack and half-close so
-            # the last step is recorded as consumed. (After END(reconfigure) there is nothing to
-            # record: end at once, the rank is about to open its stream in the new world.)
-            deadline = time.monotonic() + (0.0 if s.left else self.settings.lease_seconds)
-            while not (s.client_closed or s.cancelled):
-                if time.monotonic() >= deadline:
+            # After the final END, wait for the client's final ack and half-close so the last
+            # step is recorded as consumed: while the client shows signs of life (a trainer
+            # still working through the batches it holds keeps its heartbeats), and a lease
+            # after its last one. (After END(reconfigure) there is nothing to record: end at
+            # once, the rank is about to open its stream in the new world.)
+            while not (s.client_closed or s.cancelled or s.left or self.rt.stopping):
+                if time.monotonic() - s.renewed_at >= self.settings.lease_seconds:
                     break
                 await s.wait(0.1)
         except asyncio.CancelledError:  # the client went away (or the server stops)
@@ -311,14 +348,15 @@ class RankStream:
         # how the other ranks learn a peer is gone (Guarantee 4). (A client that half-closed
         # early on purpose leaves them waiting just the same.)
         if s.leased and not s.cursor.job_done:
-            self.streams.vanished(rt, s.rank, s.client_id, s.claim)
+            self.streams.vanished(rt, s.rank, s.client_id, s.claim, s.member)
             log.info("job %s rank %d: client %s %s; its lease lapses in <= %.1fs",
                      self.job_id, s.rank, s.client_id,
                      "vanished" if s.cancelled or s.client_closed else "was ended",
                      self.settings.lease_seconds, extra=self._log_extra())
         elif s.leased and not s.unreachable:  # (else it lapses: the client is elsewhere)
             try:
-                await self.jio.run(rt.state.release_rank, s.rank, s.client_id)
+                await self.jio.run(functools.partial(rt.state.release_rank, s.rank, s.client_id,
+                                                     member=s.member))
             except Exception:
                 log.warning("job %s rank %d: release failed", self.job_id, s.rank,
                             exc_info=True)
@@ -416,7 +454,7 @@ class RankStream:
         # and taken back if lapsed, every time): the same evidence, fewer writes.
         now = time.monotonic()
         renew = step < 0 or now - s.renewed_at >= self.settings.lease_seconds / 3
-        ack = RankAck(s.rank, s.client_id, step if current else -1, renew)
+        ack = RankAck(s.rank, s.client_id, step if current else -1, renew, s.member)
         if ack.step > s.granted:  # an END's ack through steps the rank has no batch in
             await self._grant(ack.step)
         try:
@@ -460,12 +498,14 @@ class RankStream:
 
     async def _rank_failure(self) -> str | None:
         """`liveness.rank_failure` from the fresh cached lapses (the policy's own I/O, a
-        shrink, only when some rank is gone)."""
+        shrink, only when some rank is gone). A member of a group counts its own rank too:
+        a lost member is its peers' lost rank."""
         policy = self.streams.policy
         dead = self.rt.dead_ranks(policy.timeout_seconds, refresh=False)
-        if not any(r != self.s.rank for r in dead):
+        mine = None if self.s.member is not None else self.s.rank
+        if not any(r != mine for r in dead):
             return None
-        return await self.jio.run(rank_failure, self.rt, policy, self.s.rank)
+        return await self.jio.run(rank_failure, self.rt, policy, mine)
 
     async def _send(self) -> AsyncIterator[pb.ServerMessage | bytes]:
         s, rt, jio = self.s, self.rt, self.jio
@@ -508,17 +548,17 @@ class RankStream:
                 micros = len(action.step.micros_for(s.rank))
                 held, samples = s.payloads
                 if micros > 1 and held != n:  # one fetch serves all the rank's micro-batches
-                    samples = await jio.fetch(action.step, s.rank)
+                    samples = await jio.fetch(action.step, s.rank, s.member)
                     s.payloads = (n, samples)
                 batch = await jio.build(action.step, s.rank, action.micro,
-                                        samples if micros > 1 else None)
+                                        samples if micros > 1 else None, s.member)
                 if not await self._await_credit(batch.nbytes):  # room in its byte window
                     return
                 s.credits.sent(batch.nbytes)
                 s.cursor.sent(action.step, action.micro)
                 if action.micro == micros - 1:
                     s.payloads = (-1, None)
-                rt.ranks[s.rank].delivered = n
+                self._connection().delivered = n
                 for msg in batch.messages():  # a chunk is copied into its message as it goes
                     yield msg
                 continue
@@ -580,7 +620,8 @@ class RankStream:
         the rank's stream in the new world is not held up), then gets END(reconfigure)."""
         s, rt = self.s, self.rt
         try:
-            await self.jio.run(rt.state.rank_left, s.cursor.world, s.rank, s.client_id)
+            await self.jio.run(functools.partial(rt.state.rank_left, s.cursor.world, s.rank,
+                                                 s.client_id, member=s.member))
         except Exception:  # the lease then lapses; the switch completes all the same
             log.warning("job %s rank %d: recording its exit from world %d failed",
                         self.job_id, s.rank, s.cursor.world, exc_info=True)

@@ -36,7 +36,7 @@ import numpy as np
 
 from pipeline.config import RefillJobConfig, ServiceConfig
 from pipeline.coordinator.refill_state import RefillState, RequestPayload
-from pipeline.errors import StateUnavailable, UserError
+from pipeline.errors import StateUnavailable, UnknownJob, UserError
 from pipeline.modes import JobMode
 from pipeline.observability.job_status import ReplicaStatus
 from pipeline.observability.status_proto import to_proto
@@ -75,7 +75,8 @@ def connect_refill_job(config: ServiceConfig, job: RefillJobConfig, replica_id: 
     state = RefillState.connect(config.redis_url, job.job_id,
                                 lease_seconds=job.refill.lease_seconds)
     registry.register_refill_job(state.client, job.job_id,
-                                 config_hash=registry.config_hash(job), seed=job.seed)
+                                 config_hash=registry.config_hash(job), seed=job.seed,
+                                 config=registry.config_record(job))
     return RefillJob(job, state, RefillProducer(job, state, holder=f"replica:{replica_id}"))
 
 
@@ -120,7 +121,7 @@ class RefillServicer:
         holding its token (an unauthenticated caller learns nothing about other jobs)."""
         rj = self.jobs.get(job_id)
         if rj is None and job_id not in self.other_jobs:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job_id!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, str(UnknownJob.named(job_id)))
         require_token(self.tokens.get(job_id), context, job_id)
         if rj is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from pipeline.errors import BadRequest, PlanningComplete, ScaleInProgress
+from pipeline.errors import BadRequest, JobFinished, PlanningComplete, ScaleInProgress
 from pipeline.jobstate.worlds import ScaleReason, ScaleRequest, ScaleResult, World, WorldTimings
 from pipeline.service.job_runtime import JobRuntime
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -38,11 +38,26 @@ def world_message(w: World, timings: WorldTimings | None) -> pb.World:
     return out
 
 
+def refuse_finished(rt: JobRuntime) -> None:
+    """`JobFinished` once every rank of the job's world acknowledged its last step: a finished
+    job's world stays the one it ran (a reconfiguration would reopen it with nothing to do)."""
+    st = rt.state
+    ends = st.epoch_ends() if st.is_done() else []
+    if not ends:
+        return
+    finals = [-1 if s is None else s for s in ends[-1].final_step]
+    if all(a >= f for a, f in zip(st.acked_all(), finals, strict=False)):
+        raise JobFinished(f"job {rt.job.job_id!r} has finished (every rank acknowledged its "
+                          "last step): its world is not changed; a new run needs a new job_id, "
+                          f"or `odb-pipeline job reset {rt.job.job_id}` to start this one over")
+
+
 def scale(rt: JobRuntime, world_size: int) -> ScaleResult:
     job = rt.job
     if not 1 <= world_size <= job.world_size_cap():
         raise BadRequest(f"world_size must be in [1, {job.world_size_cap()}] for job "
                          f"{job.job_id!r} (its max_world_size), got {world_size}")
+    refuse_finished(rt)
     res = rt.state.scale(ScaleRequest(world_size, ScaleReason.SCALE))
     if res.changed:
         log.info("job %s: reconfiguration %d -> %d ranks: the old world runs through step %d, "
@@ -74,6 +89,10 @@ def shrink(rt: JobRuntime, timeout_seconds: float) -> str | None:
     dead = {r: t for r, t in rt.state.timed_out_ranks(timeout_seconds).items()
             if r < head.world_size}
     if not dead:
+        return None
+    try:
+        refuse_finished(rt)  # (its ranks are done, not dead)
+    except JobFinished:
         return None
     # The new world is the ranks live now (a lease held and not lapsed), which the boundary
     # lets drain; the timed-out ones and any other without a live lease keep what they acked.

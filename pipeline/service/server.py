@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from pipeline.config import GrpcConfig, RefillJobConfig, ServiceConfig, TrainingJobConfig
@@ -40,6 +40,7 @@ from pipeline.service.liveness import policy_named
 from pipeline.service.loop_server import LoopServer
 from pipeline.service.payloads import ArrayPayloads, PayloadSource, RayPayloads
 from pipeline.service.rank_stream import RankStreams, StreamSettings
+from pipeline.service.readiness import ReplicaHealth, StateWatch
 from pipeline.service.refill_server import RefillJob, RefillServicer, connect_refill_job
 from pipeline.service.state_factory import make_job_state
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
@@ -59,7 +60,8 @@ def grpc_options(cfg: GrpcConfig) -> list[tuple[str, int]]:
     def ms(seconds: float) -> int:
         return max(1, round(seconds * 1000))
 
-    return [("grpc.max_send_message_length", cfg.max_message_mb * 1024 * 1024),
+    return [("grpc.so_reuseport", 0),  # a port in use is refused, never shared with its holder
+            ("grpc.max_send_message_length", cfg.max_message_mb * 1024 * 1024),
             ("grpc.max_receive_message_length", cfg.max_request_mb * 1024 * 1024),
             ("grpc.keepalive_time_ms", ms(cfg.keepalive_time_s)),
             ("grpc.keepalive_timeout_ms", ms(cfg.keepalive_timeout_s)),
@@ -78,7 +80,7 @@ class RunningService:
     server: LoopServer
     port: int
     runtimes: dict[str, JobRuntime]
-    health: health.HealthServicer
+    health: ReplicaHealth
     replica_id: str
     on_stop: list = field(default_factory=list)  # callables run at stop (metrics server, ...)
     refill_jobs: dict[str, RefillJob] = field(default_factory=dict)  # `mode: refill` jobs
@@ -147,34 +149,22 @@ def start_service(
     variable). `ray_ready`: an event set once Ray is initialized, for a caller that starts Ray
     meanwhile (None: Ray is up already); until then Ray jobs are planned in this process."""
     enforce_exposure(config, tokens)  # no job open beyond loopback unless opted in (#28)
-    job_states = dict(job_states or {})
-    sample_sources = dict(sample_sources or {})
-    replica_id = replica_id or new_replica_id()
-    settings = producer_settings(config)
-    runtimes: dict[str, JobRuntime] = {}
-    toks: dict[str, str | None] = {}
-    refill_jobs: dict[str, RefillJob] = {}
-    for job in config.jobs:
-        if isinstance(job, RefillJobConfig):
-            refill_jobs[job.job_id] = connect_refill_job(config, job, replica_id)
-            toks[job.job_id] = (tokens[job.job_id] if tokens and job.job_id in tokens
-                                else job.token())
-            continue
-        state = job_states.get(job.job_id) or make_job_state(config, job)
-        payloads, host = _job_parts(config, job, state, sample_sources.get(job.job_id),
-                                    replica_id, settings, ray_ready)
-        runtimes[job.job_id] = JobRuntime(job, state, payloads, host,
-                                          chunk_bytes=config.grpc.chunk_kb * 1024,
-                                          batch_notice=_batch_notice(config, job))
-        toks[job.job_id] = tokens[job.job_id] if tokens and job.job_id in tokens else job.token()
-
-    # Rank streams are coroutines of the server's loop; threads serve the unary calls, health
-    # watches and Refill (a refill consumer holds one: room for 32 per job), and the streams'
-    # blocking reads and writes (grouped: a few threads serve any number of streams).
+    # Rank streams and health watches are coroutines of the server's loop; threads serve the
+    # unary calls and Refill (a refill consumer holds one: room for 32 per job), and the
+    # streams' blocking reads and writes (grouped: a few threads serve any number of streams).
     # (Threads are started on demand, so the bounds cost nothing until used.)
-    server = LoopServer(grpc_options(config.grpc),
-                        handler_threads=16 + 32 * len(refill_jobs),
+    replica_id = replica_id or new_replica_id()
+    n_refill = sum(isinstance(job, RefillJobConfig) for job in config.jobs)
+    server = LoopServer(grpc_options(config.grpc), handler_threads=16 + 32 * n_refill,
                         io_threads=8)
+    try:
+        # The port first: one in use is refused before any job's state or lease is touched.
+        addr, port, tls = _listen(server, config.grpc)
+        runtimes, refill_jobs, toks = _jobs(config, job_states or {}, sample_sources or {},
+                                            tokens, replica_id, ray_ready)
+    except BaseException:
+        server.stop(None).wait(10.0)
+        raise
     settings = StreamSettings(
         lease_seconds=config.lease_seconds, prefetch_steps=config.grpc.prefetch_steps,
         resume_grace_s=(config.resume_grace_seconds if resume_grace_s is None
@@ -183,31 +173,78 @@ def start_service(
         payload_timeout_seconds=config.payload_timeout_seconds)
     streams = RankStreams(settings, policy_named(config.rank_failure_policy,
                                                  config.rank_timeout_seconds), server.io)
+    replica_health = ReplicaHealth(server, services=("", SERVICE_NAME))
+    # NOT_SERVING while a job's state cannot be reached (/healthz follows: readiness).
+    watch = StateWatch(replica_health, {j: rt.state for j, rt in runtimes.items()},
+                       timeout_s=config.state_timeout_seconds)
     servicer = DataServicer(runtimes, toks, streams=streams, replica_id=replica_id,
-                            refill=_refill_servicer(refill_jobs, toks, runtimes))
+                            refill=_refill_servicer(refill_jobs, toks, runtimes),
+                            state_reachable=lambda: watch.serving)
     add_servicer(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    addr = f"{config.grpc.host}:{config.grpc.port}"
-    creds = server_credentials(config.grpc)
-    port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
-    if port == 0:
-        raise OSError(f"cannot listen on {addr}")
     server.start()  # listening before any producer starts: ranks may connect at once
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    replica_health.set(serving=True)
     for rt in runtimes.values():
         rt.start()
-    on_stop = []
+    on_stop = [watch.start().stop]
     if servicer.refill is not None:
         servicer.refill.start()
         on_stop.append(servicer.refill.stop)
     log.info("replica %s serving %d job(s) on %s (tls=%s)", replica_id,
-             len(runtimes) + len(refill_jobs), addr, creds is not None)
-    return RunningService(server, port, runtimes, health_servicer, replica_id, on_stop,
+             len(runtimes) + len(refill_jobs), addr, tls)
+    return RunningService(server, port, runtimes, replica_health, replica_id, on_stop,
                           refill_jobs, frozenset(j for j, t in toks.items() if t is None))
+
+
+def _listen(server: LoopServer, cfg: GrpcConfig) -> tuple[str, int, bool]:
+    """Bind the gRPC port (never shared: `grpc.so_reuseport` is off); (address, port, tls)."""
+    addr = f"{cfg.host}:{cfg.port}"
+    creds = server_credentials(cfg)
+    try:
+        port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
+    except RuntimeError:  # grpc.aio: "Failed to bind to address ..."
+        port = 0
+    if port == 0:  # (gRPC does not say why)
+        raise OSError(port_in_use(addr, "grpc.port", "--port",
+                                  also=f", or {cfg.host} is no address of this machine"))
+    return addr, port, creds is not None
+
+
+def port_in_use(addr: str, setting: str, flag: str | None = None, also: str = "") -> str:
+    """What a port that cannot be bound means and what to do (another service holds it)."""
+    port = addr.rsplit(":", 1)[-1]
+    env = "ODB_" + setting.upper().replace(".", "__")
+    how = f"{setting}{f' / {flag}' if flag else ''} / {env}"
+    return (f"cannot listen on {addr}: the port is in use (another `odb-pipeline serve`, or "
+            f"another program: `ss -ltnp 'sport = :{port}'` shows which){also}; stop it, or "
+            f"give this service another port ({how})")
+
+
+def _jobs(config: ServiceConfig, job_states: Mapping[str, JobState],
+          sample_sources: Mapping[str, ArraySource], tokens: Mapping[str, str | None] | None,
+          replica_id: str, ray_ready: threading.Event | None
+          ) -> tuple[dict[str, JobRuntime], dict[str, RefillJob], dict[str, str | None]]:
+    """Every job's runtime (a training job) or registration (a refill job), and its token."""
+    settings = producer_settings(config)
+    runtimes: dict[str, JobRuntime] = {}
+    refill_jobs: dict[str, RefillJob] = {}
+    toks: dict[str, str | None] = {}
+    for job in config.jobs:
+        toks[job.job_id] = tokens[job.job_id] if tokens and job.job_id in tokens else job.token()
+        if isinstance(job, RefillJobConfig):
+            refill_jobs[job.job_id] = connect_refill_job(config, job, replica_id)
+            continue
+        if job.job_id in job_states:
+            state = job_states[job.job_id]
+        else:
+            state, job = make_job_state(config, job)  # the job as served (registry.py)
+        payloads, host = _job_parts(config, job, state, sample_sources.get(job.job_id),
+                                    replica_id, settings, ray_ready)
+        runtimes[job.job_id] = JobRuntime(job, state, payloads, host,
+                                          chunk_bytes=config.grpc.chunk_kb * 1024,
+                                          batch_notice=_batch_notice(config, job))
+    return runtimes, refill_jobs, toks
 
 
 def _batch_notice(config: ServiceConfig, job: TrainingJobConfig) -> str | None:

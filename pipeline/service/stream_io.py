@@ -5,9 +5,10 @@ and no thread hand-off per message. The job's state (Redis) and payloads (Ray) a
 blocking calls, so `JobIO`, the loop's side of a `JobRuntime`, runs every call that may block in
 the replica's I/O threads, and groups the frequent ones (`AsyncCoalescer`): the streams asking at
 the same time share one round trip for their acks, delivery grants, plan steps, the plan's head
-and the failure checks. `CachedPlan` lets a `RankCursor` decide from what the `PlanView` holds; a
-read it would have to make raises `PlanMiss`, and `JobIO.next_action` makes it off the loop and
-asks the cursor again.
+and the failure checks; the members of a model-parallel group share one build of their rank's
+batch (one payload fetch per batch, not one per member). `CachedPlan` lets a `RankCursor`
+decide from what the `PlanView` holds; a read it would have to make raises `PlanMiss`, and
+`JobIO.next_action` makes it off the loop and asks the cursor again.
 
 Bounds (Guarantee 8): a stream waits at most `state_timeout` seconds for any call to the job's
 state and twice `payload_timeout` for a batch's payloads (Ray's bound, then a rebuild by id as
@@ -25,10 +26,11 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pipeline.errors import ReplicaUnavailable
-from pipeline.jobstate.interface import RankAck, RankCompute
+from pipeline.jobstate.interface import Member, RankAck, RankCompute
 from pipeline.jobstate.worlds import Grant, PlanHead
 from pipeline.planner.types import EpochEnd, Step
 from pipeline.preprocess.sample import ProcessedSample
@@ -40,6 +42,9 @@ from pipeline.service.rank_cursor import Action, RankCursor
 
 T = TypeVar("T")
 CHECK_SECONDS = 0.25  # how stale the producer error and the lapsed ranks may be
+# A group's batches kept for its members that have not taken them yet, per rank, in steps:
+# about a client's credit window (members of a model-parallel group run in lockstep).
+SHARED_PER_RANK = 4
 
 
 class PlanMiss(Exception):
@@ -103,6 +108,8 @@ class JobIO:
         self._tick: asyncio.Future | None = None
         self._pending_head: asyncio.Task | None = None
         self._pending_steps: dict[int, asyncio.Task] = {}  # by rank
+        # (step, rank, micro-batch or -1: the payloads): what a group's members share here
+        self._shared_made: dict[tuple[int, int, int], _Shared] = {}
         rt.add_waker(self._wake_from_any_thread)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -226,20 +233,75 @@ class JobIO:
 
     # --- payloads ---
     async def build(self, step: Step, rank: int, micro: int = 0,
-                    samples: Sequence[ProcessedSample] | None = None) -> WireBatch:
+                    samples: Sequence[ProcessedSample] | None = None,
+                    member: Member | None = None) -> WireBatch:
         """The rank's batch (micro-batch `micro`) as its messages, from `samples` (its payloads
-        of the step) or fetched now; built on the loop unless its payloads need I/O."""
+        of the step) or fetched now; built on the loop unless its payloads need I/O. The
+        members of a rank's group on this replica share one build (`_shared`)."""
+        if member is not None and member.group_size > 1:
+            return await self._shared((step.step, rank, micro), member,
+                                      lambda: self._build(step, rank, micro, samples))
+        return await self._build(step, rank, micro, samples)
+
+    async def fetch(self, step: Step, rank: int, member: Member | None = None
+                    ) -> list[ProcessedSample]:
+        """The rank's payloads of the step (all its micro-batches), bounded like `build`; the
+        members of its group on this replica share one fetch."""
+        if member is not None and member.group_size > 1:
+            return await self._shared((step.step, rank, -1), member,
+                                      lambda: self._fetch(step, rank))
+        return await self._fetch(step, rank)
+
+    async def _shared(self, key: tuple[int, int, int], member: Member,
+                      make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """One payload fetch, one collation of a batch (`key`: step, rank, micro-batch; -1
+        the step's payloads) for all the members of its rank's group on this replica: the
+        first to ask makes it, the others wait for that. It is dropped once every member took
+        it, or when its rank holds `SHARED_PER_RANK` newer steps (a member that far behind
+        makes its own, byte-identical); a failure is not kept (the next ask makes it again)."""
+        entry = self._shared_made.get(key)
+        if entry is None:
+            task = self.loop.create_task(make())
+            task.add_done_callback(_retrieved)
+            entry = self._shared_made[key] = _Shared(task)
+            rank = key[1]
+            kept = sorted({k[0] for k in self._shared_made if k[1] == rank})[-SHARED_PER_RANK:]
+            for old in [k for k in self._shared_made if k[1] == rank and k[0] < kept[0]]:
+                del self._shared_made[old]
+        try:
+            got = await asyncio.shield(entry.task)
+        except Exception:
+            if self._shared_made.get(key) is entry:
+                del self._shared_made[key]
+            raise
+        entry.taken.add(member.index)
+        if len(entry.taken) >= member.group_size and self._shared_made.get(key) is entry:
+            del self._shared_made[key]
+        return got
+
+    async def _build(self, step: Step, rank: int, micro: int,
+                     samples: Sequence[ProcessedSample] | None) -> WireBatch:
         if self.rt.payloads.blocking:
             return await self._bounded(self.loop.run_in_executor(
                 self.executor, self.rt.build_message, step, rank, micro, samples), payloads=True)
         return self.rt.build_message(step, rank, micro, samples)
 
-    async def fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
-        """The rank's payloads of the step (all its micro-batches), bounded like `build`."""
+    async def _fetch(self, step: Step, rank: int) -> list[ProcessedSample]:
         if self.rt.payloads.blocking:
             return await self._bounded(self.loop.run_in_executor(
                 self.executor, self.rt.payloads.fetch, step, rank), payloads=True)
         return self.rt.payloads.fetch(step, rank)
+
+
+@dataclass
+class _Shared:
+    task: asyncio.Task
+    taken: set[int] = field(default_factory=set)  # the members that took it
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # (a build nobody awaits any more: its failure is not logged)
 
 
 def _resolve(fut: asyncio.Future) -> None:

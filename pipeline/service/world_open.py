@@ -25,11 +25,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pipeline.errors import BadRequest, PositionUnavailable, RanksLive, ScaleInProgress
+from pipeline.errors import (
+    BadRequest,
+    GroupRefused,
+    PositionUnavailable,
+    RanksLive,
+    ScaleInProgress,
+)
+from pipeline.jobstate.interface import GROUP_HOLDER_PREFIX, MAX_GROUP_SIZE, Member
 from pipeline.jobstate.worlds import PlanHead, ScaleReason, ScaleRequest, World
 from pipeline.planner.types import EpochEnd
 from pipeline.service.job_runtime import JobRuntime
+from pipeline.service.scaling import refuse_finished
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
+from trainer_client.wire_format import GROUP_REFUSED_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +80,38 @@ def _epoch_first(ends: list[EpochEnd], epoch: int) -> int:
     return max((e.last_step for e in ends if e.epoch < epoch), default=-1) + 1
 
 
+def member_of(op: pb.Open, rt: JobRuntime) -> Member | None:
+    """The Open's seat in its rank's model-parallel group (None: the rank is the client's
+    alone): INVALID_ARGUMENT for a seat outside [0, group_size) or a size beyond
+    MAX_GROUP_SIZE; FAILED_PRECONDITION (`GroupRefused`) for a group on a job that does not
+    say how its sequences are padded (every split of a sequence across a group, context or
+    sequence parallelism, needs a multiple: `batching.pad_to_multiple`, 1 when none is)."""
+    size = op.group_size or 1
+    if not 1 <= size <= MAX_GROUP_SIZE or not 0 <= op.group_rank < size:
+        raise BadRequest(f"group_rank must be in [0, group_size) and group_size in [1, "
+                         f"{MAX_GROUP_SIZE}], got group_rank {op.group_rank} and group_size "
+                         f"{op.group_size}")
+    if size == 1:
+        return None
+    if rt.job.batching.pad_to_multiple is None:
+        raise GroupRefused(
+            f"{GROUP_REFUSED_PREFIX}: job {rt.job.job_id!r} does not set "
+            f"batching.pad_to_multiple, and rank {op.rank} was opened by a model-parallel "
+            f"group (group_size {size}): set it to the multiple every sequence must be padded "
+            "to for the group's layout (2 x CP for context parallelism, TP for sequence "
+            "parallelism, 8 or 16 for FP8 kernels; 1 when the layout splits no sequence)")
+    return Member(op.group_rank, size)
+
+
 def resolve(op: pb.Open, rt: JobRuntime) -> StreamStart:
     if not 0 <= op.credits <= MAX_CREDITS:
         raise BadRequest(f"credits must be in [0, {MAX_CREDITS}], got {op.credits}")
     if len(op.client_id) > MAX_CLIENT_ID:
         raise BadRequest(f"client_id must be at most {MAX_CLIENT_ID} characters, got "
                          f"{len(op.client_id)}")
+    if op.client_id.startswith(GROUP_HOLDER_PREFIX):
+        raise BadRequest(f"client_id must not start with {GROUP_HOLDER_PREFIX!r} (it names a "
+                         f"group's lease), got {op.client_id!r}")
     if op.resume_step < RESUME_FROM_CURSOR:
         raise BadRequest(f"resume_step must be >= 0 (or {RESUME_FROM_CURSOR}: where the rank "
                          f"left off), got {op.resume_step}")
@@ -89,11 +124,13 @@ def resolve(op: pb.Open, rt: JobRuntime) -> StreamStart:
             return _drain_start(op, rt, prev, head)
         if not rt.job.elastic:
             history = " -> ".join(str(w.world_size) for w in worlds)
+            job_id = rt.job.job_id
             raise BadRequest(
-                f"world_size {op.world_size} does not match job {rt.job.job_id!r}'s world size "
-                f"{head.world_size}" + (f" (world sizes so far: {history})" if prev else "")
-                + "; reconfigure it with `odb-pipeline scale` (or the Scale call), or set "
-                "`elastic: true` on the job so an Open with a new world size does")
+                f"job {job_id!r} runs {head.world_size} ranks, this rank opened with world_size "
+                f"{op.world_size}" + (f" (world sizes so far: {history})" if prev else "")
+                + f": start {head.world_size} ranks, or move the job onto {op.world_size} "
+                f"first (`odb-pipeline scale --job {job_id} --world-size {op.world_size}`, or "
+                "`elastic: true` on the job so an Open with a new world size does)")
         head = _elastic_switch(op, rt, head, worlds)
     if not 0 <= op.rank < head.world_size:
         raise BadRequest(f"rank {op.rank} is outside [0, {head.world_size}) for job "
@@ -135,6 +172,7 @@ def _elastic_switch(op: pb.Open, rt: JobRuntime, head: PlanHead, worlds: list[Wo
     if not 1 <= op.world_size <= job.world_size_cap():
         raise BadRequest(f"world_size {op.world_size} is outside [1, {job.world_size_cap()}] "
                          f"(job {job.job_id!r}'s max_world_size)")
+    refuse_finished(rt)
     position = None
     if op.resume_step >= 0:
         position = _map_position(rt, head, op.resume_step, op.resume_epoch)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.observability.job_status import ComputeStatus, JobStatus, RefillStatus, WorldStatus
+from pipeline.observability.job_status import (
+    ComputeStatus,
+    JobStatus,
+    MixtureStatus,
+    RefillStatus,
+    WorldStatus,
+)
 from pipeline.status.report import StatusReport
 
 
@@ -15,6 +21,11 @@ def _v(x: Any, fmt: str = "{}") -> str:
     if isinstance(x, bool):
         return "yes" if x else "no"
     return fmt.format(x)
+
+
+def _step(x: int | None) -> str:
+    """A step number; "-" for none yet (None, or the -1 the sources use for it)."""
+    return "-" if x is None or x < 0 else str(x)
 
 
 def _pct(x: float | None) -> str:
@@ -78,22 +89,32 @@ def _ranks(job: JobStatus) -> list[str]:
                      f"far): {trouble.message}")
     header = ("rank", "delivered*", "acked", "lag", "connected*", "heartbeat", "stalled",
               "lapsed", "client")
-    rows = [header] + [(
-        str(r.rank), _v(r.replica.delivered_step if r.replica else None),
-        _v(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
-        _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
-    ) for r in job.ranks or ()]
+    rows = [header]
+    for r in job.ranks or ():
+        rows.append((
+            str(r.rank), _step(r.replica.delivered_step if r.replica else None),
+            _step(r.acked_step), _v(r.lag_steps), _v(r.replica.connected if r.replica else None),
+            _v(r.heartbeat_age_s, "{:.1f}s"), _v(r.stalled), _v(r.lapsed), r.client_id or "-",
+        ))
+        rows += [(  # a rank served to a model-parallel group: every member under it
+            f"{r.rank}.{m.member}", _step(m.replica.delivered_step if m.replica else None),
+            _step(m.acked_step), _v(m.lag_steps), _v(m.replica.connected if m.replica else None),
+            _v(m.heartbeat_age_s, "{:.1f}s"), "", _v(bool(m.lapsed_for_s)),
+            m.client_id or ("(released)" if m.released else "-"),
+        ) for m in r.members or ()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
-    lines.append(f"  * as seen by replica {job.replica.id if job.replica else '-'}")
+    lines.append(f"  * as seen by replica {job.replica.id if job.replica else '-'}"
+                 + ("; r.m: member m of rank r's group, its lag behind the group's most "
+                    "advanced member" if any(r.members for r in job.ranks or ()) else ""))
     return lines
 
 
 def _job(job: JobStatus, show_records: bool) -> list[str]:
     where = ("" if job.refill is not None else
              f"  world_size={_v(job.world_size)}  published_through="
-             f"{_v(job.published_through)}")
+             f"{_step(job.published_through)}")
     lines = [f"job {job.job_id}  state={job.state}  mode={job.mode}{where}  "
              f"samples_in={_v(job.samples_in)}"
              + ("  OPEN (served without a credential)" if job.open else "")]
@@ -122,10 +143,12 @@ def _job(job: JobStatus, show_records: bool) -> list[str]:
                      f"longest unseen run {ex['max_epochs_unseen']} epoch(s)")
     if job.compute is not None:
         lines += _compute(job.compute)
+    if job.sources is not None:
+        lines += _mixture(job.sources)
     if job.coordinator is not None:
         c = job.coordinator
         lines.append(f"  redis: state={c.state}  retained_steps={c.retained_steps}  "
-                     f"min_acked={c.min_acked}")
+                     f"min_acked={_step(c.min_acked)}")
     return lines
 
 
@@ -169,4 +192,17 @@ def _compute(c: ComputeStatus) -> list[str]:
         lines.append(f"    step {c.last_step} per rank, measured (predicted) s: " + "  ".join(
             f"{r}: {m:.3g}" + (f" ({pred[r]:.3g})" if r in pred else "")
             for r, m in sorted(c.rank_measured_s.items())))
+    return lines
+
+
+def _mixture(m: MixtureStatus) -> list[str]:
+    """Each source's part of the epoch's plan: share against target (in mix_by)."""
+    lines = [f"  sources (epoch {m.epoch}, shares of {m.mix_by.replace('_', ' ')}):"]
+    for x in m.sources:
+        lines.append(f"    {x.name:<16} samples={x.samples}  loss_tokens={x.loss_tokens}  "
+                     f"share={x.share:.3f}  target={x.target:.3f}  "
+                     f"quarantined={x.quarantined}")
+    for c in m.changes:
+        weights = ", ".join(f"{n}={w:g}" for n, w in c.weights.items())
+        lines.append(f"    {c.by} from step {c.step}: {weights}")
     return lines

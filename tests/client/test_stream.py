@@ -178,6 +178,90 @@ def test_a_client_of_another_version_fails_at_once_instead_of_retrying(monkeypat
         assert time.monotonic() - t0 < 10 and s.reconnects == 0
 
 
+def test_a_client_waiting_for_the_service_says_what_it_waits_for_every_few_seconds(caplog):
+    """#42: a trainer started with no service up was silent until its reconnect_timeout ran
+    out. It says at once, and every `wait_log_s`, where it connects and what it hears."""
+    port = free_port()  # nothing listens there
+    with caplog.at_level("WARNING", logger="trainer_client.batch_stream"), \
+            BatchStream(f"127.0.0.1:{port}", "j", 0, 1, reconnect_timeout=2.5,
+                        wait_log_s=1.0) as s, pytest.raises(StreamError) as err:
+        list(s)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) >= 2, said  # at the first failure, then again while it waits
+    for line in said:
+        assert f"job j rank 0: waiting for the service at 127.0.0.1:{port} for " in line, line
+        assert "giving up after reconnect_timeout 2.5 s); it says UNAVAILABLE: " in line, line
+
+
+def test_a_rerun_on_a_finished_job_says_the_job_has_finished(caplog):
+    with served() as svc:
+        with BatchStream(svc.address, "j", 0, 1) as stream:
+            assert ids_of(list(stream)) == ALL_IDS and stream.done
+        with caplog.at_level("WARNING", logger="trainer_client.batch_stream"), \
+                BatchStream(svc.address, "j", 0, 1) as again:
+            assert list(again) == [] and again.done
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "trainer_client.batch_stream"]
+    assert "job j rank 0: the job has finished" in said and "job reset j" in said
+
+
+# --- model-parallel groups ----------------------------------------------------------------
+
+def test_the_members_of_a_group_get_the_same_batches_and_getjob_shows_them():
+    with served(pad_to_multiple=8) as svc:
+        members = [BatchStream(svc.address, "j", 0, 1, group_size=2, group_rank=j)
+                   for j in range(2)]
+        its = [iter(m) for m in members]
+        got: list[list] = [[], []]
+        while True:
+            pair = [next(it, None) for it in its]
+            if pair[0] is None:
+                assert pair[1] is None
+                break
+            assert pair[0].digest() == pair[1].digest() and pair[0]["input_ids"].shape[1] % 8 == 0
+            for mine, b in zip(got, pair, strict=True):
+                mine.append(b)
+            if len(got[0]) == 2:  # mid-epoch: GetJob lists both members under rank 0
+                (rank,) = members[0].job_status().ranks
+                assert rank.client_id == "group:2"
+                assert [(m.member, m.client_id) for m in rank.members] == [
+                    (j, members[j].client_id) for j in range(2)]
+        assert ids_of(got[0]) == ALL_IDS and ids_of(got[1]) == ALL_IDS
+        for m in members:
+            m.close()
+
+
+def test_a_group_on_a_job_without_pad_to_multiple_fails_at_once():
+    with served() as svc, BatchStream(svc.address, "j", 0, 1, group_size=2,
+                                      reconnect_timeout=60) as s:
+        t0 = time.monotonic()
+        with pytest.raises(StreamError, match=r"group refused.*pad_to_multiple") as err:
+            next(iter(s))
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert time.monotonic() - t0 < 10 and s.reconnects == 0
+    with pytest.raises(ValueError, match="group_rank must be in"):
+        BatchStream("127.0.0.1:1", "j", 0, 1, group_size=2, group_rank=2)
+
+
+def test_a_group_size_mismatch_is_retried_then_raised_naming_both():
+    """A member of another group size is refused while the rank's group holds a live seat;
+    the client retries (the other may be a previous launch's, whose lease lapses) and raises
+    the refusal after its reconnect_timeout."""
+    with served(pad_to_multiple=8) as svc:
+        holder = BatchStream(svc.address, "j", 0, 1, group_size=2, client_id="tp-a")
+        next(iter(holder))
+        other = BatchStream(svc.address, "j", 0, 1, group_size=3, client_id="tp-b",
+                            reconnect_timeout=1.0)
+        with pytest.raises(StreamError, match="group_size mismatch") as err:
+            next(iter(other))
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "member 0 (client 'tp-a')" in err.value.details
+        assert "client 'tp-b' opened it with group_size 3" in err.value.details
+        assert other.reconnects >= 1
+        other.close()
+        holder.close()
+
+
 # --- StreamLoader: torchdata StatefulDataLoader conventions -------------------------------
 
 def test_loader_state_before_iteration_and_an_empty_load_change_nothing():

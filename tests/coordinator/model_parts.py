@@ -14,6 +14,7 @@ from pipeline.config import TrainingJobConfig
 from pipeline.coordinator import RedisJobState
 from pipeline.errors import StateUnavailable
 from pipeline.jobstate import Publication, QuarantineEntry
+from pipeline.order.cursor import OrderCursor
 from pipeline.planner.step_planner import StepPlanner
 from pipeline.planner.types import EpochEnd, MeasuredSample, Quarantined, Step
 from pipeline.producer.feed import FeedItem
@@ -126,8 +127,8 @@ class GatedFeed:
         self._waiting = False
         self._closed = False
 
-    def iter_epoch(self, epoch: int, start_row: int = 0) -> Iterator[FeedItem]:
-        for item in self.items[start_row:]:
+    def iter_epoch(self, epoch: int, cursor: OrderCursor) -> Iterator[FeedItem]:
+        for item in self.items[cursor.position:]:
             with self._cv:
                 while self._permits == 0 and not self._closed:
                     self._waiting = True

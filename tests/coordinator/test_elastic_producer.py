@@ -6,11 +6,13 @@ so every number can be checked against the plan."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
 
 import pytest
+from support.reference_plan import reference_steps
 from support.waiting import wait_for
 
 from pipeline.config import TrainingJobConfig
@@ -19,6 +21,7 @@ from pipeline.coordinator.registry import config_hash
 from pipeline.jobstate import ScaleRequest
 from pipeline.preprocess.array_source import ArraySource, synthetic_samples
 from pipeline.producer.feed import ArrayFeed
+from pipeline.producer.local_feed import LocalFeed
 from pipeline.producer.producer import Outcome, Producer, ProducerSettings
 
 N = 240
@@ -191,3 +194,73 @@ def test_a_registered_world_size_still_resumes_after_a_switch(url):
     st.scale(ScaleRequest(5))
     again = RedisJobState(url, "resume-after", config_hash=config_hash(cfg), world_size=3)
     assert again.world_size == 5 and again.head().generation == 1
+
+
+
+def _chats(path, tag: str, rows: int) -> str:
+    lines = [json.dumps({"messages": [
+        {"role": "user", "content": f"{tag} {i}: " + "why " * (1 + i % 7)},
+        {"role": "assistant", "content": f"{tag} answer {i} " + "word " * (3 + (i * 37) % 90)}]})
+        for i in range(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _by_optimizer_step(steps) -> dict[int, Counter]:
+    """optimizer step -> the samples it trains (fillers are not samples)."""
+    out: dict[int, Counter] = {}
+    for step in steps:
+        out.setdefault(step.info.optimizer_step, Counter()).update(
+            str(s.sample_id) for b in step.batches if not b.filler for s in b.samples)
+    return out
+
+
+def test_a_shuffled_mixture_trains_the_same_global_steps_across_two_one_two(url, tmp_path):
+    """Guarantee 11 across an elastic 2 -> 1 -> 2 (the order never depends on the world): a
+    mixture read from files (shuffled, one source repeated: the bootstrap producer's feed),
+    global steps; every optimizer step the ranks ran holds the samples it holds in the job's
+    plan on a fresh state without a switch, and ran once (each switch re-plans the returned
+    steps from the checkpoint, the order's cursor included)."""
+    a, b = _chats(tmp_path / "a.jsonl", "a", 300), _chats(tmp_path / "b.jsonl", "b", 150)
+    cfg = TrainingJobConfig.model_validate({
+        "job_id": "o212", "world_size": 2, "seed": 7,
+        "batching": {"token_budget": 1024, "global_token_budget": 2048,
+                     "lookahead_tokens": 4096},
+        "source": {"mixture": [{"name": "a", "paths": [a]},
+                               {"name": "b", "paths": [b], "repeat": 2}]}})
+    want = _by_optimizer_step(reference_steps(cfg))
+    st = RedisJobState.connect(url, cfg)
+    producer = Producer(cfg, st, LocalFeed(cfg), holder="p", settings=SETTINGS)
+    thread = threading.Thread(target=producer.run, daemon=True)
+    thread.start()
+    try:
+        ran: list[int] = []  # the steps served, each rank's
+        gen, ranks, first = 0, (0, 1), 0
+        for size in (1, 2, None):
+            got: dict[int, list] = {r: [] for r in ranks}
+            for r in ranks:
+                st.claim_rank(r, f"g{gen}r{r}", 30)
+            for pos in range(first, first + 3):  # a few steps into each world
+                for r in ranks:
+                    consume(st, gen, r, pos, got[r])
+            if size is not None:
+                res = st.scale(ScaleRequest(size))
+                wait_for(lambda g=gen + 1: st.world_timings(g).adopted_at is not None, 10,
+                         "the producer adopts")
+            for r in ranks:  # the world drains to its boundary (the last: to the epoch's end)
+                consume(st, gen, r, None, got[r])
+                st.rank_left(gen, r, f"g{gen}r{r}")
+            ran += sorted({n for r in ranks for n, _ in got[r]})
+            if size is not None:
+                gen, ranks, first = gen + 1, tuple(range(size)), res.world.first_step
+        wait_for(lambda: producer.outcome is not None, 30, "the producer to finish")
+        assert producer.outcome is Outcome.DONE
+        worlds = st.worlds()
+        assert [w.world_size for w in worlds] == [2, 1, 2]
+        assert 0 < worlds[1].first_step < worlds[2].first_step <= max(ran)  # mid-epoch
+        served = [st.get_step(n) for n in ran]
+        assert sorted(s.info.optimizer_step for s in served) == sorted(want)  # each once
+        assert _by_optimizer_step(served) == want
+    finally:
+        producer.stop()
+        thread.join(10)

@@ -10,6 +10,7 @@ from jobstate.builders import make_end, make_step, publication, steps
 from pipeline.coordinator import RedisJobState, job_summary, keys, list_jobs, registry
 from pipeline.errors import JobMismatch, SchemaMismatch, UnknownJob, UserError
 from pipeline.jobstate import QuarantineEntry, ScaleRequest
+from pipeline.modes import JobMode
 
 
 def test_resume_matching_job_and_refuse_mismatches(new_state, redis_url):
@@ -17,7 +18,8 @@ def test_resume_matching_job_and_refuse_mismatches(new_state, redis_url):
     assert st.created
     again = RedisJobState(redis_url, "j", config_hash="cfg-1", world_size=4, seed=3)
     assert not again.created
-    with pytest.raises(JobMismatch, match=r"config_hash=cfg-1.*config_hash=cfg-2.*stale"):
+    with pytest.raises(JobMismatch, match=r"job 'j' exists in Redis with another config "
+                                          r"\(which fields differ is unknown"):
         RedisJobState(redis_url, "j", config_hash="cfg-2", world_size=4)
     with pytest.raises(JobMismatch, match=r"world_size=4.*world_size=8"):
         RedisJobState(redis_url, "j", config_hash="cfg-1", world_size=8)
@@ -25,6 +27,24 @@ def test_resume_matching_job_and_refuse_mismatches(new_state, redis_url):
         RedisJobState(redis_url, "j", config_hash="cfg-1", world_size=4, mode="quota")
     assert issubclass(JobMismatch, UserError)  # the CLI prints it as one line
     again.close()
+
+
+def test_a_changed_config_is_refused_naming_the_fields_that_differ(redis_url):
+    """#42: the refusal named two hashes; it names each field that changed, both values."""
+    from pipeline.config import parse_job
+
+    base = {"job_id": "sft", "world_size": 2, "source": {"paths": ["a.jsonl"]},
+            "batching": {"token_budget": 1024}}
+    RedisJobState.connect(redis_url, parse_job(base)).close()
+    changed = parse_job({**base, "batching": {"token_budget": 2048}, "seed": 7,
+                         "token_env": "T"})  # (who may call a job is no part of its plan)
+    with pytest.raises(JobMismatch) as err:
+        RedisJobState.connect(redis_url, changed)
+    assert str(err.value) == (
+        "job 'sft' exists in Redis with another config: batching.token_budget (1024 in Redis, "
+        "2048 here), seed (0 in Redis, 7 here): refused (its plan was made for the config in "
+        "Redis)")
+    assert err.value.job_id == "sft"
 
 
 def test_schema_version_mismatch_refused(new_state, redis_client, redis_url):
@@ -125,7 +145,7 @@ def test_connect_from_job_config(redis_client, redis_url):
     # Resume with the same config (the token's env var name may differ): accepted.
     RedisJobState.connect(redis_url, job.model_copy(update={"token_env": "OTHER"}))
     # A changed plan-relevant setting: refused.
-    with pytest.raises(JobMismatch, match="config_hash"):
+    with pytest.raises(JobMismatch, match=r"seed \(5 in Redis, 6 here\)"):
         RedisJobState.connect(redis_url, job.model_copy(update={"seed": 6}))
     with pytest.raises(JobMismatch, match="world_size"):
         RedisJobState.connect(redis_url, job.model_copy(update={"world_size": 4}))
@@ -142,10 +162,44 @@ def test_connect_from_job_config(redis_client, redis_url):
 ])
 def test_a_job_registered_by_the_one_job_model_of_earlier_builds_resumes(job, registered_hash):
     """The hashes these configs were registered with before jobs had a type per kind (the
-    one JobConfig of earlier builds): a stored job keeps resuming after the upgrade."""
+    one JobConfig of earlier builds, which read every source in file order): a stored job
+    keeps resuming after the upgrade (a training job in the order it started with)."""
     from pipeline.config import parse_job
 
-    assert registry.config_hash(parse_job(job)) == registered_hash
+    parsed = parse_job(job)
+    if parsed.mode is JobMode.REFILL:
+        assert registry.config_hash(parsed) == registered_hash
+    else:
+        assert registry.earlier_hash(parsed) == registered_hash
+        assert registry.config_hash(registry.in_file_order(parsed)) == registered_hash
+        assert registry.config_hash(parsed) != registered_hash  # shuffled: another plan
+
+
+def test_a_job_an_earlier_build_registered_keeps_file_order_and_a_new_one_shuffles(redis_url):
+    """The service resumes a job stored with the earlier build's hash in file order (its
+    steps were planned so), with no change to its stored hash; a new job with the same config
+    registers its own hash and is shuffled; options only a later build knows (a mixture) have
+    no earlier hash."""
+    from pipeline.config import ServiceConfig, parse_job
+    from pipeline.service.state_factory import make_job_state
+
+    cfg = ServiceConfig.model_validate({"redis_url": redis_url, "jobs": [
+        {"job_id": "old", "world_size": 1, "source": {"paths": ["a.jsonl"]}},
+        {"job_id": "new", "world_size": 1, "source": {"paths": ["a.jsonl"]}}]})
+    old, new = cfg.jobs
+    earlier = registry.earlier_hash(old)
+    RedisJobState(redis_url, "old", config_hash=earlier, world_size=1).close()  # the old build
+    state, served = make_job_state(cfg, old)
+    assert served.source.shuffle is False and state.registered_in_file_order
+    assert registry.read_job(state.client, "old").config_hash == earlier
+    state.close()
+    state, served = make_job_state(cfg, new)
+    assert served.source.shuffle is True and not state.registered_in_file_order
+    assert registry.read_job(state.client, "new").config_hash == registry.config_hash(new)
+    state.close()
+    mixed = parse_job({"job_id": "m", "world_size": 1, "source": {"mixture": [
+        {"name": "a", "paths": ["a.jsonl"]}, {"name": "b", "paths": ["b.jsonl"]}]}})
+    assert registry.earlier_hash(mixed) is None
 
 
 def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, redis_url):
@@ -161,7 +215,7 @@ def test_a_refill_job_is_listed_summarized_expired_and_deleted(redis_client, red
     h = registry.config_hash(job)
     assert registry.register_refill_job(redis_client, "rf", config_hash=h)
     assert not registry.register_refill_job(redis_client, "rf", config_hash=h)  # a resume
-    with pytest.raises(JobMismatch, match="config_hash"):
+    with pytest.raises(JobMismatch, match="another config"):
         registry.register_refill_job(redis_client, "rf", config_hash="other")
     RedisJobState(redis_url, "train", config_hash="c", world_size=1).close()
     with pytest.raises(JobMismatch, match="mode=join"):

@@ -18,7 +18,7 @@ from support.waiting import wait_for
 from pipeline.cli import main
 from pipeline.coordinator import RedisJobState
 from pipeline.jobstate import ScaleReason
-from trainer_client import BatchStream, Reconfigured
+from trainer_client import BatchStream, Reconfigured, StreamError
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 from trainer_client.wire_format import WIRE_VERSION
@@ -89,6 +89,49 @@ def test_invalid_scale_requests_get_precise_codes(redis_client, redis_url, capsy
         assert "NOT_FOUND" in capsys.readouterr().err
         assert main(["scale", "--endpoint", a, "--job", "sr", "--world-size", "0"]) == 2
         assert "--world-size must be >= 1" in capsys.readouterr().err
+
+
+def _consume(address: str, world: int) -> list[str]:
+    got: list[list[str]] = [[] for _ in range(world)]
+
+    def rank(r: int) -> None:
+        with BatchStream(address, "sr", r, world, token=TOKEN, tensors="numpy") as s:
+            got[r] = [i for b in s for i in b.info.sample_ids]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    return [i for ids in got for i in ids]
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_finished_job_keeps_its_world(redis_client, redis_url, capsys, elastic):
+    """#42: `scale` moved a finished job onto another world (status then showed it). A finished
+    job's world is what it ran: Scale, and an elastic job's Open with another size, are refused
+    (the Open's status says final: the client does not retry it)."""
+    items = samples(120)
+    with served(redis_url, "sr", 2, items, token=TOKEN, job={"elastic": elastic}) as svc:
+        a = svc.address
+        assert sorted(_consume(a, 2)) == sorted(s.sample_id for s in items)
+        state = RedisJobState.attach(redis_url, "sr")
+        wait_for(lambda: state.acked_all() == [e for e in state.epoch_ends()[-1].final_step],
+                 30, "both ranks' last acks")
+        before = state.worlds()
+        code, details = _code(lambda: _scale(a, 1))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "job 'sr' has finished (every rank acknowledged its last step)" in details
+        assert main(["scale", "--endpoint", a, "--job", "sr", "--world-size", "1",
+                     "--token", TOKEN]) == 2
+        assert "has finished" in capsys.readouterr().err
+        if elastic:
+            with BatchStream(a, "sr", 0, 1, token=TOKEN, reconnect_timeout=60) as s, \
+                    pytest.raises(StreamError, match="has finished") as err:
+                list(s)
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and s.reconnects == 0
+        assert state.worlds() == before and state.head().world_size == 2
 
 
 def test_a_second_switch_waits_for_the_first_and_old_ranks_end_in_band(redis_client, redis_url,

@@ -33,10 +33,13 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--state", required=True)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--group-size", type=int, default=1)  # a member of the rank's group
+    p.add_argument("--group-rank", type=int, default=0)
     args = p.parse_args()
     state = Path(args.state)
     stream = BatchStream(args.address, args.job, args.rank, args.world, prefetch=2,
-                         backoff=(0.05, 0.5), heartbeat_s=HEARTBEAT_S)
+                         backoff=(0.05, 0.5), heartbeat_s=HEARTBEAT_S,
+                         group_size=args.group_size, group_rank=args.group_rank)
     if state.exists():
         stream.load_state_dict(json.loads(state.read_text()))
     with open(args.out, "a") as log:

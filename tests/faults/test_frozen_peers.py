@@ -149,7 +149,8 @@ def test_a_replica_cut_from_redis_ends_its_streams_and_its_ranks_fail_over(redis
     `state_timeout_seconds` it ends its streams UNAVAILABLE (it cannot vouch for a step without
     a recorded grant), and the rank, though still connected to A, reconnects through the
     target's next address (B) and finishes exactly once. The link heals later: nothing A held
-    back changes anything."""
+    back changes anything. (`pick_first` over a list of addresses, which the client rotates;
+    the default policy and a DNS name: test_state_cut_failover.py.)"""
     job = job_dict("cut", 1, seed=6)
     host, port = redis_url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
     proxy = TcpProxy((host, int(port))).start()
@@ -162,7 +163,8 @@ def test_a_replica_cut_from_redis_ends_its_streams_and_its_ranks_fail_over(redis
 
     a = replica(f"redis://{proxy.address}/0")
     b = replica(redis_url)
-    rank = RankThread(f"ipv4:{a.address},{b.address}", "cut", 0, 1, sleep=0.05, **KEEPALIVE)
+    rank = RankThread(f"ipv4:{a.address},{b.address}", "cut", 0, 1, sleep=0.05,
+                      load_balancing="pick_first", **KEEPALIVE)
     try:
         rank.start()
         wait_for(lambda: len(rank.records) >= 5, 60, "5 batches from replica A")

@@ -2,7 +2,8 @@
 values, the same refusals (error class) and the same state read back after every call.
 
 The calls mix valid and invalid publications (conflicts, gaps, checkpoints out of order, stale
-fences, ENDs, done), producer claims and releases, rank leases and acks, so a rule that one
+fences, ENDs, done), producer claims and releases, rank leases and acks, alone or as members of
+groups that form, disagree on their size and share their acks, so a rule that one
 implementation enforces and the other forgets shows up as a difference. No time passes inside a
 sequence (every lease is long), so the two clocks never matter; lapses are the contract tests'.
 """
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from pipeline.coordinator import RedisJobState
 from pipeline.jobstate import JobState, MemoryJobState, Publication, QuarantineEntry, RankAck
+from pipeline.jobstate.interface import Member
 from pipeline.planner.types import EpochEnd
 
 from .builders import make_step, publication
@@ -43,19 +45,21 @@ producer_calls = st.one_of(
     st.fixed_dictionaries({"call": st.just("release_producer"),
                            "which": st.sampled_from(["current", "previous"])}),
 )
+# A rank's own lease (None) or a seat of a group of 2 or 3: groups form, disagree, share acks.
+seats = st.one_of(st.none(), st.none(), st.tuples(st.integers(0, 2), st.sampled_from([2, 3])))
 ack_calls = st.one_of(
     st.fixed_dictionaries({"call": st.just("ack"), "rank": st.sampled_from([0, 1, 2, W]),
                            "step": st.integers(-3, 1)}),
     st.fixed_dictionaries({"call": st.just("ack_many"), "acks": st.lists(
         st.tuples(st.integers(0, W), st.sampled_from(["c", "d", ""]), st.integers(-3, 1),
-                  st.booleans()),
+                  st.booleans(), seats),
         max_size=3)}),
     st.fixed_dictionaries({"call": st.just("grant"), "rank": st.integers(0, W),
                            "through": st.integers(-2, 1)}),
 )
 rank_calls = st.fixed_dictionaries({
     "call": st.sampled_from(["claim_rank", "heartbeat", "release_rank"]),
-    "rank": st.integers(0, W - 1), "client": st.sampled_from(["c", "d"]),
+    "rank": st.integers(0, W - 1), "client": st.sampled_from(["c", "d", "e"]), "seat": seats,
     "claim": st.one_of(st.none(), st.integers(1, 3))})
 _weighted = [publish_calls] * 6 + [ack_calls] * 2 + [rank_calls, producer_calls]
 calls = st.lists(st.integers(0, len(_weighted) - 1).flatmap(lambda i: _weighted[i]),
@@ -80,6 +84,10 @@ def _publication(c: dict, state: JobState) -> Publication:
                        samples_in=c["samples_in"],
                        quarantined=tuple(QuarantineEntry(q, f"r{q[-1]}") for q in
                                          c["quarantined"]), done=c["done"])
+
+
+def _member(seat: tuple[int, int] | None) -> Member | None:
+    return None if seat is None else Member(min(seat[0], seat[1] - 1), seat[1])
 
 
 class Caller:
@@ -111,19 +119,21 @@ class Caller:
                     return s.ack(c["rank"], s.published_through() + c["step"])
                 case "ack_many":
                     through = s.published_through()
-                    acks = [RankAck(r, client, through + d, renew)
-                            for r, client, d, renew in c["acks"]]
+                    acks = [RankAck(r, client, through + d, renew, _member(seat))
+                            for r, client, d, renew, seat in c["acks"]]
                     return [type(e).__name__ if e else None for e in s.ack_many(acks, 600)]
                 case "grant":
                     (g,) = s.grant([(0, c["rank"], s.published_through() + c["through"])])
                     return type(g).__name__ if isinstance(g, Exception) else g
                 case "claim_rank":
-                    lease = s.claim_rank(c["rank"], c["client"], 600)
+                    lease = s.claim_rank(c["rank"], c["client"], 600,
+                                         member=_member(c["seat"]))
                     return lease.client_id, lease.claim
                 case "heartbeat":
-                    return s.heartbeat(c["rank"], c["client"], 600)
+                    return s.heartbeat(c["rank"], c["client"], 600, member=_member(c["seat"]))
                 case "release_rank":
-                    return s.release_rank(c["rank"], c["client"], c["claim"])
+                    return s.release_rank(c["rank"], c["client"], c["claim"],
+                                          member=_member(c["seat"]))
         except Exception as exc:  # compared by class: both must refuse alike
             return type(exc).__name__
 
@@ -137,6 +147,8 @@ class Caller:
             "counters": s.counters(), "quarantine": s.quarantine(), "acked": s.acked_all(),
             "producer": (lease.generation, lease.holder, lease.expires_at > 0) if lease else None,
             "holders": [h.client_id for h in s.rank_health()], "lapsed": s.lapsed_ranks(),
+            "groups": [(g.rank, g.group_size, [(m.client_id, m.acked, m.released)
+                                               for m in g.members]) for g in s.group_health()],
         }
 
 

@@ -5,9 +5,9 @@ A plain consumer of `trainer_client.BatchStream` (numpy tensors: no torch to imp
 appends one JSON line per event to `--out`, with the wall-clock time `t` of each, so a test can
 freeze it, time what it saw, and count every sample id it received:
   {"start": pid, "dropped": [...]}            once (contract options this client does not know)
-  {"epoch", "step", "ids", "digest", "reconnects", "t"}
+  {"epoch", "step", "ids", "digest", "reconnects", "nbytes", "t"}
                                               every batch, as the trainer takes it (with the
-                                              stream's reconnects so far)
+                                              stream's reconnects so far, its tensor bytes)
   {"paused": n, "t"}                          it took `--pause-after` batches and waits for --go
   {"end": epoch, "final_step", "reason", "world_size", "t"}   every END
   {"error": CODE, "details", "t"}             the stream ended with an error (exit 3)
@@ -17,6 +17,8 @@ freeze it, time what it saw, and count every sample id it received:
 
 `--pause-after N --go FILE`: after its N-th batch the rank holds that batch "in training" until
 FILE exists (bounded), so a test can put a fault in while every rank is mid-epoch.
+PIPELINE_TOKEN and PIPELINE_TLS_CA (a trainer pod's environment) give the stream its token and
+the CA the service's certificate is checked against.
 `--next-ranks '{"1": 0}'`: under shrink, the rank ids of the next world (the trainer's
 rendezvous business): a rank whose world ended reopens as its new rank with the new size,
 from its state_dict; a rank not in the map leaves.
@@ -25,6 +27,7 @@ from its state_dict; a rank not in the map leaves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -32,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,20 +51,28 @@ class RankProcess:
 
     def __init__(self, out_dir: Path, target: str, job: str, rank: int, world: int, *,
                  options: dict[str, Any], sleep: float = 0.0, pause_after: int = 0,
-                 next_ranks: dict[int, int] | None = None) -> None:
+                 next_ranks: dict[int, int] | None = None, launcher: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        """`launcher`: a command prefix (e.g. `ip netns exec NS`); `env`: the process's
+        environment (default: this one's), PYTHONPATH and OMP_NUM_THREADS added."""
         self.rank = rank
         self.out = out_dir / f"{job}-rank{rank}.jsonl"
         self.go = out_dir / f"{job}.go"
-        cmd = [sys.executable, str(HERE / "rank_process.py"), "--target", target, "--job", job,
+        cmd = [*launcher, sys.executable, str(HERE / "rank_process.py"), "--target", target,
+               "--job", job,
                "--rank", str(rank), "--world", str(world), "--out", str(self.out),
                "--sleep", str(sleep), "--pause-after", str(pause_after), "--go", str(self.go),
                "--options", json.dumps(options),
                "--next-ranks", json.dumps({str(k): v for k, v in (next_ranks or {}).items()})]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env = {**(os.environ if env is None else env), "PYTHONPATH": str(REPO),
+               "OMP_NUM_THREADS": "1"}
         self.log = out_dir / f"{job}-rank{rank}.log"
         with open(self.log, "wb") as log:  # (a file, not a pipe nobody reads: it never blocks)
+            # (A launcher's own process may fork the rank: a group of their own, killed whole.)
             self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT,
+                                         start_new_session=bool(launcher))
+        self._group = bool(launcher)
 
     @property
     def pid(self) -> int:
@@ -87,10 +99,24 @@ class RankProcess:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        if self._group:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, sig)
+        elif self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)  # (it may be frozen)
             self.proc.kill()
         self.proc.wait(10)
+
+
+def _credentials() -> dict[str, Any]:
+    """A trainer pod's credentials (k8s/trainer-example): the job's token, the service's CA."""
+    out: dict[str, Any] = {}
+    if os.environ.get("PIPELINE_TOKEN"):
+        out["token"] = os.environ["PIPELINE_TOKEN"]
+    if os.environ.get("PIPELINE_TLS_CA"):
+        out["root_certificates"] = Path(os.environ["PIPELINE_TLS_CA"]).read_bytes()
+    return out
 
 
 def main() -> int:
@@ -119,7 +145,7 @@ def main() -> int:
 
     def open_stream(rank: int, world: int) -> BatchStream:
         return BatchStream(args.target, args.job, rank, world, prefetch=2, tensors="numpy",
-                           backoff=(0.05, 0.5), **options)
+                           backoff=(0.05, 0.5), **_credentials(), **options)
 
     emit(start=os.getpid(), dropped=sorted(set(wanted) - set(options)))
     rank = args.rank
@@ -132,7 +158,7 @@ def main() -> int:
                     info = batch.info
                     emit(rank=rank, epoch=info.epoch, step=info.step,
                          ids=list(info.sample_ids), digest=batch.digest(),
-                         reconnects=stream.reconnects)
+                         reconnects=stream.reconnects, nbytes=batch.nbytes)
                     taken += 1
                     if taken == args.pause_after:
                         emit(paused=taken)

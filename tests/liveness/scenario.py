@@ -21,8 +21,11 @@ PAUSE_AFTER = 3  # ranks hold their 3rd batch "in training" until the fault is i
 def start_ranks(out: Path, job: str, endpoints: dict[int, str], world: int, *,
                 sleep: float = 0.05, **kw: object) -> list[RankProcess]:
     """One rank process per entry of `endpoints` (rank -> gRPC target), each pausing after
-    PAUSE_AFTER batches until `release()`."""
-    return [RankProcess(out, endpoints[r], job, r, world, options=client_options(),
+    PAUSE_AFTER batches until `release()`. Each is served by the first address of its target
+    that answers (`pick_first`; the client's default, round_robin, would spread them), so a
+    scenario knows which replica its fault takes away from which ranks."""
+    options = {**client_options(), "load_balancing": "pick_first"}
+    return [RankProcess(out, endpoints[r], job, r, world, options=options,
                         sleep=sleep, pause_after=PAUSE_AFTER, **kw)  # type: ignore[arg-type]
             for r in sorted(endpoints)]
 

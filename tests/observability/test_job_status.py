@@ -15,6 +15,8 @@ from pipeline.observability.job_status import (
     CoordinatorStatus,
     EpochEndStatus,
     JobStatus,
+    MixChangeStatus,
+    MixtureStatus,
     Planned,
     ProducerStatus,
     ProducerTrouble,
@@ -26,6 +28,7 @@ from pipeline.observability.job_status import (
     RefillRates,
     RefillStatus,
     ReplicaStatus,
+    SourceShareStatus,
     Throughput,
     Totals,
     WorldStatus,
@@ -57,7 +60,11 @@ TRAINING = JobStatus(
                                                      QuarantineRecord("f:2", "bad_json"))),
     replica=ReplicaStatus("host:1:ab", 12.5),
     coordinator=CoordinatorStatus("planning", 41, -1, 42, 6, 1, 1, 100.0),
-    exposure={"epochs": 1, "min": 1, "max": 2, "p50": 1, "max_epochs_unseen": 0})
+    exposure={"epochs": 1, "min": 1, "max": 2, "p50": 1, "max_epochs_unseen": 0},
+    sources=MixtureStatus(1, "loss_tokens", (
+        SourceShareStatus("chat", 300, 9000, 1, 0.6, 0.5),
+        SourceShareStatus("code", 180, 6000, 0, 0.4, 0.5)),
+        (MixChangeStatus(30, "mix 1", {"chat": 1.0, "code": 1.0}),)))
 REFILL = JobStatus(
     job_id="gen", mode="refill", state="serving", open=False, epochs=2, samples_in=90,
     quarantine=QuarantineStatus(4, {"over_budget": 4}),
@@ -88,9 +95,35 @@ def test_getjob_carries_what_the_wire_has() -> None:
     assert [(w.world_size, w.last_step, w.adopted_s, w.first_batch_s) for w in back.worlds] == [
         (4, 37, None, None), (2, None, 0.04, 0.31)]
     assert back.totals is None and back.throughput is None  # not on the wire: unknown
+    assert back.sources == TRAINING.sources
     rf = from_proto(to_proto(REFILL))
     assert rf.refill == dataclasses.replace(REFILL.refill, rates=None)
     assert (rf.state, rf.epochs, rf.world_size, rf.ranks) == ("serving", 2, None, None)
+
+
+def test_a_job_no_rank_has_reached_says_so_and_shows_no_raw_minus_one() -> None:
+    """#42: `status` said `state=draining` for a fully planned job no rank had connected to,
+    with -1 for each step no rank had; it says `waiting for ranks`, and `-`."""
+    from pipeline.observability.status_view import training_state
+    from pipeline.status.report import StatusReport
+    from pipeline.status.text import render
+
+    ahead = dict(error=None, published_through=5, final_steps=(5, 4))
+    assert training_state(done=True, acked=(-1, -1), holders=("", ""), **ahead) == \
+        "waiting for ranks"
+    assert training_state(done=False, acked=(-1, -1), holders=(None, None), **ahead) == \
+        "waiting for ranks"
+    assert training_state(done=True, acked=(-1, -1), holders=("c0", ""), **ahead) == "draining"
+    assert training_state(done=True, acked=(2, -1), holders=("", ""), **ahead) == "draining"
+    assert training_state(done=True, acked=(5, 4), holders=("", ""), **ahead) == "finished"
+    assert training_state(done=False, acked=(-1, -1), error=None, published_through=-1,
+                          final_steps=None) == "waiting"
+    idle = tuple(RankStatus(r, -1, "", replica=RankOnReplica(False, -1)) for r in (0, 1))
+    job = dataclasses.replace(TRAINING, state="waiting for ranks", error=None, ranks=idle,
+                              published_through=-1, coordinator=None)
+    text = render(StatusReport(generated_at=0.0, sources={}, jobs=(job,)))
+    assert "state=waiting for ranks" in text and "published_through=-" in text
+    assert "-1" not in text, text
 
 
 def test_answers_merge_field_by_field_in_order_of_authority() -> None:

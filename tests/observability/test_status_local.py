@@ -145,7 +145,7 @@ def test_another_config_file_is_not_this_service(local_env, capsys, tmp_path):
 def test_once_serve_stopped_status_says_nothing_runs(served, monkeypatch, capsys):
     """Last in this module: it stops the shared service."""
     proc, _, d = served
-    assert proc.stop() == 0
+    assert proc.stop() == 0, proc.output()[-4000:]
     assert "stopped" in proc.output()
     assert not list((d / "state" / "services").glob("*.json"))  # its record is gone
     monkeypatch.setenv("ODB_STATE_DIR", str(d / "state"))

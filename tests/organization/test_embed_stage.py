@@ -26,6 +26,11 @@ def _job(path, **embedding) -> TrainingJobConfig:
         "organization": {"kind": "sdo", "embedding": embedding}})
 
 
+@pytest.fixture(autouse=True)
+def _cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def chats(tmp_path):
     lines = SAMPLE_CHATS.read_bytes().split(b"\n")[FIRST:FIRST + 40]
@@ -40,7 +45,8 @@ def test_model_embeddings_are_computed_once_then_read_from_the_cache(chats, ray_
     first = embed_dataset(job)
     t = first.table
     assert not first.cached and first.path.is_file()
-    assert first.path.parent == chats.parent / ".odb-embeddings"
+    # In the cache dir, never beside the data (a dataset in a checkout leaves it clean).
+    assert first.path.parent == chats.parent / "cache" / "odb-pipeline" / "embeddings"
     assert t.dim == 384 and len(t.ids) == ROWS - 1
     assert np.allclose(np.linalg.norm(t.vectors, axis=1), 1.0, atol=1e-5)
     assert {(q.row, q.reason) for q in t.quarantined} == {(3, "missing_roles"),

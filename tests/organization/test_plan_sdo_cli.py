@@ -36,7 +36,8 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_sdo_plan_reports_locality_exposure_and_emits_visits(chats, tmp_path, capsys,
-                                                            ray_session):
+                                                            ray_session, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # (both runs: env and here)
     out = tmp_path / "plan.jsonl"
     flags = ["--data", str(chats), "--world-size", "2", "--token-budget", "2048",
              "--organization", "sdo", "--epochs", "3", "--coverage-epochs", "2",

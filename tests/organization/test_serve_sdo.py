@@ -56,7 +56,8 @@ def _job(job_id: str, chats: Path, budget: int) -> dict:
     return {"job_id": job_id, "world_size": W, "epochs": EPOCHS, "seed": 5,
             "source": {"paths": [str(chats)]},
             "batching": {"token_budget": budget, "pool_steps": 1, "max_window_samples": 32},
-            "organization": {"kind": "sdo", "knn_k": 4, "locality": 1.0, "coverage_epochs": 2}}
+            "organization": {"kind": "sdo", "knn_k": 4, "locality": 1.0, "coverage_epochs": 2,
+                             "embedding": {"cache_dir": str(chats.parent / "embeddings")}}}
 
 
 def _serve(tmp_path: Path, cluster, job: dict) -> ReplicaProc:

@@ -79,12 +79,13 @@ def check_plan(
                 if b.over_budget:
                     assert len(b.samples) == 1, "over-budget batches hold one sample"
                     s = b.samples[0]
-                    over = s.num_tokens > budget or (
+                    # (over the budget as sent: padded to pad_to_multiple)
+                    over = cm.sent_length(s.num_tokens) > budget or (
                         vcap is not None and s.num_visual_tokens > vcap
                     )
                     assert over
                     if b.truncated_to:
-                        assert b.truncated_to == {s.sample_id: budget}
+                        assert b.truncated_to == {s.sample_id: policy.max_alone_tokens}
                         assert b.cost <= budget
                 else:
                     assert b.cost <= budget, f"budget violated: {b.cost} > {budget}"
@@ -144,6 +145,7 @@ def scenarios(draw):
     budget = draw(st.integers(1, 400))
     world_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     vcap = draw(st.one_of(st.none(), st.integers(1, 60)))
+    multiple = draw(st.sampled_from([None, None, 1, 2, 3, 8, 16]))
     policy = BatchingPolicy(
         token_budget=budget,
         collate=draw(st.sampled_from(list(Collate))),
@@ -153,6 +155,7 @@ def scenarios(draw):
         over_budget=draw(st.sampled_from(list(OverBudgetPolicy))),
         max_visual_tokens=vcap,
         attn_b=draw(st.sampled_from([0.0, 0.001])),
+        pad_to_multiple=multiple if multiple is None or multiple <= budget else None,
     )
     n_epochs = draw(st.integers(1, 3))
     length = st.integers(0, budget + budget // 3 + 1)

@@ -53,6 +53,8 @@ def jobs(draw):
         attn_b=draw(st.sampled_from([0.0, 0.001])),
         ramp_up=draw(st.booleans()),
         global_token_budget=budget * draw(st.integers(1, 10)) + draw(st.integers(0, budget)),
+        # Sequences padded to a multiple (a group's CP): the budgets cap the padded lengths.
+        pad_to_multiple=draw(st.sampled_from([None, None, 1, 2, 3, 4])),
     )
     n = draw(st.integers(0, 110))
     visual = st.integers(0, 80) if vcap is not None else st.just(0)

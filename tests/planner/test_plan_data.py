@@ -1,4 +1,5 @@
-"""`odb-pipeline plan --data`: the real preprocessing feeds the planner; --export-lengths
+"""`odb-pipeline plan --data`: the real preprocessing feeds the planner the served order (the plan
+is the service's plan of the same job); --export-lengths
 round-trips through --lengths; --config job settings are defaults that flags override; input
 errors are one line, exit 2."""
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from support.reference_plan import reference_plan
 
 from pipeline.cli import main
 from pipeline.planner.policy import LOOKAHEAD_BUDGETS, MAX_WINDOW_SAMPLES
@@ -42,14 +44,24 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_plan_data_reports_quarantine_and_exports_lengths(chats_slice, tmp_path):
+    """Run as `plan --config FILE`: the job's own source is what is preprocessed (#42; `--data`
+    replaces it: the README runs that)."""
     lengths = tmp_path / "lengths.jsonl"
     steps_out = tmp_path / "plan.jsonl"
-    flags = ["--world-size", "2", "--token-budget", "4096", "--json"]
-    proc = _cli("--data", str(chats_slice), *flags, "--export-lengths", str(lengths),
+    config = tmp_path / "odb.yaml"
+    config.write_text(f"jobs:\n  - {{job_id: j, world_size: 2, source: {{paths: [{chats_slice}]}},"
+                      "\n     batching: {token_budget: 4096}}\n")
+    proc = _cli("--config", str(config), "--json", "--export-lengths", str(lengths),
                 "--emit-plan", str(steps_out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(proc.stdout)  # stdout is exactly one JSON object
     assert d.keys() >= KEYS | {"quarantined_records", "preprocess_epochs", "rows"}
+    assert d["data"] == [str(chats_slice)]
+    # Progress on stderr; preprocessing (Ray's start included) is not counted as planning.
+    assert "odb-pipeline plan: starting a private Ray" in proc.stderr
+    assert f"odb-pipeline plan: preprocessing {chats_slice}" in proc.stderr
+    assert d["preprocess_seconds"] >= d["ray_start_seconds"] > 0
+    assert 0 < d["planning_seconds"] < d["preprocess_seconds"]
     q = d["quarantined_records"]
     assert q["by_reason"] == {"bad_utf8": 1, "missing_roles": 1}
     assert q["total"] == 2 and sum(q["by_reason"].values()) == 2
@@ -65,12 +77,39 @@ def test_plan_data_reports_quarantine_and_exports_lengths(chats_slice, tmp_path)
     ids = [b_id for ln in steps_out.read_text().splitlines()
            for b in json.loads(ln)["batches"] for b_id in b["samples"]]
     assert sorted(ids) == sorted(e["sample_id"] for e in exported)  # real string ids, once each
+    # The plan is the one the service makes of the same job: its order, shuffled by default.
+    served = reference_plan({"job_id": "plan", "world_size": 2, "source": {"paths": [
+        str(chats_slice)]}, "batching": {"token_budget": 4096}})
+    planned = {(s["epoch"], s["step"], b["rank"]): b["samples"] for s in map(
+        json.loads, steps_out.read_text().splitlines()) for b in s["batches"]}
+    assert planned == served
 
-    again = _cli("--lengths", str(lengths), *flags)
+    again = _cli("--lengths", str(lengths), "--world-size", "2", "--token-budget", "4096",
+                 "--json")
     assert again.returncode == 0, again.stderr[-2000:]
     r = json.loads(again.stdout)
     assert (r["steps"], r["padding_efficiency"], r["per_rank_steps"]) == (
         d["steps"], d["padding_efficiency"], d["per_rank_steps"])
+
+
+def test_plan_of_a_mixture_job_is_the_services_plan(chats_slice, tmp_path):
+    """`plan --config` of a mixture job (one source repeated): the service's plan, the share
+    of each source kept by the planner as the producer keeps it."""
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(b"\n".join(SAMPLE_CHATS.read_bytes().split(b"\n")[:20]) + b"\n")
+    job = {"job_id": "mixed", "world_size": 2, "batching": {"token_budget": 4096},
+           "source": {"mixture": [{"name": "a", "paths": [str(chats_slice)]},
+                                  {"name": "b", "paths": [str(other)], "repeat": 2}]}}
+    cfg = tmp_path / "svc.json"
+    cfg.write_text(json.dumps({"jobs": [job]}))
+    steps_out = tmp_path / "plan.jsonl"
+    proc = _cli("--config", str(cfg), "--emit-plan", str(steps_out), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(proc.stdout)
+    assert d["samples"] + d["quarantined_records"]["total"] == ROWS + 2 * 20  # b twice
+    planned = {(s["epoch"], s["step"], b["rank"]): b["samples"] for s in map(
+        json.loads, steps_out.read_text().splitlines()) for b in s["batches"]}
+    assert planned == reference_plan(job)
 
 
 def test_config_job_gives_defaults_flags_override(tmp_path, capsys):
@@ -102,7 +141,8 @@ def test_config_job_gives_defaults_flags_override(tmp_path, capsys):
     ("argv", "needle"),
     [
         (["--lengths", "L", "--data", "D"], "mutually exclusive"),
-        ([], "one of --lengths FILE or --data FILE is required"),
+        ([], "one of --lengths FILE, --data FILE or --config FILE (its job's source) is "
+             "required"),
         (["--data", "{missing}"], "source not found"),
         (["--lengths", "{missing}"], "lengths file not found"),
         (["--lengths", "L", "--export-lengths", "x.jsonl"], "--export-lengths needs --data"),

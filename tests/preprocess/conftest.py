@@ -11,11 +11,15 @@ import pytest
 from pipeline.config import TrainingJobConfig
 from pipeline.preprocess.sources import SourceFile
 
+SOURCE_OPTIONS = ("shuffle", "read_unit_rows", "shuffle_block_rows", "shuffle_block_mb")
+
 
 def make_job(paths: list[str] | None = None, **preprocess: Any) -> TrainingJobConfig:
     extra = {k: preprocess.pop(k) for k in ("seed", "batching") if k in preprocess}
+    source = {k: preprocess.pop(k) for k in SOURCE_OPTIONS if k in preprocess}
     return TrainingJobConfig.model_validate({
-        "job_id": "t", "world_size": 1, "source": {"paths": paths or ["unused.jsonl"]},
+        "job_id": "t", "world_size": 1,
+        "source": {"paths": paths or ["unused.jsonl"], **source},
         "preprocess": preprocess, **extra,
     })
 

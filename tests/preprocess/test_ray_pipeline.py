@@ -66,7 +66,9 @@ def dataset(tmp_path_factory, image_dir):
         })
     pq.write_table(pa.Table.from_pylist(rows), d / "c.parquet", row_group_size=3)
     paths = [str(d / "a.jsonl"), str(d / "b.jsonl"), str(d / "c.parquet")]
-    return make_job(paths, seed=11, image_max_pixels=96 * 96, **AUG)
+    # File order: the rows below are checked in their files' order (the shuffled order is
+    # checked against pipeline/order's placements: test_a_shuffled_stream_...).
+    return make_job(paths, seed=11, image_max_pixels=96 * 96, shuffle=False, **AUG)
 
 
 EXPECTED_Q = {("a.jsonl", 5): "bad_json", ("a.jsonl", 8): "bad_image",
@@ -149,3 +151,42 @@ def test_build_dataset_plan_columns_and_limits(ray_session, dataset, streamed):
     assert [r["row"] for r in rows] == [2, 3, 4]
     items, _ = streamed
     assert [from_row(r).digest() for r in rows] == [i.digest() for i in items[2:5]]
+
+
+def test_a_shuffled_stream_follows_the_epochs_order_and_copies_are_samples_of_their_own(
+        ray_session, dataset):
+    """The default order (shuffled) and a mixture reading b twice: the stream is exactly the
+    order's placements, each item byte-identical to random access by its id, and a copy
+    (`#1`) is augmented by its own id."""
+    from pipeline.order.cursor import OrderCursor
+    from pipeline.order.job_order import JobOrder
+
+    paths = dataset.source.paths
+    mixed = dataset.model_copy(update={"source": type(dataset.source).model_validate({
+        "mixture": [{"name": "a", "paths": [paths[0], paths[2]]},
+                    {"name": "b", "paths": [paths[1]], "repeat": 2}],
+        "shuffle_block_rows": 10})})
+    order = JobOrder(mixed.source, mixed.seed)
+    want = [(order.layouts[p.source].files[p.file].source, p.row, p.copy)
+            for p in order.epoch(1, OrderCursor()).placements()]
+    assert len(want) == 11 + 7 + 2 * 6 and want != sorted(want)
+    items = list(iter_samples(mixed, 1, chunk_rows=CHUNK, concurrency=2))
+    from pipeline.preprocess.process import split_sample_id
+
+    got = [split_sample_id(i.sample_id) if isinstance(i, ProcessedSample)
+           else (i.source, i.row, None) for i in items]
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert [g[2] for g in got if g[2] is not None] == [
+        w[2] for w, g in zip(want, got, strict=True) if g[2] is not None]
+    store = SampleStore(mixed)
+    samples = [i for i in items if isinstance(i, ProcessedSample)]
+    for s in samples:
+        assert store.get(s.sample_id, 1).digest() == s.digest()
+    copies = {s.sample_id: s for s in samples}
+    twins = [(copies[s.sample_id.split("#")[0]], s) for s in samples if "#1" in s.sample_id]
+    assert len(twins) == 4 and any(a.digest() != b.digest() for a, b in twins)
+    # From the middle, the rest is the same.
+    k = 13
+    tail = list(iter_samples(mixed, 1, start_row=k, chunk_rows=CHUNK, concurrency=1))
+    assert [getattr(i, "sample_id", None) for i in tail] == [
+        getattr(i, "sample_id", None) for i in items[k:]]

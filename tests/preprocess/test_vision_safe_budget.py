@@ -226,6 +226,20 @@ def test_max_sample_tokens_is_the_budget_only_under_truncate(over_budget, expect
     assert make_job(max_seq_len=500, batching={"token_budget": 1000}).max_sample_tokens() == 500
 
 
+def test_a_sample_fits_alone_when_its_padded_length_does():
+    """With pad_to_multiple, truncation cuts to the largest multiple within the budget (a
+    sample of the budget's length would be sent longer than it), and a sample's cost is its
+    padded length; a multiple beyond the budget is refused at load, naming the field."""
+    job = make_job(max_seq_len=3000, batching={"token_budget": 1000, "pad_to_multiple": 48})
+    assert job.max_sample_tokens() == 960 and "pad_to_multiple 48" in job.sample_limit_text()
+    assert job.sample_cost(961) == 1008 and job.sample_cost(960) == 960
+    assert make_job(max_seq_len=500, batching={"token_budget": 1000, "pad_to_multiple": 48}
+                    ).max_sample_tokens() == 500
+    for bad in (0, 1001):
+        with pytest.raises(ValueError, match="pad_to_multiple"):
+            make_job(batching={"token_budget": 1000, "pad_to_multiple": bad})
+
+
 def test_pixels_per_visual_token_is_the_image_processors(pictures):
     from PIL import Image
 

@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CHATS = ROOT / "pipeline" / "sample_data" / "chats.jsonl"
 
 
-def serve_config(tmp_path: Path) -> Path:
+def serve_config(tmp_path: Path, service: dict | None = None, **job: object) -> Path:
     cfg = {"grpc": {"port": 0}, "ray": {"num_cpus": 1, "object_store_mb": 128},
-           "state_dir": str(tmp_path / "state"), "metrics_port": 0,
-           "jobs": [{"job_id": "sft", "world_size": 2, "source": {"paths": [str(CHATS)]}}]}
+           "state_dir": str(tmp_path / "state"), "metrics_port": 0, **(service or {}),
+           "jobs": [{"job_id": "sft", "world_size": 2, "source": {"paths": [str(CHATS)]},
+                     **job}]}
     path = tmp_path / "odb.json"
     path.write_text(json.dumps(cfg))
     return path
@@ -46,8 +47,10 @@ def alive(pids: set[int]) -> dict[int, str]:
 
 
 class ServeTree:
-    def __init__(self, tmp_path: Path, *extra: str) -> None:
-        self.config = serve_config(tmp_path)
+    def __init__(self, tmp_path: Path, *extra: str, service: dict | None = None,
+                 **job: object) -> None:
+        """`service`, `job`: settings of the service and of its job beside the defaults."""
+        self.config = serve_config(tmp_path, service, **job)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline.cli", "serve", "--config", str(self.config), *extra],

@@ -34,6 +34,23 @@ CHATS = Path(__file__).resolve().parents[2] / "pipeline" / "sample_data" / "chat
 pytestmark = pytest.mark.slow
 
 
+def _info(job_id: str) -> dict:
+    """The producer actor's `info()`. Right after a restart Ray may still route a call to the
+    old process and answer ActorUnavailableError ("the actor is restarting") even though the
+    new process already runs: ask again, within a bound."""
+    got: list[dict] = []
+
+    def answered() -> bool:
+        try:
+            got.append(ray.get(find_producer(job_id).info.remote(), timeout=30))
+        except ray.exceptions.ActorUnavailableError:
+            return False
+        return True
+
+    wait_for(answered, 60, f"the producer actor of {job_id!r} to answer", interval=0.2)
+    return got[-1]
+
+
 @pytest.mark.skipif(not CHATS.exists(), reason="sample data missing")
 def test_a_frozen_producer_actor_is_restarted_and_a_successor_plans_on(ray_session, tmp_path,
                                                                         redis_url, redis_client):
@@ -52,20 +69,20 @@ def test_a_frozen_producer_actor_is_restarted_and_a_successor_plans_on(ray_sessi
     try:
         # Back-pressure (nobody acks) holds the producer mid-plan, renewing its lease.
         wait_for(lambda: st.published_through() >= 2, 120, "the producer actor's first steps")
-        info = ray.get(find_producer("frozen").info.remote(), timeout=30)
+        info = _info("frozen")
         pid, gen = info["pid"], info["generation"]
         published = {n: st.get_step(n) for n in range(st.published_through() + 1)}
         os.kill(pid, signal.SIGSTOP)
         wait_for(lambda: st.producer_lease().generation > gen, 60,
                  "a restarted producer to take the lease over")
         assert st.producer_lease().holder == info["holder"]  # the same actor, a new process
-        successor = ray.get(find_producer("frozen").info.remote(), timeout=30)
+        successor = _info("frozen")
         restarts = actor_process(find_producer("frozen")).process
         assert restarts == 1, f"two hosts restarted one frozen process {restarts} times"
         st.ack(0, max(published))  # room: the successor plans on
         wait_for(lambda: st.published_through() > max(published), 60, "the successor's steps")
         assert {n: st.get_step(n) for n in published} == published  # never republished
-        new = ray.get(find_producer("frozen").info.remote(), timeout=30)
+        new = _info("frozen")
         assert new["pid"] == successor["pid"] != pid and new["generation"] > gen
         assert actor_process(find_producer("frozen")).process == 1, "the successor was restarted"
         # How a producer process ends for good (planned, fenced, failed), here for the frozen

@@ -180,9 +180,11 @@ def test_streams_wait_through_trouble_and_end_on_a_permanent_failure_naming_it(m
     svc = _serve("denied", BrokenSource(items, PermissionError(13, "Permission denied",
                                                                 "data.jsonl"), left=1))
     try:
+        # A job failed for good ends the stream at once (#42), not after reconnect_timeout.
         with pytest.raises(StreamError) as err, \
-                BatchStream(svc.address, "denied", 0, 1, reconnect_timeout=1.0) as stream:
+                BatchStream(svc.address, "denied", 0, 1, reconnect_timeout=60.0) as stream:
             list(stream)
+        assert stream.reconnects == 0
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "source_forbidden" in err.value.details
         assert "Let the producer read the source" in err.value.details

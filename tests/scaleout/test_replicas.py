@@ -11,6 +11,7 @@ import signal
 import pytest
 import ray
 from replica_procs import CHATS, ReplicaProc, free_port, service_config
+from support.reference_plan import assert_same_plan, reference_plan
 from support.waiting import wait_for
 
 from pipeline.coordinator import RedisJobState
@@ -35,8 +36,10 @@ def _ranks(endpoints: dict[int, str], job: str, epochs: int, sleep: float = 0.0)
     sys.path.insert(0, os.path.join(os.path.dirname(sys_path), "faults"))
     from fault_helpers import RankThread
 
-    return [RankThread(endpoints[r], job, r, 4, epochs=epochs, sleep=sleep).start()
-            for r in sorted(endpoints)]
+    # pick_first: each rank on the first address of its list (the default, round_robin,
+    # would spread them), so the test knows which replica serves it.
+    return [RankThread(endpoints[r], job, r, 4, epochs=epochs, sleep=sleep,
+                       load_balancing="pick_first").start() for r in sorted(endpoints)]
 
 
 def _coverage(ranks, state, epochs: int, tmp_path, rows: int) -> None:
@@ -132,6 +135,11 @@ def test_late_replica_replica_kill_and_producer_kill_lose_and_repeat_nothing(
         assert state.is_done() and state.error() is None
         assert state.producer_lease().generation == info["generation"] + 1
         _coverage(ranks, state, 1, tmp_path, ROWS_FAULTS)
+        # The same samples at every (epoch, step, rank) as a run on a fresh state: the killed
+        # producer's successor read the job's order on from its checkpoint (Guarantee 11).
+        plan = reference_plan(job)
+        assert assert_same_plan(plan, [(x["epoch"], x["step"], r.rank, x["ids"])
+                                       for r in ranks for x in r.records]) > 0
     finally:
         for p in (a, b):
             if p is not None:

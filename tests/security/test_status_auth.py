@@ -56,7 +56,7 @@ def test_serve_binds_its_ports_to_loopback_by_default(tmp_path):
                                     timeout=30) as resp:  # loopback: no token asked
             assert resp.status == 200 and "jobs" in json.load(resp)
     finally:
-        assert serve.stop() == 0
+        assert serve.stop() == 0, serve.output()[-4000:]
 
 
 @needs_netns

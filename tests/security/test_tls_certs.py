@@ -21,7 +21,9 @@ def certs(tmp_path_factory):
     out = tmp_path_factory.mktemp("certs")
     subprocess.run(["bash", str(REPO / "deploy" / "tls" / "make-certs.sh"), str(out), "odb-dev"],
                    check=True, capture_output=True, timeout=60)
-    assert sorted(p.name for p in out.iterdir()) == ["ca.crt", "ca.key", "tls.crt", "tls.key"]
+    assert sorted(p.name for p in out.iterdir()) == [".gitignore", "ca.crt", "ca.key",
+                                                      "tls.crt", "tls.key"]
+    assert (out / ".gitignore").read_text().splitlines()[-1] == "*"  # never committed (#42)
     assert all(p.stat().st_mode & 0o077 == 0 for p in out.iterdir())  # private to the user
     return out
 

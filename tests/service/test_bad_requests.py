@@ -40,7 +40,7 @@ def status_of(svc, first: pb.ClientMessage, token: str | None = None) -> grpc.Rp
     (open_msg("open", rank=2), None, grpc.StatusCode.INVALID_ARGUMENT, "rank 2 is outside [0, 2)"),
     (open_msg("open", rank=-1), None, grpc.StatusCode.INVALID_ARGUMENT, "rank -1 is outside"),
     (open_msg("open", world_size=4), None, grpc.StatusCode.INVALID_ARGUMENT,
-     "world_size 4 does not match job 'open''s world size 2"),
+     "job 'open' runs 2 ranks, this rank opened with world_size 4: start 2 ranks"),
     (open_msg("open", resume_step=10_000), None, grpc.StatusCode.OUT_OF_RANGE,
      "resume_step 10000 is beyond the plan"),
     (open_msg("open", resume_step=-3), None, grpc.StatusCode.INVALID_ARGUMENT,

@@ -86,7 +86,8 @@ def test_a_batch_cut_off_mid_way_is_sent_again_whole_by_the_other_replica(
         second = Replica(redis_url, job, 16)
         got: list = []
         stream = BatchStream(f"ipv4:{first.address},{second.address}", "cut", 0, 1,
-                             tensors="numpy", backoff=(0.05, 0.5))
+                             tensors="numpy", backoff=(0.05, 0.5),
+                             load_balancing="pick_first")  # on `first`, the one killed
         reader = threading.Thread(target=lambda: got.extend(stream), daemon=True)
         reader.start()
         assert reached.wait(120), "step 1 never started arriving"

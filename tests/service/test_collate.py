@@ -3,8 +3,12 @@ truncation, vision."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.preprocess.sample import ProcessedSample
 from pipeline.service.collate import IGNORE_INDEX, Piece, collate, loss_tokens
@@ -156,3 +160,65 @@ def test_wire_version_check_names_both_versions():
     assert "before wire versions (0)" in old and f"sends version {WIRE_VERSION}" in old
     newer = wire_version_problem(pb.Open(job_id="j", wire_version=WIRE_VERSION + 1))
     assert newer is not None and f"version {WIRE_VERSION + 1}," in newer
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=8),
+       st.sampled_from([1, 2, 3, 4, 8, 16]), st.data())
+def test_pad_to_multiple_pads_every_sequence_without_loss_tokens(shapes, m, data):
+    """Every sequence as sent is a multiple of m long; the real tokens and labels are where
+    the unpadded layout has them; the padding is pad_id with label -100; packed `cu_seqlens`,
+    `position_ids` and `max_seqlen` agree with each other, and `cu_seqlens_unpadded` bounds the
+    real tokens."""
+    pieces = [Piece(sample(i, n, masked=min(k, n)),
+                    keep=data.draw(st.one_of(st.none(), st.integers(1, n)))) for i, (n, k) in
+              enumerate(shapes)]
+    lens = [len(p.input_ids) for p in pieces]
+    sent = [-(-n // m) * m for n in lens]
+    plain = collate(pieces, "padded", pad_id=7)
+    out = collate(pieces, "padded", pad_id=7, pad_to_multiple=m)
+    width = out["input_ids"].shape[1]
+    assert width % m == 0 and width == max(sent)
+    w0 = plain["input_ids"].shape[1]
+    for name in plain:
+        assert np.array_equal(out[name][:, :w0], plain[name])
+    assert (out["input_ids"][:, w0:] == 7).all() and (out["labels"][:, w0:] == IGNORE_INDEX).all()
+    assert not out["attention_mask"][:, w0:].any()
+    assert loss_tokens(out) == loss_tokens(plain)
+
+    plain = collate(pieces, "packed")
+    out = collate(pieces, "packed", pad_id=7, pad_to_multiple=m)
+    cu = out["cu_seqlens"].tolist()
+    assert np.diff(cu).tolist() == sent and all(s % m == 0 for s in np.diff(cu))
+    assert int(out["max_seqlen"]) == max(sent) and out["input_ids"].shape == (1, sum(sent))
+    pos = out["position_ids"][0]
+    assert np.flatnonzero(pos == 0).tolist() == cu[:-1], "position_ids restart at cu_seqlens"
+    for a, b in itertools.pairwise(cu):
+        assert pos[a:b].tolist() == list(range(b - a))
+    if m == 1:  # nothing to pad: the layout of before, byte for byte
+        assert list(out) == list(plain) and all(
+            out[k].tobytes() == plain[k].tobytes() for k in plain)
+        return
+    real = out["cu_seqlens_unpadded"]
+    assert real.dtype == np.int32 and np.diff(real).tolist() == lens
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    pcu = plain["cu_seqlens"]
+    for i, (start, n) in enumerate(zip(cu[:-1], lens, strict=True)):
+        seg = slice(pcu[i], pcu[i + 1])
+        assert ids[start:start + n].tolist() == plain["input_ids"][0, seg].tolist()
+        assert labels[start:start + n].tolist() == plain["labels"][0, seg].tolist()
+        assert (ids[start + n:cu[i + 1]] == 7).all()
+        assert (labels[start + n:cu[i + 1]] == IGNORE_INDEX).all()
+    assert loss_tokens(out) == loss_tokens(plain)
+
+
+def test_padding_bounds_stay_on_the_batch_and_out_of_the_model_inputs():
+    from trainer_client.decode import StreamBatch
+
+    out = collate([Piece(sample(0, 3)), Piece(sample(1, 5))], "packed", pad_to_multiple=4)
+    batch = StreamBatch(out)
+    batch.info = None  # (no plan metadata needed here)
+    inputs = batch.to_model_inputs()
+    assert "cu_seqlens_unpadded" not in inputs and "max_seqlen" not in inputs
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 4, 12] and inputs["max_length_q"] == 8
+    assert batch["cu_seqlens_unpadded"].tolist() == [0, 3, 8]

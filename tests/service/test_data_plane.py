@@ -11,18 +11,22 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_helpers import (
+    RawStream,
     consume_all,
     job_dict,
+    open_msg,
     service_config,
     serving,
     uneven_samples,
 )
+from support.waiting import wait_for
 
 from pipeline.jobstate import MemoryJobState
 from pipeline.preprocess.array_source import synthetic_samples
 from trainer_client import BatchStream, EpochEndInfo, loss_scale
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
+from trainer_client.wire_format import STREAM_ACCEPTED
 
 
 def batches(items):
@@ -195,6 +199,70 @@ def test_health_reflection_and_job_status():
         assert [r.acked_step for r in st.ranks] == [r.delivered_step for r in st.ranks]
         assert st.epoch_ends[0].steps == st.published_through + 1
         ch.close()
+
+
+def test_health_watchers_hold_no_handler_thread_and_see_not_serving():
+    """Every trainer channel watches its replicas' health (round_robin's health checking):
+    more watchers than the replica has handler threads (16) must leave GetJob answering, each
+    must see a drain's NOT_SERVING, and the replica must stop with none left behind."""
+    samples = synthetic_samples(40, max_len=100)
+    cfg = service_config(job_dict())
+    with serving(cfg, {"j": samples}) as svc:
+        channels = [grpc.insecure_channel(svc.address) for _ in range(24)]
+        watches = [health_pb2_grpc.HealthStub(ch).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=30) for ch in channels]
+        try:
+            assert {next(w).status for w in watches} == {health_pb2.HealthCheckResponse.SERVING}
+            st = pb_grpc.DataServiceStub(channels[0]).GetJob(pb.GetJobRequest(job_id="j"),
+                                                             timeout=5)
+            assert st.job_id == "j"
+            svc.health.enter_graceful_shutdown()
+            assert {next(w).status for w in watches} == {
+                health_pb2.HealthCheckResponse.NOT_SERVING}
+        finally:
+            for ch in channels:
+                ch.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("odb_")]
+
+
+def test_an_accepted_stream_says_so_before_its_first_batch_and_a_refused_one_does_not():
+    """The initial metadata a client ends its outage on (`STREAM_ACCEPTED`): sent once the
+    Open is accepted, before any batch (a rank waiting for its step has a working call); never
+    on a call the replica refuses."""
+    samples = synthetic_samples(40, max_len=100)
+    with serving(service_config(job_dict()), {"j": samples}) as svc:
+        ok = RawStream(svc.address, open_msg(credits=1))
+        refused = RawStream(svc.address, open_msg(job="nope"))
+        try:
+            assert STREAM_ACCEPTED in tuple(ok.call.initial_metadata())
+            with pytest.raises(grpc.RpcError) as err:
+                refused.next()
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert STREAM_ACCEPTED not in tuple(refused.call.initial_metadata() or ())
+        finally:
+            ok.close()
+            refused.close()
+
+
+def test_a_trainer_slower_than_a_lease_through_its_last_batches_still_acks_them_all():
+    """The final END arrives with the last prefetched batches; a trainer that takes longer than
+    `lease_seconds` to train through them (a long step, on real hosts: a DDP step on a loaded
+    machine) keeps its stream with its heartbeats, and its acks through the last step are
+    recorded. (Found on the multi-host suite: the replica ended the call a lease after the
+    END, and the last acks were lost: acked 7 of 11.)"""
+    samples = uneven_samples(12, 2048)
+    cfg = service_config(job_dict("j", 1, batching={"token_budget": 2048})).model_copy(
+        update={"lease_seconds": 1.0})
+    with serving(cfg, {"j": samples}) as svc:
+        with BatchStream(svc.address, "j", 0, 1, prefetch=4, heartbeat_s=0.2) as stream:
+            taken = 0
+            for _ in stream:
+                time.sleep(0.6)  # 4 batches held: 2.4 s > the lease
+                taken += 1
+        state = svc.runtimes["j"].state
+        assert taken == 12 and stream.done
+        wait_for(lambda: [h.acked for h in state.rank_health()] == [11], 5.0,
+                 "the acks through the last step")
 
 
 def test_server_restart_continues_the_plan_from_its_checkpoint():

@@ -13,14 +13,14 @@ from trainer_client import EpochEndInfo
 
 def test_make_job_state_picks_memory_without_redis_url():
     cfg = service_config(job_dict())
-    assert isinstance(make_job_state(cfg, cfg.jobs[0]), MemoryJobState)
+    assert isinstance(make_job_state(cfg, cfg.jobs[0])[0], MemoryJobState)
 
 
 def test_data_plane_over_redis_job_state_matches_memory(redis_url, redis_client):
     samples = synthetic_samples(120, max_len=500, seed=6)
     base = service_config(job_dict(epochs=2))
     cfg = ServiceConfig.model_validate({**base.model_dump(), "redis_url": redis_url})
-    state = make_job_state(cfg, cfg.jobs[0])
+    state, _ = make_job_state(cfg, cfg.jobs[0])
     assert type(state).__name__ == "RedisJobState"
     with serving(base, {"j": samples}) as svc:
         ref = consume_all(svc.address, "j", 2, epochs=2)

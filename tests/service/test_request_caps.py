@@ -70,7 +70,10 @@ def test_each_cap_gets_invalid_argument(svc, first, then, text):
 
 def test_an_unknown_job_names_no_served_job(svc):
     err = refused(svc, open_msg("nope"))
-    assert err.code() == grpc.StatusCode.NOT_FOUND and err.details() == "unknown job 'nope'"
+    # How to list the jobs (#42), never the list: the exact text, so no job name slips in.
+    assert err.code() == grpc.StatusCode.NOT_FOUND and err.details() == (
+        "unknown job 'nope': check the job id (`odb-pipeline status` where the service runs "
+        "lists its jobs)")
     with grpc.insecure_channel(svc.address) as ch, pytest.raises(grpc.RpcError) as get:
         pb_grpc.DataServiceStub(ch).GetJob(pb.GetJobRequest(job_id="nope"), timeout=10)
     assert get.value.code() == grpc.StatusCode.NOT_FOUND

@@ -79,7 +79,7 @@ class Pong(_message.Message):
     def __init__(self, server_version: _Optional[str] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "resume_step", "resume_epoch", "client_id", "credits", "wire_version", "prefetch_bytes", "held_bytes")
+    __slots__ = ("job_id", "rank", "world_size", "resume_step", "resume_epoch", "client_id", "credits", "wire_version", "prefetch_bytes", "held_bytes", "group_size", "group_rank")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class Open(_message.Message):
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -100,7 +102,9 @@ class Open(_message.Message):
     wire_version: int
     prefetch_bytes: int
     held_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ..., wire_version: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    group_size: int
+    group_rank: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., resume_step: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., credits: _Optional[int] = ..., wire_version: _Optional[int] = ..., prefetch_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., group_rank: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("consumed_step", "credits", "credit_bytes", "compute")
@@ -251,18 +255,40 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "acked_step", "client_id", "connected", "delivered_step")
+    __slots__ = ("rank", "acked_step", "client_id", "connected", "delivered_step", "members")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ACKED_STEP_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     acked_step: int
     client_id: str
     connected: bool
     delivered_step: int
-    def __init__(self, rank: _Optional[int] = ..., acked_step: _Optional[int] = ..., client_id: _Optional[str] = ..., connected: _Optional[bool] = ..., delivered_step: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
+    def __init__(self, rank: _Optional[int] = ..., acked_step: _Optional[int] = ..., client_id: _Optional[str] = ..., connected: _Optional[bool] = ..., delivered_step: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ...) -> None: ...
+
+class MemberStatus(_message.Message):
+    __slots__ = ("member", "client_id", "acked_step", "lag_steps", "connected", "delivered_step", "lapsed_seconds", "released")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAG_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    member: int
+    client_id: str
+    acked_step: int
+    lag_steps: int
+    connected: bool
+    delivered_step: int
+    lapsed_seconds: float
+    released: bool
+    def __init__(self, member: _Optional[int] = ..., client_id: _Optional[str] = ..., acked_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., connected: _Optional[bool] = ..., delivered_step: _Optional[int] = ..., lapsed_seconds: _Optional[float] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class EpochSummary(_message.Message):
     __slots__ = ("epoch", "steps", "final_step", "carried_over")
@@ -320,8 +346,85 @@ class ScaleReply(_message.Message):
     previous: World
     def __init__(self, job_id: _Optional[str] = ..., changed: _Optional[bool] = ..., world: _Optional[_Union[World, _Mapping]] = ..., previous: _Optional[_Union[World, _Mapping]] = ...) -> None: ...
 
+class SourceShare(_message.Message):
+    __slots__ = ("name", "samples", "loss_tokens", "quarantined", "share", "target")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    samples: int
+    loss_tokens: int
+    quarantined: int
+    share: float
+    target: float
+    def __init__(self, name: _Optional[str] = ..., samples: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., quarantined: _Optional[int] = ..., share: _Optional[float] = ..., target: _Optional[float] = ...) -> None: ...
+
+class MixChange(_message.Message):
+    __slots__ = ("step", "by", "weights")
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    by: str
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., by: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class MixtureStatus(_message.Message):
+    __slots__ = ("epoch", "mix_by", "sources", "changes")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MIX_BY_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    mix_by: str
+    sources: _containers.RepeatedCompositeFieldContainer[SourceShare]
+    changes: _containers.RepeatedCompositeFieldContainer[MixChange]
+    def __init__(self, epoch: _Optional[int] = ..., mix_by: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[SourceShare, _Mapping]]] = ..., changes: _Optional[_Iterable[_Union[MixChange, _Mapping]]] = ...) -> None: ...
+
+class MixRequest(_message.Message):
+    __slots__ = ("job_id", "weights")
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, job_id: _Optional[str] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class MixReply(_message.Message):
+    __slots__ = ("job_id", "seq", "weights")
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    seq: int
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "open", "batch_size_notice", "refill")
+    __slots__ = ("job_id", "world_size", "mode", "epochs", "published_through", "done", "ranks", "epoch_ends", "samples_in", "quarantined", "lapsed_ranks", "error", "replica_id", "worlds", "reconfiguring", "open", "batch_size_notice", "sources", "refill")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +442,7 @@ class JobStatus(_message.Message):
     RECONFIGURING_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_NOTICE_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     REFILL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
@@ -357,8 +461,9 @@ class JobStatus(_message.Message):
     reconfiguring: bool
     open: bool
     batch_size_notice: str
+    sources: MixtureStatus
     refill: RefillCounts
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., open: _Optional[bool] = ..., batch_size_notice: _Optional[str] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., epochs: _Optional[int] = ..., published_through: _Optional[int] = ..., done: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., epoch_ends: _Optional[_Iterable[_Union[EpochSummary, _Mapping]]] = ..., samples_in: _Optional[int] = ..., quarantined: _Optional[int] = ..., lapsed_ranks: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., replica_id: _Optional[str] = ..., worlds: _Optional[_Iterable[_Union[World, _Mapping]]] = ..., reconfiguring: _Optional[bool] = ..., open: _Optional[bool] = ..., batch_size_notice: _Optional[str] = ..., sources: _Optional[_Union[MixtureStatus, _Mapping]] = ..., refill: _Optional[_Union[RefillCounts, _Mapping]] = ...) -> None: ...
 
 class RefillOpen(_message.Message):
     __slots__ = ("job_id", "consumer_id", "held_ids", "retry_seq")

@@ -54,6 +54,11 @@ class DataServiceStub:
                 request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleReply.FromString,
                 _registered_method=True)
+        self.Mix = channel.unary_unary(
+                '/odb.v1.DataService/Mix',
+                request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.MixRequest.SerializeToString,
+                response_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.MixReply.FromString,
+                _registered_method=True)
         self.Refill = channel.stream_stream(
                 '/odb.v1.DataService/Refill',
                 request_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.RefillMessage.SerializeToString,
@@ -92,6 +97,16 @@ class DataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Mix(self, request, context):
+        """Change a mixture job's weights from the next step the producer plans, for every rank at
+        one step boundary: INVALID_ARGUMENT for an unknown source, a missing one, a weight < 0 or
+        weights that do not sum to a positive number; FAILED_PRECONDITION for a job without a
+        mixture or one fully planned; NOT_FOUND for an unknown job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Refill(self, request_iterator, context):
         """Inference consumers of a `mode: refill` job (see the refill messages above).
         """
@@ -121,6 +136,11 @@ def add_DataServiceServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleRequest.FromString,
                     response_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleReply.SerializeToString,
+            ),
+            'Mix': grpc.unary_unary_rpc_method_handler(
+                    servicer.Mix,
+                    request_deserializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.MixRequest.FromString,
+                    response_serializer=trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.MixReply.SerializeToString,
             ),
             'Refill': grpc.stream_stream_rpc_method_handler(
                     servicer.Refill,
@@ -236,6 +256,33 @@ class DataService:
             '/odb.v1.DataService/Scale',
             trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleRequest.SerializeToString,
             trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.ScaleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Mix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/odb.v1.DataService/Mix',
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.MixRequest.SerializeToString,
+            trainer__client_dot_wire_dot_odb_dot_v1_dot_data__service__pb2.MixReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,161 @@
+"""Cross-node delivery and the object-transfer cost per batch, on hosts made of network
+namespaces (the multi-host harness of tests/hosts: the Kubernetes manifests' replicas, a Ray
+head holding the CPUs, trainer hosts). Needs root and iproute2.
+
+    sudo .venv/bin/python bench/cross_node_bench.py [--quick]
+
+Three figures, one topology:
+- cross-node delivery: 4 rank processes on the two trainer hosts consume a job of generated
+  chats (15% with pictures) as fast as they can through `dns:///odb-pipeline-headless:50051`
+  (TLS): tensor MB/s at the ranks, and what crossed the replicas' links (to the trainers; from
+  the Ray nodes holding the payloads);
+- the loopback figure beside it: the same job's twin consumed by 4 rank processes on the
+  replica hosts themselves, dialling 127.0.0.1 (the payloads still cross from the Ray nodes,
+  the delivery does not);
+- the object-transfer cost per batch: a Ray driver on replica-b reads objects of a batch's
+  size that live in the head's object store (another node: Ray's object manager, over the
+  replica's link) and, as the baseline, objects of its own node's store.
+Writes bench/results/cross_node/cross_node_bench{,_quick}.json. Run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+OUT_DIR = ROOT / "bench" / "results" / "cross_node"
+WORLD = 4
+
+# What the tests' session sets for the Ray processes it starts (tests/conftest.py).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+PROBE = """
+import json, statistics, sys, time
+import numpy as np, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
+me = ray.get_runtime_context().get_node_id()
+head = next(n["NodeID"] for n in ray.nodes()
+            if n["Alive"] and n["NodeManagerAddress"] == sys.argv[2])
+@ray.remote(num_cpus=0)
+def make(nbytes, salt):
+    return np.full(nbytes, salt % 251, dtype=np.uint8)
+out = {}
+for mb in json.loads(sys.argv[3]):
+    n = int(mb * 2**20)
+    for where, node in (("other_node", head), ("same_node", me)):
+        times = []
+        for i in range(int(sys.argv[4])):
+            ref = make.options(scheduling_strategy=On(node, soft=False)).remote(n, i)
+            ray.wait([ref], fetch_local=False)  # made, not yet moved
+            t = time.perf_counter()
+            arr = ray.get(ref)
+            times.append(time.perf_counter() - t)
+            assert arr.nbytes == n
+            del arr, ref
+        out[f"{mb}MiB {where}"] = {"median_ms": 1000 * statistics.median(times),
+                                   "mib_per_s": mb / statistics.median(times)}
+print(json.dumps(out))
+"""
+
+
+def _consume(cluster, out: Path, job: str, hosts: list[str], target: str) -> dict:
+    """4 rank processes of `job` on `hosts` (two each) dialling `target`, to the job's end."""
+    from liveness.rank_process import RankProcess
+    from liveness.scenario import assert_done, wait_ended
+
+    env = cluster.trainer_env(job)
+    ranks = [RankProcess(out, target, job, r, WORLD, options={"heartbeat_s": 0.5},
+                         launcher=cluster.net.command(hosts[r // 2], []), env=env)
+             for r in range(WORLD)]
+    try:
+        wait_ended(ranks, 900.0, f"{job} to be consumed")
+        assert_done(ranks)
+    finally:
+        for r in ranks:
+            r.kill()
+    batches = [b for r in ranks for b in r.batches()]
+    t0, t1 = min(b["t"] for b in batches), max(b["t"] for b in batches)
+    mib = sum(b["nbytes"] for b in batches) / 2**20
+    return {"batches": len(batches), "tensor_mib": round(mib, 1), "seconds": round(t1 - t0, 2),
+            "tensor_mib_per_s": round(mib / (t1 - t0), 1),
+            "mean_batch_mib": round(mib / len(batches), 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="600 chats instead of 3,000")
+    args = ap.parse_args()
+    from hosts import network
+    from hosts.cluster import REPLICAS, TRAINERS, Cluster
+
+    reason = network.unavailable()
+    if reason:
+        print(f"cross_node_bench: cannot make hosts here: {reason}", file=sys.stderr)
+        return 2
+    from pipeline.sample_data import IMAGES_DIR
+    from pipeline.sample_data.generate import generate
+
+    rows = 600 if args.quick else 3000
+    tmp = Path(tempfile.mkdtemp(prefix="odb-xnode-"))
+    data = tmp / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate(
+        rows, 11, image_prefix=str(IMAGES_DIR))))
+    jobs = [{"job_id": job, "world_size": WORLD, "epochs": 1,
+             "source": {"paths": [str(data)], "format": "jsonl"},
+             "batching": {"token_budget": 8192, "pool_steps": 2}}
+            for job in ("cross", "loop")]
+    cluster = Cluster(tmp / "hosts", jobs)
+    result: dict = {"command": "python bench/cross_node_bench.py" + (
+        " --quick" if args.quick else ""), "rows": rows, "world_size": WORLD}
+    try:
+        t = time.monotonic()
+        cluster.start()
+        result["topology_ready_s"] = round(time.monotonic() - t, 1)
+        links = [(h, n) for h in REPLICAS for n in ("front", "back")]
+        before = {k: cluster.link_bytes(*k) for k in links}
+        cross = result["cross_node"] = _consume(cluster, tmp, "cross", list(TRAINERS),
+                                                cluster.headless)
+        moved = {k: [(b - a) / 2**20 for a, b in zip(before[k], cluster.link_bytes(*k),
+                                                     strict=True)] for k in links}
+        # (front: the replica's link to the trainers; back: to the state and the Ray nodes)
+        cross["replica_links_mib"] = {f"{h} {n}": {"received": round(m[0], 1),
+                                                   "sent": round(m[1], 1)}
+                                      for (h, n), m in moved.items()}
+        cross["to_trainers_mib_per_s"] = round(
+            sum(m[1] for (_, n), m in moved.items() if n == "front") / cross["seconds"], 1)
+        port = cluster.replica_pod.port("grpc")
+        result["loopback"] = _consume(cluster, tmp, "loop", list(REPLICAS),
+                                      f"127.0.0.1:{port}")
+        sizes = [result["cross_node"]["mean_batch_mib"], 1.0, 16.0]
+        probe = cluster.net.run("replica-b", [
+            sys.executable, "-c", PROBE, f"{cluster.addr('head', 'back')}:6379",
+            cluster.addr("head", "back"), json.dumps(sizes), "5" if args.quick else "15"],
+            cluster.env({"PYTHONPATH": str(ROOT)}), timeout=600)
+        if probe.returncode != 0:
+            raise RuntimeError(f"object probe failed:\n{probe.stderr[-3000:]}")
+        result["object_transfer_per_batch"] = json.loads(probe.stdout.strip().splitlines()[-1])
+    finally:
+        result["left_behind"] = cluster.stop()
+    result["load_avg_at_end"] = os.getloadavg()[0]
+    result["cross_over_loopback"] = round(result["cross_node"]["tensor_mib_per_s"]
+                                          / result["loopback"]["tensor_mib_per_s"], 2)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    stem = "cross_node_bench_quick" if args.quick else "cross_node_bench"
+    (OUT_DIR / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=2))
+    return 0 if not result["left_behind"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
