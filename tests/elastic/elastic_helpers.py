@@ -148,13 +148,15 @@ def global_reference(items: list, batching: dict, seed: int) -> dict[int, Counte
     them (the producer's own feed, the job's own policy): what global steps must hold at any
     world size and across reconfigurations (docs/global-steps.md)."""
     from pipeline.config import BatchingConfig
+    from pipeline.order.cursor import OrderCursor
     from pipeline.planner.step_planner import StepPlanner
     from pipeline.planner.types import Step
     from pipeline.producer.feed import ArrayFeed
 
     cfg = BatchingConfig.model_validate(batching)
     planner = StepPlanner(cfg.policy(), 1, "join", seed)
-    events = planner.feed_many(ArrayFeed(ArraySource(items), cfg.collate).iter_epoch(0))
+    feed = ArrayFeed(ArraySource(items), cfg.collate)
+    events = planner.feed_many(feed.iter_epoch(0, OrderCursor()))
     events += planner.end_epoch(last_epoch=True)
     return {ev.info.optimizer_step: Counter(str(s.sample_id) for b in ev.batches
                                             if not b.filler for s in b.samples)
