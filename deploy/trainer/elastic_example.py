@@ -6,8 +6,9 @@
         deploy/trainer/elastic_example.py --checkpoint-dir /shared/ckpt
 
 (The variable: with torch 2.13's default, a node that joins a running group waits forever for
-the workers' master address; docs/elastic.md.) The job must be `elastic: true` in the service
-config. When a node is lost, the surviving
+the workers' master address; docs/elastic.md.)
+
+The job must be `elastic: true` in the service config. When a node is lost, the surviving
 workers' collectives fail, torchrun restarts the group with the nodes that are left and a new
 WORLD_SIZE; when a node (re)joins, torchrun restarts the group with it. Either way every worker
 of the new group loads the last checkpoint (model, optimizer and the stream position, saved by
