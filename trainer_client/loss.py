@@ -49,12 +49,15 @@ def causal_lm_loss(logits: Any, labels: Any, batch: Any) -> Any:
     """Next-token cross-entropy of this rank, already scaled: sum over its loss tokens *
     world_size / step_loss_tokens. Equal to `mean loss * loss_scale(batch)` but finite when the
     rank has no loss tokens (a filler step: exactly zero, with gradients of zero)."""
+    import torch
     import torch.nn.functional as F
 
     info = _info(batch)
     shifted = labels[..., 1:].reshape(-1)
     flat = logits[..., :-1, :].reshape(-1, logits.size(-1))
-    total = F.cross_entropy(flat.float(), shifted, ignore_index=IGNORE_INDEX, reduction="sum")
+    # At least float32 (bf16/fp16 logits are upcast), never less than the logits' own.
+    flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
+    total = F.cross_entropy(flat, shifted, ignore_index=IGNORE_INDEX, reduction="sum")
     if info.step_loss_tokens == 0:
         return total * 0.0
     return total * (info.world_size / info.step_loss_tokens)

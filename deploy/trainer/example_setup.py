@@ -101,7 +101,11 @@ def exit_skipping_finalization(code: int) -> NoReturn:
     interpreter finalizes must take the GIL; a finalizing interpreter ends such a thread inside a
     C++ destructor and the process aborts (SIGABRT, "terminate called without an active
     exception") after a clean run: 3 of 80 two-rank runs of train_example.py on a 2-core machine.
-    Call this once the streams, files and the process group are closed.
+    Call this once the streams, files and the process group are closed, and while the DDP model
+    is still referenced (in the function that made it): freeing it destroys the process group,
+    whose destructor joins those threads holding the GIL, and a worker releasing a tensor then
+    waits for the GIL forever (seen after elastic_example.py's checkpoint broadcasts: the
+    process hung at exit in 3 of about 40 runs).
     """
     sys.stdout.flush()
     sys.stderr.flush()

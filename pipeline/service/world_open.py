@@ -7,7 +7,10 @@ request for the current size changes nothing), so the size tells them apart:
   world's END(reconfigure), from any of its ranks) starts at the new world's first step; an
   earlier one is OUT_OF_RANGE (those steps were run by the old world and cannot be re-planned);
 - the previous world's size: a rank of the world a reconfiguration ended, which drains to its
-  last step and then gets END(reconfigure) (at once when it has nothing left);
+  last step and then gets END(reconfigure) (at once when it has nothing left); unless it
+  restores a position past the current world's first step, which no rank of the previous
+  world can hold (they never ran the current world's steps): that is a new world of the
+  previous size (a lost node came back: 2 -> 1 -> 2), as below;
 - another size, on an `elastic` job: the implicit reconfiguration (torchrun restarted the
   trainers with a new WORLD_SIZE), made once every rank of the current world ended or lost its
   lease; with a restored position every step before it counts as consumed;
@@ -116,7 +119,8 @@ def resolve(op: pb.Open, rt: JobRuntime) -> StreamStart:
     if op.world_size != head.world_size:
         worlds = rt.state.worlds()
         prev = worlds[head.generation - 1] if head.generation >= 1 else None
-        if prev is not None and op.world_size == prev.world_size:
+        if (prev is not None and op.world_size == prev.world_size
+                and op.resume_step <= head.first_step):
             return _drain_start(op, rt, prev, head)
         if not rt.job.elastic:
             history = " -> ".join(str(w.world_size) for w in worlds)

@@ -31,18 +31,21 @@ def samples(n: int, seed: int = 1) -> list:
 
 @contextmanager
 def served(redis_url: str, job_id: str, world_size: int, items: list, *,
-           token: str | None = None, **service: Any):
+           token: str | None = None, twins: tuple[str, ...] = (), **service: Any):
     """The job on a real gRPC server over RedisJobState (the session's redis-server); `service`
-    holds ServiceConfig fields, `job` TrainingJobConfig fields."""
+    holds ServiceConfig fields, `job` TrainingJobConfig fields; `twins`: more jobs of the same
+    config and samples on the same server, by id."""
     job = {"job_id": job_id, "world_size": world_size, "seed": 3,
            "source": {"paths": ["arrays"]},
            "batching": {"token_budget": 1024, "max_window_samples": 64, "pool_steps": 2},
            **service.pop("job", {})}
+    ids = (job_id, *twins)
     cfg = ServiceConfig.model_validate({
         "redis_url": redis_url, "metrics_port": None, "grpc": {"port": 0},
-        "lease_seconds": service.pop("lease_seconds", 5.0), "jobs": [job], **service})
-    svc: RunningService = start_service(cfg, sample_sources={job_id: ArraySource(items)},
-                                        tokens={job_id: token})
+        "lease_seconds": service.pop("lease_seconds", 5.0),
+        "jobs": [{**job, "job_id": j} for j in ids], **service})
+    svc: RunningService = start_service(cfg, sample_sources={j: ArraySource(items) for j in ids},
+                                        tokens=dict.fromkeys(ids, token))
     try:
         yield svc
     finally:
@@ -145,13 +148,15 @@ def global_reference(items: list, batching: dict, seed: int) -> dict[int, Counte
     them (the producer's own feed, the job's own policy): what global steps must hold at any
     world size and across reconfigurations (docs/global-steps.md)."""
     from pipeline.config import BatchingConfig
+    from pipeline.order.cursor import OrderCursor
     from pipeline.planner.step_planner import StepPlanner
     from pipeline.planner.types import Step
     from pipeline.producer.feed import ArrayFeed
 
     cfg = BatchingConfig.model_validate(batching)
     planner = StepPlanner(cfg.policy(), 1, "join", seed)
-    events = planner.feed_many(ArrayFeed(ArraySource(items), cfg.collate).iter_epoch(0))
+    feed = ArrayFeed(ArraySource(items), cfg.collate)
+    events = planner.feed_many(feed.iter_epoch(0, OrderCursor()))
     events += planner.end_epoch(last_epoch=True)
     return {ev.info.optimizer_step: Counter(str(s.sample_id) for b in ev.batches
                                             if not b.filler for s in b.samples)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -15,6 +17,7 @@ from support.waiting import wait_for
 
 from pipeline.cli import main
 from pipeline.coordinator import RedisJobState
+from pipeline.jobstate import ScaleReason
 from trainer_client import BatchStream, Reconfigured, StreamError
 from trainer_client.wire.odb.v1 import data_service_pb2 as pb
 from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
@@ -233,3 +236,65 @@ def test_an_aligned_loader_does_not_mistake_a_world_end_for_the_epochs(redis_cli
         assert taken == list(range(len(taken)))  # every batch up to the boundary, in order
         assert stream.last_end.final_step == taken[-1]
         stream.close()
+
+
+def test_a_group_back_at_the_previous_size_is_a_new_world_not_the_old_one(redis_client,
+                                                                          redis_url):
+    """2 -> 1 -> 2 on an elastic job (a node lost, then back): an Open with the previous
+    world's size is a rank of that world draining, unless it restores a position past the
+    current world's first step, which no rank of the previous world can hold: then it is a new
+    world of that size. Every sample once across the three worlds."""
+    items = samples(600)
+    with served(redis_url, "sr", 2, items, token=TOKEN, lease_seconds=1.0,
+                job={"elastic": True}) as svc:
+        a = svc.address
+
+        def opened(rank: int, world: int, state: dict | None = None) -> BatchStream:
+            s = BatchStream(a, "sr", rank, world, token=TOKEN, prefetch=1, heartbeat_s=0.25,
+                            tensors="numpy")
+            if state is not None:
+                s.load_state_dict(state)
+            return s
+
+        def take(stream: BatchStream, n: int | None) -> list[str]:
+            it, ids = iter(stream), []
+            for _ in range(n) if n is not None else iter(int, 1):
+                batch = next(it, None)
+                if batch is None:
+                    break
+                ids += batch.info.sample_ids
+            return ids
+
+        trained, first = [], [opened(r, 2) for r in range(2)]
+        for s in first:
+            trained += take(s, 3)  # steps 0-2 on both ranks, then the node is lost
+        lost_at = first[0].state_dict()
+        for s in first:
+            s.close()
+        alone = opened(0, 1, lost_at)  # the Open that moves the job once the leases lapsed
+        trained += take(alone, 3)
+        state = RedisJobState.attach(redis_url, "sr")
+        w1 = state.worlds()[1]
+        assert (w1.world_size, w1.first_step) == (1, alone.next_step - 3)
+        # The previous size without a position (or with one at most the current world's first
+        # step) is still a rank of the ended world: END(reconfigure) at once, nothing moves.
+        with opened(0, 2) as late:
+            assert list(late) == [] and late.last_end.reason == "reconfigure"
+        with opened(1, 2, lost_at) as late:
+            assert list(late) == [] and late.last_end.world_size == 1
+        back_at = alone.state_dict()
+        alone.close()
+        back = [opened(r, 2, back_at) for r in range(2)]
+        with ThreadPoolExecutor(2) as pool:  # both ranks at once: neither runs far ahead
+            for ids in pool.map(lambda s: take(s, None), back):
+                trained += ids
+        for s in back:
+            assert s.done
+            s.close()
+        worlds = state.worlds()
+        assert [w.world_size for w in worlds] == [2, 1, 2]
+        assert [w.reason for w in worlds] == [ScaleReason.INITIAL, ScaleReason.ELASTIC,
+                                              ScaleReason.ELASTIC]
+        assert worlds[0].last_steps == (2, 2)
+        assert worlds[1].last_steps == (back_at["next_step"] - 1,)
+        assert Counter(trained) == Counter(s.sample_id for s in items)
