@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "used; see --job) or a single job mapping")
     parser.add_argument("--job", metavar="ID", help="job of the config file to take settings from")
     parser.add_argument("--limit", type=int, default=None, metavar="N",
-                        help="only the first N records")
+                        help="only the first N records (in file order)")
     parser.add_argument("--epoch", type=int, default=0, help="epoch (augmentation seed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--ids", action="store_true",
@@ -39,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _job(args: argparse.Namespace, data: str) -> JobConfig:
-    return job_config(args.config, args.job, [data], default_job_id="inspect")
+    # A look at the data as it lies: file order, so `--limit N` is the file's first N records
+    # (`plan --data` shows the epoch's shuffled order).
+    return job_config(args.config, args.job, [data], default_job_id="inspect",
+                      overrides={"source": {"shuffle": False}})
 
 
 def collect(job: JobConfig, epoch: int, limit: int | None) -> tuple[list, dict]:

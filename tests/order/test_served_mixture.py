@@ -43,9 +43,13 @@ def _chats(path: Path, tag: str) -> str:
 
 
 def _mix(address: str, job: str, weights: str, capsys) -> tuple[int, str, str]:
+    """The CLI's exit code, stdout and its own stderr lines (the ranks' streams in threads of
+    this process log to the same stderr: a rank held at the gate says it waits)."""
     rc = main(["mix", "--endpoint", address, "--job", job, "--weights", weights, "--json"])
     out = capsys.readouterr()
-    return rc, out.out, out.err
+    own = "".join(line for line in out.err.splitlines(keepends=True)
+                  if line.startswith("odb-pipeline"))
+    return rc, out.out, own
 
 
 def test_mix_moves_every_rank_at_one_step_and_every_surface_shows_the_sources(

@@ -83,8 +83,9 @@ def test_one_big_task_streams_bounded_blocks_with_the_same_samples(ray_session, 
     assert len(big) >= 2
     assert all(nbytes <= task_bytes(job) + largest_row for _, nbytes, _ in big)
     assert [b[0] for b in big] == [3, 3]
-    assert _digests(big) == _digests(sized)
-    assert [sid for sid, _ in _digests(big)] == [f"{photos}:{i}" for i in range(len(PHOTOS))]
+    assert _digests(big) == _digests(sized)  # the epoch's order does not follow task sizes
+    assert sorted(sid for sid, _ in _digests(big)) == sorted(
+        f"{photos}:{i}" for i in range(len(PHOTOS)))
 
 
 def test_a_big_task_hands_out_its_first_block_before_it_is_done(ray_session, photos,
@@ -97,7 +98,8 @@ def test_a_big_task_hands_out_its_first_block_before_it_is_done(ray_session, pho
     os.mkfifo(tmp_path / "late.jpg")
     names = [*PHOTOS[:3], "late", *PHOTOS[3:]]
     path = str(write_jsonl(tmp_path / "late.jsonl", _photo_records(names)))
-    ds = build_dataset(_job(path), 0, chunk_rows=1000, concurrency=1)
+    # File order: the late photo must be the task's fourth (a shuffle could put it first).
+    ds = build_dataset(_job(path, shuffle=False), 0, chunk_rows=1000, concurrency=1)
 
     def first_block():  # Ray Data's iterator waits for the first block already
         blocks = iter(ds.iter_internal_ref_bundles())

@@ -138,8 +138,9 @@ def test_a_task_yields_parts_closed_by_the_bytes_they_hold(tmp_path, image_dir):
     rows = read_chunk(chunk)
     whole = proc.process(f, rows)
     image = next(i for i in whole if isinstance(i, ProcessedSample)).pixel_values.nbytes
-    parts = list(proc.process_parts(f, rows, 3 * image))  # 3 images and their text
+    raw = [(f, row, 0, value) for row, value in rows]  # copy 0 of each row
+    parts = list(proc.process_parts(raw, 3 * image))  # 3 images and their text
     assert [[i.row for i in part] for part in parts] == [[0, 1, 2, 3], [4, 5, 6]]
     assert [_digest(i) for part in parts for i in part] == [_digest(i) for i in whole]
-    assert [len(p) for p in proc.process_parts(f, rows, 1)] == [1, 1, 2, 1, 1, 1]
-    assert [len(p) for p in proc.process_parts(f, rows, 2**40)] == [7]  # text: one part
+    assert [len(p) for p in proc.process_parts(raw, 1)] == [1, 1, 2, 1, 1, 1]
+    assert [len(p) for p in proc.process_parts(raw, 2**40)] == [7]  # text: one part

@@ -60,11 +60,12 @@ def frozen(pid: int, tree: bool = True) -> Iterator[Frozen]:
             for child in descendants(pid):
                 _signal(child, signal.SIGSTOP)
                 pids.append(child)
-        # SIGSTOP is asynchronous: the block starts once every process is really stopped.
-        deadline = time.monotonic() + 5.0
+        # SIGSTOP is asynchronous: the block starts once every process is really stopped (a
+        # bound for a hang: on a loaded machine a process may take seconds to be scheduled).
+        deadline = time.monotonic() + 30.0
         while any(process_state(p) not in ("T", "t", "", "Z", "X") for p in pids):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"processes {pids} did not stop within 5 s")
+                raise RuntimeError(f"processes {pids} did not stop within 30 s")
             time.sleep(0.005)
         ice.frozen_at = time.time()
         yield ice
