@@ -118,8 +118,12 @@ def test_a_missing_source_fails_once_and_a_replica_start_retries_it(redis_client
     settings = FAST
     hosts = [ThreadHost(job, st, LocalFeed(job), holder=f"replica:{i}", settings=settings,
                         check_seconds=0.05) for i in range(2)]
+    # Both replicas start before either producer runs (a replica that starts after the failure
+    # was recorded would give the job its one more try: that is the end of this test).
+    for _ in hosts:
+        retry_failed_job(st)  # each replica's start: nothing has failed yet
     for h in hosts:
-        h.start()
+        h.supervise()
     wait_for(lambda: st.error() is not None, 30, "the producer's failure")
     f = st.producer_failure()
     assert f.cause == "source_missing" and f.permanent
