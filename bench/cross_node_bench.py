@@ -2,7 +2,7 @@
 namespaces (the multi-host harness of tests/hosts: the Kubernetes manifests' replicas, a Ray
 head holding the CPUs, trainer hosts). Needs root and iproute2.
 
-    sudo .venv/bin/python bench/cross_node_bench.py [--quick]
+    sudo .venv/bin/python bench/cross_node_bench.py [--quick] [--out bench/results/cross_node]
 
 Three figures, one topology:
 - cross-node delivery: 4 rank processes on the two trainer hosts consume a job of generated
@@ -15,7 +15,8 @@ Three figures, one topology:
 - the object-transfer cost per batch: a Ray driver on replica-b reads objects of a batch's
   size that live in the head's object store (another node: Ray's object manager, over the
   replica's link) and, as the baseline, objects of its own node's store.
-Writes bench/results/cross_node/cross_node_bench{,_quick}.json. Run it on an idle machine.
+Writes cross_node_bench{,_quick}.json and .png into --out (bench/results/cross_node for the
+committed figures; else the cache dir). Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-OUT_DIR = ROOT / "bench" / "results" / "cross_node"
+sys.path.insert(0, str(ROOT / "bench"))
 WORLD = 4
+
+from results_dir import add_out_argument, out_dir  # noqa: E402
 
 # What the tests' session sets for the Ray processes it starts (tests/conftest.py).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -92,9 +95,41 @@ def _consume(cluster, out: Path, job: str, hosts: list[str], target: str) -> dic
             "mean_batch_mib": round(mib / len(batches), 3)}
 
 
+def plot(result: dict, path: Path) -> None:
+    """Delivery MiB/s across hosts beside loopback; an object's read time from another node
+    beside its own node, per size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    rates = [result["cross_node"]["tensor_mib_per_s"], result["loopback"]["tensor_mib_per_s"]]
+    a.bar(["across hosts\n(dns:///, TLS)", "loopback\n(on the replica hosts)"], rates,
+          color=["tab:blue", "tab:gray"])
+    a.set_ylabel("tensor MiB/s at 4 ranks")
+    a.set_title("delivery")
+    probe = result["object_transfer_per_batch"]
+    sizes = sorted({k.split(" ")[0] for k in probe}, key=lambda k: float(k[:-3]))
+    xs = range(len(sizes))
+    for off, where, color in ((-0.2, "other_node", "tab:blue"), (0.2, "same_node", "tab:gray")):
+        b.bar([x + off for x in xs], [probe[f"{sz} {where}"]["median_ms"] for sz in sizes],
+              0.4, label=where.replace("_", " "), color=color)
+    b.set_xticks(list(xs), [f"{float(sz[:-3]):.2f} MiB" for sz in sizes])
+    b.set_yscale("log")
+    b.set_ylabel("ray.get median (ms)")
+    b.set_title("one object, by where it lives")
+    b.legend()
+    fig.suptitle(result["command"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="600 chats instead of 3,000")
+    add_out_argument(ap, "cross_node")
     args = ap.parse_args()
     from hosts import network
     from hosts.cluster import REPLICAS, TRAINERS, Cluster
@@ -150,9 +185,10 @@ def main() -> int:
     result["load_avg_at_end"] = os.getloadavg()[0]
     result["cross_over_loopback"] = round(result["cross_node"]["tensor_mib_per_s"]
                                           / result["loopback"]["tensor_mib_per_s"], 2)
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
     stem = "cross_node_bench_quick" if args.quick else "cross_node_bench"
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    out = out_dir(args, "cross_node")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / f"{stem}.png")
     print(json.dumps(result, indent=2))
     return 0 if not result["left_behind"] else 1
 

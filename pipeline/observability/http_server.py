@@ -1,7 +1,9 @@
 """The service's HTTP side port: `/metrics` (Prometheus), `/` and `/status` (HTML page),
-`/status.json` (the snapshot `odb-pipeline status` reads) and `/healthz` (200 while the gRPC
+`/status.json` (the snapshot `odb-pipeline status` reads), `/healthz` (200 while the gRPC
 health status is SERVING, 503 while the replica cannot reach its state and once it drains: the
-probe Kubernetes can use when gRPC speaks TLS).
+readiness probe Kubernetes can use when gRPC speaks TLS) and `/livez` (200 while the event loop
+of the rank streams runs: the liveness probe; a process that is frozen or whose loop is stuck
+still accepts TCP connections, so a tcpSocket probe would pass it).
 
     httpd, port = start_metrics_server(config.metrics_port, running_service,
                                        host=config.metrics_host, status_token=token)
@@ -10,12 +12,12 @@ probe Kubernetes can use when gRPC speaks TLS).
 
 Who may read what (docs/security.md): bound to loopback (the default, 127.0.0.1) every page
 answers whoever is on this machine, as before. Bound beyond loopback (0.0.0.0 for Prometheus on
-Kubernetes) `/metrics` and `/healthz` stay open (aggregate figures, no record, no client id) and
-the status pages, which show quarantined records, client ids and world history, require the
-status token, as `Authorization: Bearer <token>` or as an HTTP Basic password (401 without it
-or with another; 403 when the server has no status token, so they are off). The rule follows
-the bind, never the peer's address: a proxy in front (a service-mesh sidecar) makes every peer
-look local.
+Kubernetes) `/metrics`, `/healthz` and `/livez` stay open (aggregate figures, no record, no
+client id) and the status pages, which show quarantined records, client ids and world history,
+require the status token, as `Authorization: Bearer <token>` or as an HTTP Basic password (401
+without it or with another; 403 when the server has no status token, so they are off). The rule
+follows the bind, never the peer's address: a proxy in front (a service-mesh sidecar) makes
+every peer look local.
 
 A private CollectorRegistry (not prometheus-client's global one) so several services in one
 process (tests, demo) never collide on metric names. Read-only: nothing here changes a job.
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 
 
 _STATUS_PAGES = ("/", "/status", "/status.json")
+LIVENESS_WAIT_S = 2.0  # how long /livez waits for the event loop (the probe's timeout is 5 s)
 
 
 class _StatusGuard:
@@ -88,11 +91,13 @@ class MetricsServer(ThreadingHTTPServer):
 
     def __init__(self, addr: tuple[str, int], view: ServiceView, *,
                  status_token: str | None = None,
-                 serving: Callable[[], bool] | None = None) -> None:
+                 serving: Callable[[], bool] | None = None,
+                 alive: Callable[[], bool] | None = None) -> None:
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         super().__init__(addr, _Handler)
         self.view = view
         self._serving = serving
+        self.alive: Callable[[], bool] = alive or (lambda: True)
         # None: the status pages answer anyone who reaches the port (a loopback bind).
         self.status_guard: _StatusGuard | None = (
             None if is_loopback(addr[0]) else _StatusGuard(status_token))
@@ -173,6 +178,12 @@ class _Handler(BaseHTTPRequestHandler):
                     self._send(200, b"ok\n", "text/plain")
                 else:
                     self._send(503, b"not serving\n", "text/plain")
+            elif url.path == "/livez":
+                if self.server.alive():
+                    self._send(200, b"alive\n", "text/plain")
+                else:
+                    self._send(503, f"the event loop of the rank streams did not run within "
+                                    f"{LIVENESS_WAIT_S:g} s\n".encode(), "text/plain")
             else:
                 self._send(404, b"not found: try /metrics, /status, /status.json\n",
                            "text/plain")
@@ -188,6 +199,8 @@ def start_metrics_server(port: int, running_service: RunningService, *,
     when `host` is beyond loopback (None there: they are off). Returns (server, bound port)."""
     view = ServiceView.of(running_service)
     httpd = MetricsServer((host, port), view, status_token=status_token,
-                          serving=running_service.health.serving).start()
+                          serving=running_service.health.serving,
+                          alive=lambda: running_service.server.responsive(LIVENESS_WAIT_S)
+                          ).start()
     running_service.on_stop.append(httpd.close)
     return httpd, httpd.port

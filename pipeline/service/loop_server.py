@@ -50,6 +50,17 @@ class LoopServer:
             return
         loop.default_exception_handler(context)
 
+    def responsive(self, timeout: float) -> bool:
+        """The loop runs a callback within `timeout` seconds: what the liveness probe asks
+        (every rank stream and health watch is a coroutine of this loop, so a loop that is
+        blocked or gone serves nobody, while the process still accepts connections)."""
+        ran = threading.Event()
+        try:
+            self.loop.call_soon_threadsafe(ran.set)
+        except RuntimeError:  # the loop is closed
+            return False
+        return ran.wait(timeout)
+
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30.0) -> T:
         """Run `coro` on the loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

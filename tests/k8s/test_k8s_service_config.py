@@ -59,11 +59,12 @@ def test_grpc_and_metrics_ports_line_up(name, tmp_path):
     assert pod.port("grpc") == cfg.grpc.port
     assert pod.port("metrics") == cfg.metrics_port
     # gRPC speaks TLS, which the kubelet's grpc: probes cannot: /healthz on the metrics port
-    # answers gRPC's health status, and liveness checks that gRPC accepts connections.
-    for probe in ("startupProbe", "readinessProbe"):
+    # answers gRPC's health status, and /livez that the rank streams' event loop runs (a
+    # frozen process still accepts TCP connections: a tcpSocket probe would keep it).
+    for probe, path in (("startupProbe", "/healthz"), ("readinessProbe", "/healthz"),
+                        ("livenessProbe", "/livez")):
         assert pod.port(c[probe]["httpGet"]["port"]) == cfg.metrics_port, probe
-        assert c[probe]["httpGet"]["path"] == "/healthz", probe
-    assert pod.port(c["livenessProbe"]["tcpSocket"]["port"]) == cfg.grpc.port
+        assert c[probe]["httpGet"]["path"] == path, probe
     assert "grpc" not in c["livenessProbe"] and "grpc" not in c["readinessProbe"]
     svc = one(objs, "Service", "odb-pipeline")
     assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["grpc"]

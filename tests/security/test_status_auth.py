@@ -8,6 +8,7 @@ import ipaddress
 import json
 import os
 import sys
+import threading
 import urllib.error
 import urllib.request
 
@@ -31,7 +32,8 @@ BEARER, WRONG = f"Bearer {TOKEN}", "Bearer wrong"
 BASIC = "Basic " + base64.b64encode(f"anyone:{TOKEN}".encode()).decode()  # a browser's login
 PAGES = [("/status.json", None), ("/status.json", WRONG), ("/status.json", BEARER),
          ("/status", None), ("/status", BASIC), ("/", "Basic " + base64.b64encode(
-             b"anyone:wrong").decode()), ("/metrics", None), ("/healthz", None)]
+             b"anyone:wrong").decode()), ("/metrics", None), ("/healthz", None),
+         ("/livez", None)]
 
 
 def _listening_ips(pid: int, port: int) -> list[str]:
@@ -64,7 +66,8 @@ def test_beyond_loopback_the_status_pages_take_the_status_token(tmp_path):
     path = serve_config(tmp_path, metrics_host="0.0.0.0", status_token_env=TOKEN_ENV)
     report = netns_serve(path, PAGES, status=[[], ["--status-token-env", TOKEN_ENV]],
                          env={TOKEN_ENV: TOKEN})
-    assert [code for code, _ in report["http"]] == [401, 401, 200, 401, 200, 401, 200, 200]
+    assert [code for code, _ in report["http"]] == [401, 401, 200, 401, 200, 401, 200, 200,
+                                                        200]
     assert "Bearer" in report["http"][0][1] and "rejected" in report["http"][1][1]
     assert "jobs" in json.loads(report["http"][2][1])
     assert [ip for ip, port in report["listening"]
@@ -123,16 +126,32 @@ def test_metrics_hold_no_record_or_client_id():
         svc.stop(grace=0.5)
 
 
-def test_healthz_follows_the_grpc_health_status():
-    """The probe Kubernetes uses while gRPC speaks TLS: 503 once the replica drains."""
+def _http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_healthz_follows_the_grpc_health_status_and_livez_the_event_loop():
+    """The probes Kubernetes uses while gRPC speaks TLS: readiness (/healthz) 503 once the
+    replica drains; liveness (/livez) 503 while the event loop of the rank streams is stuck
+    (the process still accepts connections then, so a TCP probe would pass it)."""
     cfg = ServiceConfig.model_validate({"grpc": {"port": 0}, "metrics_port": 0, "jobs": [{
         "job_id": "h", "world_size": 1, "source": {"paths": ["arrays"]}}]})
     svc = start_service(cfg, sample_sources={"h": ArraySource(synthetic_samples(4, seed=1))})
     try:
         _, port = start_metrics_server(0, svc)
-        url = f"http://127.0.0.1:{port}/healthz"
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            assert resp.status == 200
+        url, livez = f"http://127.0.0.1:{port}/healthz", f"http://127.0.0.1:{port}/livez"
+        assert _http_status(url) == 200 and _http_status(livez) == 200
+        unblock = threading.Event()
+        svc.server.loop.call_soon_threadsafe(unblock.wait, 30)  # the loop stuck in a call
+        try:
+            assert _http_status(livez) == 503
+        finally:
+            unblock.set()
+        wait_for(lambda: _http_status(livez) == 200, 10, "/livez to answer 200 again")
         svc.health.enter_graceful_shutdown()
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(url, timeout=10)
