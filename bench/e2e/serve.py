@@ -154,6 +154,9 @@ def _worker(conn) -> None:  # runs in the spawned process
             if cmd == "ray_init":
                 import ray
 
+                from pipeline.ray_runtime import warm_workers_env
+
+                os.environ.update(warm_workers_env(arg))  # as serve's private Ray starts
                 ray.init(num_cpus=arg, include_dashboard=False, log_to_driver=False,
                          _temp_dir=f"/tmp/odb_e2e_ray_{os.getpid()}")
                 ray_started = True

@@ -18,10 +18,9 @@ import argparse
 import json
 import sys
 
+from pipeline.commands.job_call import call_job
 from pipeline.errors import UserError
 from pipeline.status import sources as status_sources
-
-RPC_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,34 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import grpc
-
     from pipeline.order.mixture import MixtureError, parse_weights
     from trainer_client.wire.odb.v1 import data_service_pb2 as pb
-    from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
     try:
         weights = parse_weights(args.weights)
     except MixtureError as exc:
         raise UserError(str(exc)) from None
-    src = status_sources.resolve(argparse.Namespace(**{**vars(args), "job": [args.job]}))
-    if not src.endpoint:
-        raise UserError("no gRPC address for the service: give --endpoint (or --config)")
-    token = src.job_tokens.get(args.job, src.token)
-    md = (("authorization", f"Bearer {token}"),) if token else ()
-    channel = (grpc.secure_channel(src.endpoint, src.tls) if src.tls is not None
-               else grpc.insecure_channel(src.endpoint))
-    with channel:
-        try:
-            reply = pb_grpc.DataServiceStub(channel).Mix(
-                pb.MixRequest(job_id=args.job, weights=weights), metadata=md,
-                timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            code = exc.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise UserError(f"cannot reach the service at {src.endpoint} "
-                                f"({code.name}: {exc.details()})") from None
-            raise UserError(f"service at {src.endpoint}: {code.name}: {exc.details()}") from None
+    reply = call_job(args, "Mix", pb.MixRequest(job_id=args.job, weights=weights))
     out = {"job_id": reply.job_id, "seq": reply.seq, "weights": dict(reply.weights)}
     if args.json:
         print(json.dumps(out))

@@ -20,10 +20,9 @@ import json
 import sys
 from typing import Any
 
+from pipeline.commands.job_call import call_job
 from pipeline.errors import UserError
 from pipeline.status import sources as status_sources
-
-RPC_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,31 +41,11 @@ def _world(w: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import grpc
-
     from trainer_client.wire.odb.v1 import data_service_pb2 as pb
-    from trainer_client.wire.odb.v1 import data_service_pb2_grpc as pb_grpc
 
     if args.world_size < 1:
         raise UserError(f"--world-size must be >= 1, got {args.world_size}")
-    src = status_sources.resolve(argparse.Namespace(**{**vars(args), "job": [args.job]}))
-    if not src.endpoint:
-        raise UserError("no gRPC address for the service: give --endpoint (or --config)")
-    token = src.job_tokens.get(args.job, src.token)
-    md = (("authorization", f"Bearer {token}"),) if token else ()
-    channel = (grpc.secure_channel(src.endpoint, src.tls) if src.tls is not None
-               else grpc.insecure_channel(src.endpoint))
-    with channel:
-        try:
-            reply = pb_grpc.DataServiceStub(channel).Scale(
-                pb.ScaleRequest(job_id=args.job, world_size=args.world_size), metadata=md,
-                timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            code = exc.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise UserError(f"cannot reach the service at {src.endpoint} "
-                                f"({code.name}: {exc.details()})") from None
-            raise UserError(f"service at {src.endpoint}: {code.name}: {exc.details()}") from None
+    reply = call_job(args, "Scale", pb.ScaleRequest(job_id=args.job, world_size=args.world_size))
     out = {"job_id": reply.job_id, "changed": reply.changed, "world": _world(reply.world),
            "previous": _world(reply.previous) if reply.HasField("previous") else None}
     if args.json:

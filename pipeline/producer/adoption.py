@@ -30,23 +30,15 @@ from pipeline.planner.types import Batch, PlanEvent, Step
 def returned_batches(state: JobState, world: World) -> list[Batch]:
     """The batches `world`'s boundary voided (after each rank's last step, up to the plan at
     the switch), in (step, rank) order."""
-    if world.last_steps is None:
-        return []
-    out: list[Batch] = []
-    first = min(world.last_steps, default=world.published_through) + 1
-    for n in range(first, world.published_through + 1):
-        step = state.get_step(n)
-        if step is None:
-            raise LookupError(f"step {n}, returned by the end of world {world.generation}, is "
-                              "not in the state any more")
-        out += [b for b in sorted(step.batches, key=lambda b: b.rank)
-                if world.returned(n, b.rank)]
-    return out
+    return [b for step in voided_steps(state, world)
+            for b in sorted(step.batches, key=lambda b: b.rank)
+            if world.returned(step.step, b.rank)]
 
 
 def voided_steps(state: JobState, world: World) -> list[Step]:
-    """Global steps: the published steps of `world` that some rank did not run (after the
-    lowest rank's last step, up to the plan at the switch), whole, in step order."""
+    """The published steps of `world` that some rank did not run (after the lowest rank's last
+    step, up to the plan at the switch), whole, in step order: a global step is handed back
+    whole; of a per-rank step only the returned batches (`returned_batches`)."""
     if world.last_steps is None:
         return []
     out: list[Step] = []
