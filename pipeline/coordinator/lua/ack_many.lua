@@ -14,28 +14,14 @@
 --! include now
 --! include trim
 --! include lease
-local m = redis.call('HMGET', KEYS[1], 'world_size', 'published_through', 'lease_ranks',
-  'world_first')
-if not m[1] then return redis.error_reply('ODB_NOJOB') end
-local ws, through = tonumber(m[1]), tonumber(m[2])
-local lr, first = tonumber(m[3] or m[1]), tonumber(m[4] or 0)
+--! include ack_bounds
 local exp = now + tonumber(ARGV[2])
 local out, moved = {}, false
 for i = 3, #ARGV, 4 do
   local rank, cid, step = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
-  local r = tonumber(rank)
-  local bound = step >= 0 and ws or lr
-  local err, took_over, held = nil, false, false
-  if r < 0 or r >= bound then
-    err = 'ODB_RANK ' .. rank .. ' ' .. bound
-  else
-    err, took_over, held = lease_check(rank, cid)
-  end
-  if not err and step >= 0 then
-    local granted = tonumber(redis.call('ZSCORE', KEYS[8], rank) or (first - 1))
-    if step > through then err = 'ODB_AHEAD ' .. step .. ' ' .. through
-    elseif step > granted then err = 'ODB_UNSENT ' .. step .. ' ' .. granted end
-  end
+  local err, took_over, held = rank_refusal(rank, step), false, false
+  if not err then err, took_over, held = lease_check(rank, cid) end
+  if not err then err = step_refusal(rank, step) end
   if err then
     out[#out + 1] = err
   else
